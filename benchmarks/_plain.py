@@ -1,0 +1,29 @@
+"""Plain-torchrun entry: ``torchrun ... _plain.py OUT_JSON WORKLOAD [INT_ARGS...]``.
+
+Does what an nbddp rank does around the user's function (init the gloo process group,
+call it, destroy the group); rank 0 writes the return value to OUT_JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import _workloads
+import torch.distributed as dist
+
+
+def main(argv: list[str]) -> None:
+    """Run one workload from ``_workloads`` on this rank."""
+    out, name, *args = argv
+    dist.init_process_group("gloo")
+    value = getattr(_workloads, name)(*map(int, args))
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(value))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

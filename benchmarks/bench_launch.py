@@ -1,0 +1,159 @@
+"""Benchmark nbddp.launch against plain torchrun running the same code, on 2 CPU ranks.
+
+Measures (1) the wall time of a launch whose ranks all-reduce one tensor, and (2) the
+steady-state steps/s of a small DDP training loop, timed inside the ranks. The two
+launchers alternate; medians and the ratios nbddp/torchrun are printed (``--json`` saves
+them). Run: ``python benchmarks/bench_launch.py [--repeats N] [--steps N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+# Both launchers' ranks import _workloads by name: put this folder on PYTHONPATH before
+# anything starts, so every rank (nbddp's and plain torchrun's) finds it the same way.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo for both, even on a GPU machine
+
+import _workloads  # noqa: E402
+import torch  # noqa: E402
+
+import nbddp  # noqa: E402
+from nbddp._config import RunConfig  # noqa: E402
+from nbddp._process import rank_environment  # noqa: E402
+
+NPROCS = 2
+TIMEOUT = 600.0
+LAUNCH_TARGET = 1.10  # nbddp/torchrun wall time: at most
+STEPS_TARGET = 0.98  # nbddp/torchrun steps/s: at least
+Run = Callable[[], tuple[float, Any]]
+
+
+def run_nbddp(fn: Callable[..., Any], *args: int) -> tuple[float, Any]:
+    """Wall time and rank 0's value of ``nbddp.launch(fn, nprocs=2, args=args)``."""
+    start = time.perf_counter()
+    value = nbddp.launch(fn, nprocs=NPROCS, args=args, backend="gloo", timeout=TIMEOUT)
+    return time.perf_counter() - start, value
+
+
+def run_torchrun(tmp: Path, env: dict[str, str], fn: Callable[..., Any],
+                 *args: int) -> tuple[float, Any]:
+    """Wall time and rank 0's value of ``torchrun --nproc_per_node 2 _plain.py`` for ``fn``."""
+    out = tmp / "result.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+           str(NPROCS), str(HERE / "_plain.py"), str(out), fn.__name__, *map(str, args)]
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        output, _ = proc.communicate(timeout=TIMEOUT)
+    except BaseException:
+        proc.terminate()  # torchrun stops its ranks on SIGTERM
+        proc.communicate()
+        raise
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"torchrun exited {proc.returncode}:\n{output.decode()[-4000:]}")
+    value = json.loads(out.read_text())
+    out.unlink()
+    return elapsed, value
+
+
+def alternate(repeats: int, nb: Run, tr: Run) -> tuple[list[tuple[float, Any]], ...]:
+    """Run both ``repeats`` times, swapping which goes first each round."""
+    nb_runs: list[tuple[float, Any]] = []
+    tr_runs: list[tuple[float, Any]] = []
+    for i in range(repeats):
+        pair = [(nb, nb_runs), (tr, tr_runs)]
+        for run, runs in pair if i % 2 == 0 else pair[::-1]:
+            runs.append(run())
+            print(".", end="", flush=True)
+    print()
+    return nb_runs, tr_runs
+
+
+def summary(nb: list[float], tr: list[float], target: float, higher_is_better: bool) -> dict:
+    """Medians, ratio nbddp/torchrun and whether it meets its target."""
+    nb_med, tr_med = statistics.median(nb), statistics.median(tr)
+    ratio = nb_med / tr_med
+    met = ratio >= target if higher_is_better else ratio <= target
+    return {"nbddp": nb, "torchrun": tr, "nbddp_median": nb_med, "torchrun_median": tr_med,
+            "ratio": ratio, "target": f"{'>=' if higher_is_better else '<='} {target:.2f}",
+            "met": met}
+
+
+def main() -> None:
+    """Parse options, run both benchmarks, print the table, write JSON if asked."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="runs per launcher (default 5)")
+    parser.add_argument("--steps", type=int, default=1000, help="timed training steps")
+    parser.add_argument("--warmup", type=int, default=50, help="untimed training steps first")
+    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    opts = parser.parse_args()
+    load_start = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
+        # torchrun leaves a torchelastic_* log dir in TMPDIR per run: keep them in ours.
+        os.environ["TMPDIR"] = tempfile.tempdir = tmp
+        env = rank_environment(RunConfig(nprocs=NPROCS))  # what nbddp gives its torchrun
+        print(f"launch + all_reduce: 1 warm-up + {opts.repeats} runs each ", end="", flush=True)
+        trivial_nb = partial(run_nbddp, _workloads.allreduce_once)
+        trivial_tr = partial(run_torchrun, Path(tmp), env, _workloads.allreduce_once)
+        trivial_nb(), trivial_tr()  # warm the file cache; not counted
+        nb, tr = alternate(opts.repeats, trivial_nb, trivial_tr)
+        if {v for _, v in nb + tr} != {float(NPROCS)}:
+            raise RuntimeError(f"all_reduce gave a wrong sum: {nb + tr}")
+        launch = summary([t for t, _ in nb], [t for t, _ in tr], LAUNCH_TARGET, False)
+        print(f"DDP MLP training: {opts.repeats} runs each ", end="", flush=True)
+        args = (opts.steps, opts.warmup)
+        nb, tr = alternate(opts.repeats, partial(run_nbddp, _workloads.train_mlp, *args),
+                           partial(run_torchrun, Path(tmp), env, _workloads.train_mlp, *args))
+    train = summary([v["steps_per_s"] for _, v in nb], [v["steps_per_s"] for _, v in tr],
+                    STEPS_TARGET, True)
+    threads = {"nbddp": nb[0][1]["threads"], "torchrun": tr[0][1]["threads"]}
+    result = {
+        "nprocs": NPROCS, "repeats": opts.repeats, "steps": opts.steps, "warmup": opts.warmup,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "cpus": os.cpu_count(), "threads_per_rank": threads,
+        "loadavg_1min": {"start": load_start, "end": os.getloadavg()[0]},
+        "launch_wall_s": launch, "train_steps_per_s": train,
+    }
+    print_table(result)
+    if opts.json:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {opts.json}")
+
+
+def print_table(r: dict) -> None:
+    """Print the medians, ratios and targets as a small table."""
+    print(f"\nnbddp vs plain torchrun: {r['nprocs']} CPU ranks (gloo), median of {r['repeats']} "
+          f"runs each; torch {r['torch']}, {r['cpus']} CPUs, {r['threads_per_rank']['nbddp']:.0f}/"
+          f"{r['threads_per_rank']['torchrun']:.0f} threads per rank (nbddp/torchrun), "
+          f"load {r['loadavg_1min']['start']:.2f} -> {r['loadavg_1min']['end']:.2f}")
+    print(f"{'':34}{'nbddp':>10}{'torchrun':>10}{'ratio':>8}  target")
+    rows = [("launch + all_reduce, wall s", r["launch_wall_s"], "{:10.3f}"),
+            (f"MLP DDP training, steps/s ({r['steps']})", r["train_steps_per_s"], "{:10.1f}")]
+    for name, s, fmt in rows:
+        verdict = "met" if s["met"] else "MISSED"
+        print(f"{name:34}{fmt.format(s['nbddp_median'])}{fmt.format(s['torchrun_median'])}"
+              f"{s['ratio']:8.3f}  {s['target']}  {verdict}")
+    for name, s, _ in rows:
+        nb, tr = (" ".join(f"{x:.4g}" for x in s[k]) for k in ("nbddp", "torchrun"))
+        print(f"  {name}: nbddp [{nb}]  torchrun [{tr}]")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+"""nbddp: run PyTorch DistributedDataParallel from a Jupyter notebook."""
+
+from ._errors import NbddpError, PayloadError, WorkerError
+from ._job import Job
+from ._launch import launch
+
+__version__ = "0.1.0"
+
+__all__ = ["Job", "NbddpError", "PayloadError", "WorkerError", "launch"]

@@ -1,0 +1,98 @@
+"""Turn what the ranks and torchrun reported into one error that names the root cause.
+
+The root cause is the first rank to fail, in the order the kernel heard of it, skipping
+ranks that only failed because a peer vanished (a broken connection in a collective).
+A rank that died without raising is described by torchrun's record of its exit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+
+from ._channel import Disconnected, Failure, Result
+from ._errors import NbddpError, WorkerError
+from ._payload import loads_value
+from ._rundir import RunDir
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "DistNetworkError", "NCCL communicator was aborted", "Connection refused")
+_LAUNCHER_TAIL_LINES = 30
+
+
+def diagnose(
+    reports: Sequence[Failure | Disconnected],
+    results: Mapping[int, Result],
+    run_dir: RunDir,
+    nprocs: int,
+    logs: dict[int, str],
+) -> NbddpError:
+    exits = _read_exits(run_dir)
+    candidates = list(reports) + [
+        Disconnected(rank) for rank in sorted(exits, key=lambda r: exits[r]["timestamp"])
+        if rank not in results and all(getattr(r, "rank", None) != rank for r in reports)
+    ]
+    if not candidates:
+        missing = [rank for rank in range(nprocs) if rank not in results]
+        if not missing:
+            return NbddpError("torchrun failed after every rank returned")
+        candidates = [Disconnected(missing[0])]
+        if not any(logs.get(rank) for rank in missing):
+            return NbddpError("torchrun failed before the ranks ran:\n" + _launcher_tail(run_dir))
+    root = next((c for c in candidates if not _peer_lost(c)), candidates[0])
+    if isinstance(root, Failure):
+        return _raised(root, logs)
+    return _died(root.rank, exits.get(root.rank), logs)
+
+
+def _peer_lost(report: Failure | Disconnected) -> bool:
+    return isinstance(report, Failure) and any(
+        marker in f"{report.type_name}: {report.message}" for marker in _PEER_LOST
+    )
+
+
+def _raised(failure: Failure, logs: dict[int, str]) -> WorkerError:
+    error = WorkerError(failure.rank, f"raised {failure.type_name}: {failure.message}",
+                        traceback=failure.traceback, exitcode=1, logs=logs)
+    error.__cause__ = _original_exception(failure)
+    return error
+
+
+def _original_exception(failure: Failure) -> BaseException | None:
+    """The rank's exception object, if the kernel can rebuild it without new imports."""
+    importable = failure.module in ("builtins", "__main__") or failure.module in sys.modules
+    if failure.exception is None or not importable:
+        return None
+    try:
+        exc = loads_value(failure.exception)
+    except Exception:
+        return None
+    return exc if isinstance(exc, BaseException) else None
+
+
+def _died(rank: int, record: dict | None, logs: dict[int, str]) -> WorkerError:
+    if record is None:
+        return WorkerError(rank, "exited without reporting a result or an error", logs=logs)
+    code, sig = record["exitcode"], record["signal"]
+    if sig:
+        summary = f"was killed by signal {sig} (exit code {code})"
+    else:
+        summary = f"exited with code {code} without raising an exception"
+    return WorkerError(rank, summary, exitcode=code, signal=sig, logs=logs)
+
+
+def _read_exits(run_dir: RunDir) -> dict[int, dict]:
+    """torchrun's record of the ranks that exited abnormally, by global rank."""
+    try:
+        return {int(rank): info for rank, info in json.loads(run_dir.failures.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def _launcher_tail(run_dir: RunDir) -> str:
+    try:
+        lines = run_dir.launcher_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(torchrun left no output)"
+    return "\n".join(lines[-_LAUNCHER_TAIL_LINES:])

@@ -1,0 +1,82 @@
+"""The exceptions users catch.
+
+    Exception
+    └── NbddpError                 anything nbddp raises on purpose
+        ├── WorkerError            a rank raised, crashed or was killed
+        └── PayloadError(TypeError) something cannot be sent to the ranks
+
+A run that exceeds ``timeout`` raises the builtin ``TimeoutError``; an interrupted
+wait raises ``KeyboardInterrupt``; a cancelled ``Job`` raises
+``concurrent.futures.CancelledError``. Bad options raise ``ValueError``/``TypeError``.
+"""
+
+from __future__ import annotations
+
+TAIL_LINES = 20
+
+
+class NbddpError(Exception):
+    """Base class of the errors nbddp raises."""
+
+
+class PayloadError(NbddpError, TypeError):
+    """A function, argument or captured object cannot be pickled for the ranks."""
+
+
+class WorkerError(NbddpError):
+    """A rank failed. The first rank that failed (the root cause) is ``rank``.
+
+    ``traceback`` is the remote traceback as text (``None`` when the rank died
+    without raising), ``exitcode``/``signal`` describe how the process ended where
+    known, and ``logs`` maps every rank to its full output.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        summary: str,
+        *,
+        traceback: str | None = None,
+        exitcode: int | None = None,
+        signal: str | None = None,
+        logs: dict[int, str] | None = None,
+    ) -> None:
+        super().__init__(f"rank {rank} {summary}")
+        self.rank = rank
+        self.summary = summary
+        self.traceback = traceback
+        self.exitcode = exitcode
+        self.signal = signal
+        self.logs: dict[int, str] = dict(logs or {})
+
+    def __reduce__(self):
+        kwargs = dict(traceback=self.traceback, exitcode=self.exitcode,
+                      signal=self.signal, logs=self.logs)
+        return _rebuild_worker_error, (self.rank, self.summary, kwargs)
+
+    @property
+    def output_tail(self) -> str:
+        """The last lines the failing rank printed (stdout and stderr)."""
+        lines = self.logs.get(self.rank, "").splitlines()
+        return "\n".join(lines[-TAIL_LINES:])
+
+    def __str__(self) -> str:
+        parts = [super().__str__()]
+        if self.traceback:
+            parts.append(f"\n--- traceback from rank {self.rank} (root cause) ---\n"
+                         + self.traceback.rstrip())
+        elif self.output_tail:
+            parts.append(f"\n--- last lines of rank {self.rank}'s output ---\n"
+                         + self.output_tail)
+        if self.logs:
+            parts.append(f"\n(full output of each rank: .logs[rank], ranks {sorted(self.logs)})")
+        return "\n".join(parts)
+
+    def _render_traceback_(self) -> list[str]:
+        """How IPython shows this error: the remote traceback, labelled by rank."""
+        red, reset = "\x1b[31m", "\x1b[0m"
+        return [f"{red}WorkerError{reset}: {self}"]
+
+
+def _rebuild_worker_error(rank: int, summary: str, kwargs: dict) -> WorkerError:
+    return WorkerError(rank, summary, **kwargs)

@@ -1,0 +1,226 @@
+"""``Job``: one run from start to teardown, supervised in a background thread.
+
+The supervisor reads the channel's messages, forwards rank 0's output, and decides
+how the run ends: every rank returned (success), a rank raised or died (the first one
+is the root cause), a timeout, or a cancel. Whatever the ending, it stops every
+process, closes the channel and removes the run directory before anyone is told.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Any, Generic, TextIO, TypeVar
+
+from ._channel import ChannelServer, Disconnected, Failure, Hello, Result, new_key
+from ._config import RunConfig
+from ._diagnosis import diagnose
+from ._errors import NbddpError
+from ._output import LogTail
+from ._payload import loads_value
+from ._process import Launcher
+from ._rundir import RunDir
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+_PUMP_INTERVAL = 0.05
+_DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
+
+
+@dataclass(frozen=True)
+class _LauncherExited:
+    code: int
+
+
+@dataclass(frozen=True)
+class _Wake:
+    """Sent to the supervisor so it notices a cancel at once."""
+
+
+class Job(Generic[R]):
+    """A launched run. ``result()`` waits for it; ``cancel()`` stops it; ``done()`` asks."""
+
+    def __init__(self, config: RunConfig, payload: bytes, stdout: TextIO | None = None) -> None:
+        self.config = config
+        self._events: queue.Queue = queue.Queue()
+        self._finished = threading.Event()
+        self._cancel_reason: str | None = None
+        self._outcome: tuple[bool, Any] | None = None
+        self.logs: dict[int, str] = {}
+        """Every rank's output, by rank, once the run has ended."""
+        self._run_dir = RunDir.create()
+        try:
+            key = new_key()
+            self._run_dir.write_private(self._run_dir.key, key)
+            self._run_dir.write_private(self._run_dir.payload, payload)
+            self._server = ChannelServer(self._run_dir.socket, key, self._events)
+            self._launcher = Launcher(self._run_dir, config)
+        except BaseException:
+            if hasattr(self, "_server"):
+                self._server.close()
+            self._run_dir.remove()
+            raise
+        self._started = time.monotonic()
+        self._tail = LogTail(self._run_dir.rank_log(0), stdout or sys.stdout)
+        self._results: dict[int, Result] = {}
+        self._failures: list[Failure | Disconnected] = []
+        threading.Thread(target=self._wait_launcher, daemon=True, name="nbddp-wait").start()
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True,
+                                            name="nbddp-supervisor")
+        self._supervisor.start()
+
+    # --- public ---------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """True once the run has ended and everything it started is gone."""
+        return self._finished.is_set()
+
+    def cancel(self) -> bool:
+        """Stop every rank and wait until they are gone; False if the run had already ended."""
+        if self._finished.is_set():
+            return False
+        self._cancel_reason = self._cancel_reason or "cancelled"
+        self._events.put(_Wake())
+        self._finished.wait()
+        return True
+
+    def result(self, timeout: float | None = None) -> R:
+        """Rank 0's return value (every rank's with ``all_ranks``), or the run's error.
+
+        ``timeout`` bounds this wait only. Interrupting the wait (Ctrl-C, the
+        notebook's stop button) stops the run and re-raises ``KeyboardInterrupt``.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while not self._finished.wait(0.1):
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the run is still going after {timeout} s")
+        except KeyboardInterrupt:
+            self._cancel_reason = "interrupted"
+            self.cancel()
+            raise
+        ok, value = self._outcome
+        if ok:
+            return value
+        raise value
+
+    # --- supervision ----------------------------------------------------------------
+
+    def _wait_launcher(self) -> None:
+        self._events.put(_LauncherExited(self._launcher.process.wait()))
+
+    def _supervise(self) -> None:
+        try:
+            try:
+                outcome = self._watch()
+            except BaseException as exc:  # a bug here must not leave the run going
+                logger.exception("nbddp supervisor failed")
+                outcome = (False, NbddpError(f"nbddp supervisor failed: {exc!r}"))
+            self._outcome = self._teardown(outcome)
+        finally:
+            self._finished.set()
+
+    def _watch(self) -> tuple[bool, Any]:
+        """Consume events until the run's ending is known; return (ok, value or error)."""
+        deadline = None if self.config.timeout is None else self._started + self.config.timeout
+        while True:
+            try:
+                event = self._events.get(timeout=_PUMP_INTERVAL)
+            except queue.Empty:
+                event = None
+            self._tail.pump()
+            if self._cancel_reason:
+                return False, (KeyboardInterrupt() if self._cancel_reason == "interrupted"
+                               else CancelledError("the run was cancelled; every rank was stopped"))
+            if deadline is not None and time.monotonic() > deadline:
+                return False, TimeoutError(f"the run did not finish within {self.config.timeout} "
+                                           "s; every rank was stopped")
+            ending = self._handle(event)
+            if ending is not None:
+                return ending
+
+    def _handle(self, event: Any) -> tuple[bool, Any] | None:
+        if isinstance(event, Hello):
+            self._launcher.add_rank(event.pid)
+        elif isinstance(event, Result):
+            self._results[event.rank] = event
+        elif isinstance(event, Failure):
+            self._failures.append(event)
+            return False, None  # the error is built after teardown, from every report
+        elif isinstance(event, Disconnected) and event.rank not in self._results:
+            if not any(getattr(f, "rank", None) == event.rank for f in self._failures):
+                self._failures.append(event)
+                return self._await_death_report()
+        elif isinstance(event, _LauncherExited):
+            return self._launcher_ended(event.code)
+        return None
+
+    def _await_death_report(self) -> tuple[bool, Any]:
+        """A rank vanished: give torchrun a moment to say how it ended, then stop all."""
+        deadline = time.monotonic() + _DEATH_REPORT_WAIT
+        while time.monotonic() < deadline:
+            try:
+                event = self._events.get(timeout=_PUMP_INTERVAL)
+            except queue.Empty:
+                continue
+            if isinstance(event, _LauncherExited):
+                break
+            if isinstance(event, Failure):
+                self._failures.append(event)
+        return False, None
+
+    def _launcher_ended(self, code: int) -> tuple[bool, Any]:
+        if len(self._results) == self.config.nprocs:
+            if code != 0:  # e.g. gloo aborting at exit after a clean run
+                logger.debug("torchrun exited %s after every rank returned; ignored", code)
+            try:
+                return True, self._collect_results()
+            except NbddpError as exc:
+                return False, exc
+        self._drain_reports()
+        return False, None
+
+    def _drain_reports(self) -> None:
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(event, Failure):
+                self._failures.append(event)
+            elif isinstance(event, Result):
+                self._results[event.rank] = event
+
+    def _collect_results(self) -> Any:
+        ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
+        try:
+            values = [loads_value(self._results[r].value) for r in ranks]
+        except Exception as exc:
+            raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
+                             f"the notebook: {type(exc).__name__}: {exc}") from exc
+        return values if self.config.all_ranks else values[0]
+
+    # --- ending ---------------------------------------------------------------------
+
+    def _teardown(self, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
+        """Stop every process, keep the logs, explain a failure, remove the run dir."""
+        try:
+            self._launcher.stop()
+            self._drain_reports()
+            self._tail.pump()
+            self._tail.close()
+            self.logs = self._run_dir.read_logs(self.config.nprocs)
+            if outcome == (False, None):
+                return False, diagnose(self._failures, self._results, self._run_dir,
+                                       self.config.nprocs, self.logs)
+            return outcome
+        finally:
+            self._server.close()
+            self._run_dir.remove()

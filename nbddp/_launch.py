@@ -1,0 +1,56 @@
+"""``launch()``: run a function on every rank of a fresh torchrun process group."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeVar, overload
+
+from ._config import RunConfig
+from ._job import Job
+from ._payload import Payload
+
+R = TypeVar("R")
+
+
+@overload
+def launch(fn: Callable[..., R], nprocs: int | None = ..., *, wait: Literal[False],
+           **options: Any) -> Job[R]: ...
+@overload
+def launch(fn: Callable[..., R], nprocs: int | None = ..., *, all_ranks: Literal[True],
+           **options: Any) -> list[R]: ...
+@overload
+def launch(fn: Callable[..., R], nprocs: int | None = ..., **options: Any) -> R: ...
+
+
+def launch(
+    fn: Callable[..., R],
+    nprocs: int | None = None,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    gpus: int | Sequence[int] | None = None,
+    backend: str | None = None,
+    timeout: float | None = None,
+    init: bool = True,
+    all_ranks: bool = False,
+    wait: bool = True,
+    env: Mapping[str, str] | None = None,
+) -> R | list[R] | Job[R]:
+    """Run ``fn(*args, **kwargs)`` on every rank of a fresh DDP process group.
+
+    ``fn`` may be defined in the notebook; it ships by value with what it uses. Each
+    rank starts in a new process under ``torchrun`` with the default process group
+    initialised (NCCL on a GPU rank, else gloo) unless ``init=False``. Returns rank 0's
+    return value, every rank's with ``all_ranks=True``, or a ``Job`` with
+    ``wait=False``. ``nprocs=None`` runs one rank per visible GPU (or the ``gpus``
+    chosen), and 2 CPU ranks on a machine without GPUs. Rank 0's output is shown live.
+
+    Raises ``WorkerError`` when a rank fails, ``TimeoutError`` after ``timeout``
+    seconds, ``PayloadError`` when something cannot be sent; nothing is left running.
+    """
+    config = RunConfig.resolve(nprocs, gpus, backend=backend, timeout=timeout, init=init,
+                               all_ranks=all_ranks, env=dict(env or {}))
+    options = {"init": init, "backend": backend, "all_ranks": all_ranks}
+    payload = Payload.capture(fn, tuple(args), dict(kwargs or {}), options).dumps()
+    job: Job[R] = Job(config, payload)
+    return job if not wait else job.result()

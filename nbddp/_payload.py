@@ -1,0 +1,176 @@
+"""What crosses the process boundary: the user's function with its arguments, and values back.
+
+Functions, lambdas and classes defined in the notebook ship by value (cloudpickle);
+modules are imported by name on the ranks. When something cannot be pickled the error
+names it and says why, before any process starts.
+"""
+
+from __future__ import annotations
+
+import io
+import linecache
+import os
+import sys
+import types
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+
+from ._errors import PayloadError
+
+#: A payload larger than this still ships, with a warning naming what made it large.
+LARGE_PAYLOAD_BYTES = 100 * 2**20
+_MAX_SOURCE_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class Payload:
+    """Everything a rank needs to call the user's function."""
+
+    fn: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    sys_path: tuple[str, ...] = ()
+    """The kernel's import path, so modules importable there import on the ranks."""
+    sources: dict[str, list[str]] = field(default_factory=dict)
+    """Notebook cells' source by code file name, so remote tracebacks show the lines."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """How the rank runs ``fn``: ``init``, ``backend``, ``all_ranks``."""
+
+    @classmethod
+    def capture(
+        cls, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], options: dict[str, Any]
+    ) -> Payload:
+        """Bundle ``fn`` and its arguments with what the ranks need to import and report."""
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
+        return cls(fn, tuple(args), dict(kwargs), _import_path(), _notebook_sources(), options)
+
+    def dumps(self) -> bytes:
+        """Pickle for the ranks; name the culprit if it fails, warn if it is huge."""
+        try:
+            data = cloudpickle.dumps(self)
+        except Exception as exc:
+            raise _explain_pickling_failure(self, exc) from exc
+        if len(data) > LARGE_PAYLOAD_BYTES:
+            warnings.warn(_large_payload_message(self, len(data)), stacklevel=3)
+        return data
+
+    @staticmethod
+    def loads(data: bytes) -> Payload:
+        payload = cloudpickle.loads(data)
+        assert isinstance(payload, Payload)
+        return payload
+
+    def install(self) -> None:
+        """Make the kernel's import path and cell sources available in this process."""
+        sys.path.extend(p for p in self.sys_path if p not in sys.path)
+        for filename, lines in self.sources.items():
+            linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+
+
+def _import_path() -> tuple[str, ...]:
+    return tuple(os.path.abspath(p) for p in sys.path if p and os.path.isdir(p))
+
+
+def _notebook_sources() -> dict[str, list[str]]:
+    """Cells registered in linecache by IPython (no file on disk), newest last, capped."""
+    sources, total = {}, 0
+    for filename, entry in reversed(list(linecache.cache.items())):
+        if len(entry) != 4 or entry[1] is not None or os.path.exists(filename):
+            continue
+        total += entry[0]
+        if total > _MAX_SOURCE_BYTES:
+            break
+        sources[filename] = list(entry[2])
+    return sources
+
+
+def _captured(payload: Payload) -> Iterator[tuple[str, Any]]:
+    """The parts of a payload a user would recognise, each with a name for messages."""
+    yield from _captured_by_function(payload.fn)
+    for i, arg in enumerate(payload.args):
+        yield f"args[{i}]", arg
+    for key, value in payload.kwargs.items():
+        yield f"kwargs[{key!r}]", value
+
+
+def _captured_by_function(fn: Any) -> Iterator[tuple[str, Any]]:
+    fn = getattr(fn, "__func__", fn)  # bound methods: look at the function
+    if not isinstance(fn, types.FunctionType):
+        yield "fn", fn
+        return
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            yield f"{name!r} (captured by {fn.__name__})", cell.cell_contents
+        except ValueError:  # empty cell
+            continue
+    for name in sorted(_global_names(fn.__code__)):
+        if name in fn.__globals__:
+            yield f"global {name!r} (used by {fn.__name__})", fn.__globals__[name]
+    for i, value in enumerate(fn.__defaults__ or ()):
+        yield f"default argument {i} of {fn.__name__}", value
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _explain_pickling_failure(payload: Payload, exc: Exception) -> PayloadError:
+    for name, value in _captured(payload):
+        try:
+            cloudpickle.dumps(value)
+        except Exception as part_exc:
+            return PayloadError(
+                f"cannot send {name} to the ranks: it cannot be pickled "
+                f"({type(part_exc).__name__}: {part_exc}). Create it inside the function, "
+                "or pass something picklable (a path, a config) instead."
+            )
+    return PayloadError(f"cannot send the function to the ranks: {type(exc).__name__}: {exc}")
+
+
+def _large_payload_message(payload: Payload, size: int) -> str:
+    sizes = []
+    for name, value in _captured(payload):
+        try:
+            sizes.append((len(cloudpickle.dumps(value)), name))
+        except Exception:
+            continue
+    largest = ", ".join(f"{name} ({n / 2**20:.0f} MB)" for n, name in sorted(sizes)[::-1][:3])
+    return (f"nbddp payload is {size / 2**20:.0f} MB, which slows every launch; largest parts: "
+            f"{largest}. A model or dataset captured by accident is the usual cause: build or "
+            "load it inside the function instead.")
+
+
+def dumps_value(value: Any) -> bytes:
+    """Pickle a value for the kernel, with tensors moved to the CPU (the kernel has no GPU)."""
+    buffer = io.BytesIO()
+    _CpuPickler(buffer).dump(value)
+    return buffer.getvalue()
+
+
+def loads_value(data: bytes) -> Any:
+    return cloudpickle.loads(data)
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+class _CpuPickler(cloudpickle.Pickler):
+    """A cloudpickle pickler that writes device tensors as CPU tensors."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in (
+            "cpu", "meta"
+        ):
+            return _identity, (obj.cpu(),)
+        return super().reducer_override(obj)

@@ -1,0 +1,58 @@
+"""The run's private directory: payload, key, channel socket and per-rank logs.
+
+The directory is 0700 and every file in it 0600, so only the user who launched the
+run can read the payload or reach the channel. It is removed when the run ends.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+_MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
+LOG_TAIL_BYTES = 64 * 2**20
+
+
+class RunDir:
+    """Paths of one run's files; a run dir made by ``create`` is private to the user."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.payload = path / "payload.pkl"
+        self.key = path / "key"
+        self.socket = path / "channel.sock"
+        self.failures = path / "failures.json"
+        self.launcher_log = path / "torchrun.log"
+
+    @classmethod
+    def create(cls) -> RunDir:
+        path = Path(tempfile.mkdtemp(prefix="nbddp-"))  # mode 0700
+        if len(str(path / "channel.sock")) > _MAX_SOCKET_PATH:
+            path.rmdir()
+            path = Path(tempfile.mkdtemp(prefix="nbddp-", dir="/tmp"))
+        return cls(path)
+
+    def rank_log(self, rank: int) -> Path:
+        return self.path / f"rank-{rank}.log"
+
+    def write_private(self, path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    def read_logs(self, nprocs: int) -> dict[int, str]:
+        """Every rank's output (the last 64 MB of it), for errors and ``Job.logs``."""
+        logs = {}
+        for rank in range(nprocs):
+            try:
+                with open(self.rank_log(rank), "rb") as f:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL_BYTES))
+                    logs[rank] = f.read().decode("utf-8", errors="replace")
+            except FileNotFoundError:
+                logs[rank] = ""
+        return logs
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)

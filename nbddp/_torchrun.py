@@ -1,0 +1,64 @@
+"""torchrun itself, run in-process so the kernel learns exactly how each rank ended.
+
+``python -m nbddp._torchrun RUN_DIR LIFELINE_FD TORCHRUN_ARGS...`` parses and runs
+torchrun's own command line (``torch.distributed.run``). Two additions only:
+
+- when ranks fail, torchrun's structured failures (rank, exit code, signal) are written
+  to ``failures.json`` instead of being left as text for the kernel to parse;
+- the kernel holds the write end of a pipe (the lifeline); if the kernel dies the pipe
+  closes and this process stops torchrun, so no rank outlives the notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ._rundir import RunDir
+
+_GRACE_SECONDS = 5.0
+
+
+def _watch_lifeline(fd: int, run_dir: RunDir) -> None:
+    """Block until the kernel's end of the pipe closes, then stop everything."""
+    while os.read(fd, 4096):
+        pass
+    print("nbddp: the notebook kernel went away; stopping torchrun", file=sys.stderr)
+    os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
+    time.sleep(_GRACE_SECONDS)
+    run_dir.remove()
+    os.kill(os.getpid(), signal.SIGKILL)  # ranks die with us (PR_SET_PDEATHSIG)
+
+
+def _write_failures(run_dir: RunDir, error) -> None:
+    failures = {
+        rank: {"exitcode": f.exitcode, "pid": f.pid, "timestamp": f.timestamp,
+               "signal": f.signal_name() if f.exitcode < 0 else None}
+        for rank, f in error.failures.items()
+    }
+    tmp = run_dir.failures.with_suffix(".tmp")
+    tmp.write_text(json.dumps(failures))
+    tmp.replace(run_dir.failures)
+
+
+def main(argv: list[str]) -> int:
+    run_dir, lifeline = RunDir(Path(argv[0])), int(argv[1])
+    threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir), daemon=True).start()
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    try:
+        run(parse_args(argv[2:]))
+    except ChildFailedError as error:
+        _write_failures(run_dir, error)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

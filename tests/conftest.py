@@ -1,0 +1,122 @@
+"""Shared fixtures. Every test is checked for leftovers: processes, run dirs, sockets.
+
+pytest makes itself a child subreaper, so ranks orphaned by a dead torchrun or kernel
+stay our descendants and cannot escape the check. A test that leaves any descendant
+process, nbddp run directory or open socket behind fails, and what it left is stopped
+by PID.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def pytest_configure(config):
+    ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    # Runs (and kernels started by tests) put their run dirs in a temp dir of our own,
+    # so the leftover check sees this session's files only.
+    session_tmp = tempfile.mkdtemp(prefix="pytest-nbddp-")
+    os.environ["TMPDIR"] = tempfile.tempdir = session_tmp
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
+
+
+def _children() -> dict[int, list[int]]:
+    tree: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:
+            continue
+        fields = text[text.rindex(")") + 2:].split()
+        tree.setdefault(int(fields[1]), []).append(int(stat.split("/")[2]))
+    return tree
+
+
+def _state(pid: int) -> str | None:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2]
+
+
+def descendants(root: int | None = None) -> set[int]:
+    """Live (non-zombie) descendant processes of ``root`` (default: this process)."""
+    tree, found, todo = _children(), set(), [root or os.getpid()]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    zombies = {pid for pid in found if _state(pid) in (None, "Z", "X")}
+    for pid in zombies:  # orphans adopted by pytest (the subreaper) are reaped here
+        if pid in tree.get(os.getpid(), []):
+            try:
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+    return found - zombies
+
+
+def run_dirs() -> set[str]:
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "nbddp-*")))
+
+
+def socket_fds() -> set[str]:
+    fds = set()
+    for fd in glob.glob("/proc/self/fd/*"):
+        try:
+            if os.readlink(fd).startswith("socket:"):
+                fds.add(fd)
+        except OSError:
+            continue
+    return fds
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
+@pytest.fixture(autouse=True)
+def no_leftovers():
+    """Fail the test if it leaves a process, a run dir or a socket behind."""
+    before_procs, before_dirs, before_socks = descendants(), run_dirs(), socket_fds()
+    yield
+    left = descendants() - before_procs
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    dirs = run_dirs() - before_dirs
+    socks = socket_fds() - before_socks
+    assert not left, "processes left behind: " + "; ".join(cmdline(p) for p in left)
+    assert not dirs, f"run directories left behind: {dirs}"
+    assert not socks, f"sockets left open: {len(socks)}"
+
+
+def wait_until(condition, timeout: float = 30.0, interval: float = 0.05):
+    """Poll ``condition`` until it returns something truthy; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout} s: {condition}")

@@ -1,0 +1,388 @@
+"""nbddp driven from a real Jupyter kernel, checking what a notebook user would see.
+
+Each test sends cells to an ipykernel (``jupyter_client``) and looks at the messages
+the notebook front end would render for that cell: stream output, results, errors.
+Tests that kill or interrupt the kernel get a kernel of their own; the others share
+one per module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty
+
+import pytest
+
+try:  # conftest is imported as tests.conftest (namespace package) or as conftest
+    from tests.conftest import descendants, run_dirs, wait_until
+except ImportError:
+    from conftest import descendants, run_dirs, wait_until
+
+jupyter_client = pytest.importorskip("jupyter_client")
+pytest.importorskip("ipykernel")
+from jupyter_client.manager import start_new_kernel  # noqa: E402
+
+CELL_TIMEOUT = 60.0  # no cell here should come near this; it only stops a hang
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+# --- driving a kernel -----------------------------------------------------------------
+
+
+@dataclass
+class Output:
+    msg_type: str  # stream | error | execute_result | display_data
+    content: dict
+    arrived: float  # time.monotonic() when the message was received
+
+
+@dataclass
+class Execution:
+    """One cell run in the kernel, and the output messages it produced so far."""
+
+    kernel: Kernel
+    msg_id: str
+    outputs: list[Output] = field(default_factory=list)
+    idle_at: float | None = None
+
+    def _pump(self, timeout: float) -> bool:
+        """Read iopub messages until one more output of this cell or its end; False on time."""
+        deadline = time.monotonic() + timeout
+        while self.idle_at is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            try:
+                msg = self.kernel.kc.get_iopub_msg(timeout=remaining)
+            except Empty:
+                return False
+            if msg["parent_header"].get("msg_id") != self.msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "status" and msg["content"]["execution_state"] == "idle":
+                self.idle_at = time.monotonic()
+            elif kind in ("stream", "error", "execute_result", "display_data"):
+                self.outputs.append(Output(kind, msg["content"], time.monotonic()))
+                return True
+        return True
+
+    def wait_for_output(self, text: str, timeout: float = CELL_TIMEOUT) -> None:
+        """Block until ``text`` shows up in this cell's stream output."""
+        deadline = time.monotonic() + timeout
+        while text not in self.stream_text():
+            if self.idle_at is not None:
+                raise AssertionError(f"cell ended without printing {text!r}:\n{self.describe()}")
+            if not self._pump(deadline - time.monotonic()):
+                raise AssertionError(f"{text!r} not printed within {timeout} s:\n"
+                                     f"{self.describe()}")
+
+    def finish(self, timeout: float = CELL_TIMEOUT) -> Execution:
+        """Wait until the cell has finished running (the kernel went idle for it)."""
+        deadline = time.monotonic() + timeout
+        while self.idle_at is None:
+            if not self._pump(deadline - time.monotonic()):
+                raise AssertionError(f"cell still running after {timeout} s:\n{self.describe()}")
+        return self
+
+    # what the user sees
+
+    def stream_text(self, name: str | None = None) -> str:
+        return "".join(o.content["text"] for o in self.outputs
+                       if o.msg_type == "stream" and name in (None, o.content["name"]))
+
+    def result(self) -> str | None:
+        for o in self.outputs:
+            if o.msg_type == "execute_result":
+                return o.content["data"]["text/plain"]
+        return None
+
+    def error(self) -> dict | None:
+        for o in self.outputs:
+            if o.msg_type == "error":
+                return o.content
+        return None
+
+    def error_text(self) -> str:
+        error = self.error()
+        return "" if error is None else _ANSI.sub("", "\n".join(error["traceback"]))
+
+    def describe(self) -> str:
+        lines = []
+        for o in self.outputs:
+            if o.msg_type == "stream":
+                lines.append(f"[{o.content['name']}] {o.content['text']}")
+            elif o.msg_type == "error":
+                lines.append(f"[error {o.content['ename']}] " + self.error_text())
+            else:
+                lines.append(f"[{o.msg_type}] {o.content.get('data', {}).get('text/plain')}")
+        return "".join(line if line.endswith("\n") else line + "\n" for line in lines)
+
+    def assert_ok(self) -> Execution:
+        assert self.error() is None, f"cell raised:\n{self.describe()}"
+        return self
+
+
+class Kernel:
+    """A python3 ipykernel with a blocking client."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60,
+                                            cwd=str(cwd))
+        self.pid: int = self.km.provisioner.pid
+
+    def submit(self, code: str) -> Execution:
+        return Execution(self, self.kc.execute(textwrap.dedent(code), store_history=True))
+
+    def run(self, code: str, timeout: float = CELL_TIMEOUT) -> Execution:
+        return self.submit(code).finish(timeout)
+
+    def shutdown(self) -> None:
+        try:
+            self.kc.stop_channels()
+        finally:
+            self.km.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _jupyter_event_loop():
+    """jupyter_client's sync API keeps one asyncio loop (a socket pair) for the thread;
+    create it before the per-test leftover check, which would count it as a leak."""
+    from jupyter_core.utils import ensure_event_loop
+
+    ensure_event_loop()
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """One kernel shared by the tests that neither interrupt nor kill it."""
+    k = Kernel(tmp_path_factory.mktemp("kernel"))
+    try:
+        k.run("import nbddp").assert_ok()
+        yield k
+    finally:
+        k.shutdown()
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path):
+    k = Kernel(tmp_path)
+    try:
+        yield k
+    finally:
+        k.shutdown()
+
+
+def _start_time(pid: int) -> str | None:
+    """Start time of a live, non-zombie process (None when there is none)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def _alive(processes: dict[int, str]) -> list[int]:
+    descendants()  # reaps the zombies adopted by pytest (a child subreaper)
+    return [pid for pid, start in processes.items() if _start_time(pid) == start]
+
+
+def _snapshot(pids) -> dict[int, str]:
+    return {pid: start for pid in pids if (start := _start_time(pid)) is not None}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "?"
+
+
+SLEEPER = """
+def sleeper():
+    import time
+    import torch.distributed as dist
+    print(f"rank {dist.get_rank()} is sleeping", flush=True)
+    time.sleep(300)
+
+nbddp.launch(sleeper, nprocs=2)
+"""
+
+
+def _wait_for_ranks(kernel: Kernel, run: Execution) -> dict[int, str]:
+    """Once rank 0 runs the user's code: the kernel's descendants (torchrun and ranks)."""
+    run.wait_for_output("rank 0 is sleeping")
+    procs = wait_until(lambda: (d if len(d := descendants(kernel.pid)) >= 3 else None),
+                       timeout=CELL_TIMEOUT)
+    commands = [_cmdline(p) for p in procs]
+    launchers = [c for c in commands if "nbddp._torchrun" in c]
+    ranks = [c for c in commands if "nbddp._worker" in c and c not in launchers]
+    assert len(launchers) == 1 and len(ranks) == 2, commands
+    return _snapshot(procs)
+
+
+# --- tests ----------------------------------------------------------------------------
+
+
+def test_function_using_notebook_definitions(kernel):
+    """A helper, a class, a closure and a lambda defined in cells all reach the ranks."""
+    kernel.run("""
+        def helper(x):
+            return 3 * x
+
+        class Accumulator:
+            def __init__(self, start):
+                self.total = start
+
+            def add(self, value):
+                self.total += value
+                return self
+
+        def make_scale(k):
+            def scale(v):
+                return k * v
+            return scale
+
+        scale = make_scale(5)
+        square = lambda v: v ** 2
+    """).assert_ok()
+    kernel.run("""
+        def work(offset):
+            import torch
+            import torch.distributed as dist
+
+            rank, world = dist.get_rank(), dist.get_world_size()
+            mine = torch.tensor([float(square(scale(helper(rank + offset))))])
+            dist.all_reduce(mine)
+            return Accumulator(world).add(int(mine.item()))
+
+        out = nbddp.launch(work, nprocs=2, args=(4,))
+        type(out).__name__, out.total
+    """).assert_ok()
+    expected = 2 + sum((5 * 3 * (rank + 4)) ** 2 for rank in range(2))
+    assert kernel.run("out.total").assert_ok().result() == str(expected)
+    assert kernel.run("type(out).__name__").result() == "'Accumulator'"
+
+
+def test_rank0_output_appears_live_in_the_launching_cell(kernel):
+    run = kernel.run("""
+        import sys
+
+        def chatty():
+            import time
+            import torch.distributed as dist
+            rank = dist.get_rank()
+            print(f"stdout line from rank {rank}", flush=True)
+            print(f"stderr line from rank {rank}", file=sys.stderr, flush=True)
+            if rank == 0:
+                time.sleep(3)  # the line above must be on screen before the cell ends
+            dist.barrier()
+            return "done"
+
+        nbddp.launch(chatty, nprocs=2)
+    """).assert_ok()
+    assert run.result() == "'done'"
+    text = run.stream_text()
+    assert "stdout line from rank 0" in text, run.describe()
+    assert "stderr line from rank 0" in text, run.describe()
+    assert "rank 1" not in text, run.describe()  # only rank 0 is forwarded
+    first = next(o for o in run.outputs
+                 if o.msg_type == "stream" and "stdout line from rank 0" in o.content["text"])
+    assert first.arrived < run.idle_at - 1.5, "rank 0's output was not forwarded live"
+    # The next cell gets none of it.
+    after = kernel.run("print('next cell')").assert_ok()
+    assert after.stream_text() == "next cell\n", after.describe()
+
+
+def test_failing_rank_shows_remote_traceback_and_kernel_recovers(kernel):
+    run = kernel.run("""
+        def fails_on_rank_1():
+            import torch
+            import torch.distributed as dist
+            if dist.get_rank() == 1:
+                raise ValueError("rank one is unhappy")
+            t = torch.ones(1)
+            dist.all_reduce(t)  # rank 0 waits here for rank 1
+            return t.item()
+
+        nbddp.launch(fails_on_rank_1, nprocs=2)
+    """)
+    error = run.error()
+    assert error is not None, run.describe()
+    assert error["ename"] == "WorkerError", run.describe()
+    text = run.error_text()
+    assert "rank 1" in text, text
+    assert 'raise ValueError("rank one is unhappy")' in text, text  # the cell's source line
+    assert "in fails_on_rank_1" in text, text
+    assert "ValueError: rank one is unhappy" in text, text
+    assert "nbddp/_worker.py" not in text, text  # the traceback starts in user code
+
+    again = kernel.run("nbddp.launch(lambda: 6 * 7, nprocs=2)").assert_ok()
+    assert again.result() == "42"
+
+
+def test_interrupt_stops_every_process_and_kernel_stays_usable(fresh_kernel):
+    fresh_kernel.run("import nbddp").assert_ok()
+    run = fresh_kernel.submit(SLEEPER)
+    procs = _wait_for_ranks(fresh_kernel, run)
+
+    interrupted = time.monotonic()
+    fresh_kernel.km.interrupt_kernel()
+    run.finish(timeout=30)
+    assert run.error() is not None and run.error()["ename"] == "KeyboardInterrupt", \
+        run.describe()
+    assert run.idle_at - interrupted < 10, "the interrupted cell took too long to return"
+    try:
+        wait_until(lambda: not _alive(procs) and not descendants(fresh_kernel.pid), timeout=5)
+    except AssertionError:
+        left = set(_alive(procs)) | descendants(fresh_kernel.pid)
+        raise AssertionError("still running after the interrupt: "
+                             + "; ".join(_cmdline(p) for p in left)) from None
+
+    again = fresh_kernel.run("nbddp.launch(lambda: 'still here', nprocs=2)").assert_ok()
+    assert again.result() == "'still here'"
+
+
+def test_kernel_death_stops_torchrun_and_ranks(fresh_kernel):
+    before_dirs = run_dirs()
+    fresh_kernel.run("import nbddp").assert_ok()
+    run = fresh_kernel.submit(SLEEPER)
+    procs = _wait_for_ranks(fresh_kernel, run)
+    new_dirs = run_dirs() - before_dirs
+    assert len(new_dirs) == 1, new_dirs
+
+    os.kill(fresh_kernel.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    try:
+        wait_until(lambda: not _alive(procs), timeout=10)
+    except AssertionError:
+        raise AssertionError("still running 10 s after the kernel died: "
+                             + "; ".join(_cmdline(p) for p in _alive(procs))) from None
+    wait_until(lambda: not (run_dirs() & new_dirs), timeout=max(0.1, killed + 10 - time.monotonic()))
+
+
+def test_kernel_that_imported_torch_can_launch(fresh_kernel):
+    fresh_kernel.run("""
+        import torch
+        import nbddp
+
+        weights = torch.arange(4, dtype=torch.float32)
+        weights.sum().item()
+    """).assert_ok()
+    run = fresh_kernel.run("""
+        def weighted(w):
+            import torch.distributed as dist
+            out = w * (dist.get_rank() + 1)
+            dist.all_reduce(out)
+            return out
+
+        total = nbddp.launch(weighted, nprocs=2, args=(weights,))
+        total.tolist()
+    """).assert_ok()
+    assert run.result() == "[0.0, 3.0, 6.0, 9.0]"

@@ -1,0 +1,38 @@
+"""The public surface is what __init__ exports, and importing it stays light."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import nbddp
+
+
+def test_all_is_pinned():
+    assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "WorkerError", "launch"]
+    for name in nbddp.__all__:
+        assert getattr(nbddp, name).__module__.startswith("nbddp.")
+
+
+def test_error_hierarchy():
+    assert issubclass(nbddp.WorkerError, nbddp.NbddpError)
+    assert issubclass(nbddp.PayloadError, nbddp.NbddpError)
+    assert issubclass(nbddp.PayloadError, TypeError)
+
+
+def test_importing_nbddp_does_not_import_torch_or_configure_logging():
+    code = ("import logging, sys, nbddp; "
+            "print('torch' in sys.modules, logging.getLogger().handlers)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False []"
+
+
+def test_worker_error_pickles_and_keeps_its_details():
+    import pickle
+
+    error = nbddp.WorkerError(1, "raised ValueError: x", traceback="tb", exitcode=1,
+                              logs={0: "a", 1: "b"})
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.rank, copy.traceback, copy.exitcode, copy.logs) == (1, "tb", 1, {0: "a", 1: "b"})
+    assert str(copy) == str(error)

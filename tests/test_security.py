@@ -1,0 +1,88 @@
+"""Only the user who launched a run can read its payload or talk to its channel."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import stat
+import time
+
+import nbddp
+from nbddp._channel import KEY_BYTES, ChannelClient, ChannelServer, Hello, new_key
+
+from .conftest import run_dirs, wait_until
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_run_dir_is_private_while_the_run_is_going(tmp_path):
+    go = tmp_path / "go"
+
+    def fn(go):
+        while not os.path.exists(go):
+            time.sleep(0.05)
+
+    job = nbddp.launch(fn, 2, args=(str(go),), wait=False, init=False)
+    try:
+        (run_dir,) = wait_until(run_dirs)
+        assert mode(run_dir) == 0o700
+        for name in ("payload.pkl", "key", "channel.sock", "rank-0.log"):
+            wait_until(lambda n=name: os.path.exists(os.path.join(run_dir, n)))
+            assert mode(os.path.join(run_dir, name)) == 0o600, name
+    finally:
+        go.touch()
+        job.result(timeout=60)
+
+
+def test_a_connection_without_the_key_is_refused_and_changes_nothing(tmp_path):
+    go = tmp_path / "go"
+
+    def fn(go):
+        while not os.path.exists(go):
+            time.sleep(0.05)
+        return "finished"
+
+    job = nbddp.launch(fn, 2, args=(str(go),), wait=False, init=False)
+    (run_dir,) = wait_until(run_dirs)
+    address = os.path.join(run_dir, "channel.sock")
+    wait_until(lambda: os.path.exists(address))
+    try:
+        ChannelClient(address, new_key())  # wrong key
+    except ConnectionError:
+        pass
+    else:
+        raise AssertionError("a client with the wrong key was accepted")
+    go.touch()
+    assert job.result(timeout=60) == "finished"
+
+
+def test_server_sends_nothing_but_a_challenge_to_a_stranger(tmp_path):
+    events: queue.Queue = queue.Queue()
+    key = new_key()
+    server = ChannelServer(tmp_path / "s.sock", key, events)
+    try:
+        stranger = socket.socket(socket.AF_UNIX)
+        stranger.connect(str(tmp_path / "s.sock"))
+        challenge = stranger.recv(1024)
+        assert len(challenge) == KEY_BYTES
+        stranger.sendall(os.urandom(KEY_BYTES))  # our challenge to it
+        stranger.sendall(os.urandom(KEY_BYTES))  # a wrong answer to its challenge
+        stranger.sendall(b"\x00\x00\x00\x05hello")
+        stranger.settimeout(10)
+        try:
+            while stranger.recv(1024):  # the server drops the connection
+                pass
+        except ConnectionResetError:
+            pass
+        stranger.close()
+        client = ChannelClient(tmp_path / "s.sock", key)  # the right key still works
+        client.send(Hello(rank=0, pid=1))
+        assert events.get(timeout=10) == Hello(rank=0, pid=1)
+        assert events.empty()  # the stranger's bytes never became an event
+        client.close()
+    finally:
+        server.close()
+    assert not (tmp_path / "s.sock").exists()
