@@ -8,6 +8,7 @@ Frames are a 4-byte length and a pickled message; only authenticated peers are r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -169,10 +170,8 @@ class ChannelServer:
             self._closed = True
             connections = list(self._connections)
         for sock in [self._listener, *connections]:
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
         self._listener.close()
         self._accepter.join(timeout=5)
         self.path.unlink(missing_ok=True)

@@ -40,12 +40,14 @@ class RunConfig:
         if self.nprocs < 1:
             raise ValueError(f"nprocs must be at least 1, got {self.nprocs}")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
-            raise ValueError(f"backend must be a name such as 'nccl' or 'gloo', got {self.backend!r}")
+            raise ValueError(
+                f"backend must be a name such as 'nccl' or 'gloo', got {self.backend!r}")
         if self.timeout is not None and not (
             isinstance(self.timeout, (int, float)) and self.timeout > 0
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
-        bad_env = [k for k, v in self.env.items() if not (isinstance(k, str) and isinstance(v, str))]
+        bad_env = [k for k, v in self.env.items()
+                   if not (isinstance(k, str) and isinstance(v, str))]
         if bad_env:
             raise TypeError(f"env must map str to str; bad entries: {bad_env}")
 
@@ -69,9 +71,11 @@ class RunConfig:
             nprocs = available if available and backend != "gloo" else CPU_DEFAULT_NPROCS
         if backend == "nccl" and available == 0:
             raise ValueError(f"backend='nccl' needs GPUs, and no GPU is visible; {_CPU_HINT}")
-        if available and backend in (None, "nccl") and isinstance(nprocs, int) and nprocs > available:
-            raise ValueError(f"nprocs={nprocs} asks for one GPU per rank, but only {available} "
-                             "GPU(s) are visible; lower nprocs, or pass backend='gloo' for CPU ranks")
+        one_gpu_per_rank = available and backend in (None, "nccl")
+        if one_gpu_per_rank and isinstance(nprocs, int) and nprocs > available:
+            raise ValueError(
+                f"nprocs={nprocs} asks for one GPU per rank, but only {available} GPU(s) are "
+                "visible; lower nprocs, or pass backend='gloo' for CPU ranks")
         return cls(nprocs=nprocs, **options)
 
 
@@ -86,7 +90,10 @@ def _select_gpus(gpus: int | Sequence[int], available: int) -> list[str]:
         raise ValueError(f"gpus lists a GPU twice: {gpus!r}")
     if max(indices) >= available:
         wanted = f"{gpus} GPU(s)" if isinstance(gpus, int) else f"GPU(s) {indices}"
-        raise ValueError(f"asked for {wanted}, but only {available} GPU(s) are visible; {_CPU_HINT}")
+        raise ValueError(
+            f"asked for {wanted}, but only {available} GPU(s) are visible; {_CPU_HINT}")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = _parse_visible_devices(visible) if visible is not None else [str(i) for i in range(available)]
+    if visible is None:
+        return [str(i) for i in indices]
+    ids = _parse_visible_devices(visible)
     return [ids[i] for i in indices]

@@ -8,7 +8,6 @@ process, closes the channel and removes the run directory before anyone is told.
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import sys
@@ -55,26 +54,28 @@ class Job(Generic[R]):
         self._outcome: tuple[bool, Any] | None = None
         self.logs: dict[int, str] = {}
         """Every rank's output, by rank, once the run has ended."""
-        self._run_dir = RunDir.create()
-        try:
-            key = new_key()
-            self._run_dir.write_private(self._run_dir.key, key)
-            self._run_dir.write_private(self._run_dir.payload, payload)
-            self._server = ChannelServer(self._run_dir.socket, key, self._events)
-            self._launcher = Launcher(self._run_dir, config)
-        except BaseException:
-            if hasattr(self, "_server"):
-                self._server.close()
-            self._run_dir.remove()
-            raise
-        self._started = time.monotonic()
-        self._tail = LogTail(self._run_dir.rank_log(0), stdout or sys.stdout)
         self._results: dict[int, Result] = {}
         self._failures: list[Failure | Disconnected] = []
+        self._tail: LogTail | None = None
+        self._server: ChannelServer | None = None
+        self._launcher: Launcher | None = None
+        self._run_dir = RunDir.create()
+        try:
+            self._start(payload, stdout or sys.stdout)
+        except BaseException:  # whatever got started is stopped again
+            self._teardown((False, None))
+            raise
+
+    def _start(self, payload: bytes, stdout: TextIO) -> None:
+        key = new_key()
+        self._run_dir.write_private(self._run_dir.key, key)
+        self._run_dir.write_private(self._run_dir.payload, payload)
+        self._tail = LogTail(self._run_dir.rank_log(0), stdout)
+        self._server = ChannelServer(self._run_dir.socket, key, self._events)
+        self._started = time.monotonic()
+        self._launcher = Launcher(self._run_dir, self.config)
         threading.Thread(target=self._wait_launcher, daemon=True, name="nbddp-wait").start()
-        self._supervisor = threading.Thread(target=self._supervise, daemon=True,
-                                            name="nbddp-supervisor")
-        self._supervisor.start()
+        threading.Thread(target=self._supervise, daemon=True, name="nbddp-supervisor").start()
 
     # --- public ---------------------------------------------------------------------
 
@@ -212,15 +213,18 @@ class Job(Generic[R]):
     def _teardown(self, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
         """Stop every process, keep the logs, explain a failure, remove the run dir."""
         try:
-            self._launcher.stop()
+            if self._launcher is not None:
+                self._launcher.stop()
             self._drain_reports()
-            self._tail.pump()
-            self._tail.close()
+            if self._tail is not None:
+                self._tail.pump()
+                self._tail.close()
             self.logs = self._run_dir.read_logs(self.config.nprocs)
             if outcome == (False, None):
                 return False, diagnose(self._failures, self._results, self._run_dir,
                                        self.config.nprocs, self.logs)
             return outcome
         finally:
-            self._server.close()
+            if self._server is not None:
+                self._server.close()
             self._run_dir.remove()

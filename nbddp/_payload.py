@@ -103,7 +103,7 @@ def _captured_by_function(fn: Any) -> Iterator[tuple[str, Any]]:
     if not isinstance(fn, types.FunctionType):
         yield "fn", fn
         return
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
         try:
             yield f"{name!r} (captured by {fn.__name__})", cell.cell_contents
         except ValueError:  # empty cell

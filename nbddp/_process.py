@@ -8,6 +8,7 @@ is never hit.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -72,15 +73,11 @@ class Launcher:
 
     def _signal(self, sig: signal.Signals) -> None:
         if self.process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, sig)
-            except ProcessLookupError:
-                pass
         for pid in self._alive_ranks():
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
 
     def _wait_all(self, seconds: float) -> bool:
         deadline = time.monotonic() + seconds

@@ -8,6 +8,7 @@ process group, runs the user's function and reports its result or its exception.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import faulthandler
 import os
@@ -40,10 +41,8 @@ def _redirect_output(log: Path) -> None:
 
 def _die_with_launcher() -> None:
     """Ask Linux to kill this rank if torchrun dies (it starts ranks in new sessions)."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def _stop_when_kernel_goes(channel: ChannelClient, finished: threading.Event) -> None:

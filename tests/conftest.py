@@ -8,6 +8,7 @@ by PID.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import os
@@ -64,10 +65,8 @@ def descendants(root: int | None = None) -> set[int]:
     zombies = {pid for pid in found if _state(pid) in (None, "Z", "X")}
     for pid in zombies:  # orphans adopted by pytest (the subreaper) are reaped here
         if pid in tree.get(os.getpid(), []):
-            try:
+            with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
     return found - zombies
 
 
@@ -100,10 +99,8 @@ def no_leftovers():
     yield
     left = descendants() - before_procs
     for pid in left:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     dirs = run_dirs() - before_dirs
     socks = socket_fds() - before_socks
     assert not left, "processes left behind: " + "; ".join(cmdline(p) for p in left)
