@@ -56,9 +56,9 @@ class Job(Generic[R]):
         """Every rank's output, by rank, once the run has ended."""
         self._results: dict[int, Result] = {}
         self._failures: list[Failure | Disconnected] = []
-        self._tail: LogTail | None = None
-        self._server: ChannelServer | None = None
-        self._launcher: Launcher | None = None
+        self._tail: LogTail
+        self._server: ChannelServer
+        self._launcher: Launcher  # these three exist once started; teardown checks
         self._run_dir = RunDir.create()
         try:
             self._start(payload, stdout or sys.stdout)
@@ -107,6 +107,7 @@ class Job(Generic[R]):
             self._cancel_reason = "interrupted"
             self.cancel()
             raise
+        assert self._outcome is not None
         ok, value = self._outcome
         if ok:
             return value
@@ -202,7 +203,7 @@ class Job(Generic[R]):
     def _collect_results(self) -> Any:
         ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
         try:
-            values = [loads_value(self._results[r].value) for r in ranks]
+            values = [loads_value(self._results[r].value or b"") for r in ranks]
         except Exception as exc:
             raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
                              f"the notebook: {type(exc).__name__}: {exc}") from exc
@@ -213,10 +214,10 @@ class Job(Generic[R]):
     def _teardown(self, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
         """Stop every process, keep the logs, explain a failure, remove the run dir."""
         try:
-            if self._launcher is not None:
+            if hasattr(self, "_launcher"):
                 self._launcher.stop()
             self._drain_reports()
-            if self._tail is not None:
+            if hasattr(self, "_tail"):
                 self._tail.pump()
                 self._tail.close()
             self.logs = self._run_dir.read_logs(self.config.nprocs)
@@ -225,6 +226,6 @@ class Job(Generic[R]):
                                        self.config.nprocs, self.logs)
             return outcome
         finally:
-            if self._server is not None:
+            if hasattr(self, "_server"):
                 self._server.close()
             self._run_dir.remove()

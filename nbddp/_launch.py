@@ -13,13 +13,50 @@ R = TypeVar("R")
 
 
 @overload
-def launch(fn: Callable[..., R], nprocs: int | None = ..., *, wait: Literal[False],
-           **options: Any) -> Job[R]: ...
+def launch(
+    fn: Callable[..., R],
+    nprocs: int | None = ...,
+    *,
+    args: Sequence[Any] = ...,
+    kwargs: Mapping[str, Any] | None = ...,
+    gpus: int | Sequence[int] | None = ...,
+    backend: str | None = ...,
+    timeout: float | None = ...,
+    init: bool = ...,
+    all_ranks: bool = ...,
+    wait: Literal[False],
+    env: Mapping[str, str] | None = ...,
+) -> Job[R]: ...
 @overload
-def launch(fn: Callable[..., R], nprocs: int | None = ..., *, all_ranks: Literal[True],
-           **options: Any) -> list[R]: ...
+def launch(
+    fn: Callable[..., R],
+    nprocs: int | None = ...,
+    *,
+    args: Sequence[Any] = ...,
+    kwargs: Mapping[str, Any] | None = ...,
+    gpus: int | Sequence[int] | None = ...,
+    backend: str | None = ...,
+    timeout: float | None = ...,
+    init: bool = ...,
+    all_ranks: Literal[True],
+    wait: Literal[True] = ...,
+    env: Mapping[str, str] | None = ...,
+) -> list[R]: ...
 @overload
-def launch(fn: Callable[..., R], nprocs: int | None = ..., **options: Any) -> R: ...
+def launch(
+    fn: Callable[..., R],
+    nprocs: int | None = ...,
+    *,
+    args: Sequence[Any] = ...,
+    kwargs: Mapping[str, Any] | None = ...,
+    gpus: int | Sequence[int] | None = ...,
+    backend: str | None = ...,
+    timeout: float | None = ...,
+    init: bool = ...,
+    all_ranks: Literal[False] = ...,
+    wait: Literal[True] = ...,
+    env: Mapping[str, str] | None = ...,
+) -> R: ...
 
 
 def launch(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import codecs
 import os
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 _CHUNK = 1 << 16
 
@@ -15,7 +15,7 @@ class LogTail:
 
     def __init__(self, path: Path, sink: TextIO) -> None:
         self.path, self._sink = path, sink
-        self._file = None
+        self._file: BinaryIO | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def pump(self) -> None:

@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import ctypes
 import faulthandler
+import io
 import os
 import signal
 import sys
@@ -34,8 +35,9 @@ def _redirect_output(log: Path) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    sys.stdout.reconfigure(line_buffering=True)
-    sys.stderr.reconfigure(line_buffering=True)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
     faulthandler.enable(all_threads=False)  # a segfault still leaves a Python traceback in the log
 
 
@@ -121,7 +123,7 @@ def main(run_dir: str) -> None:
         payload.install()
         value = _run(payload)
         wanted = rank == 0 or payload.options["all_ranks"]
-        report = Result(rank, _dumps_result(value) if wanted else None)
+        report: Result | Failure = Result(rank, _dumps_result(value) if wanted else None)
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
             report = Result(rank, dumps_value(None) if rank == 0 else None)

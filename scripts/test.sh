@@ -6,4 +6,5 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh dev
 PY=${PYTHON:-python3}
 "$PY" -m ruff check nbddp tests benchmarks examples
+"$PY" -m mypy nbddp
 exec "$PY" -m pytest tests notebooks --nbval-lax "$@"

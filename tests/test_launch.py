@@ -136,3 +136,22 @@ def test_module_functions_are_imported_by_name():
     import statistics
 
     assert nbddp.launch(statistics.mean, 2, args=([1, 2, 3],), init=False) == 2
+
+
+def test_two_processes_launching_at_once_do_not_collide(tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "import sys, nbddp\n"
+        "def fn(k):\n"
+        "    import torch, torch.distributed as dist\n"
+        "    t = torch.tensor([k]); dist.all_reduce(t); return t.item()\n"
+        "print('result', nbddp.launch(fn, 2, args=(int(sys.argv[1]),)))\n"
+    )
+    procs = [subprocess.Popen([sys.executable, str(script), str(k)], stdout=subprocess.PIPE,
+                              text=True) for k in (3, 5)]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert "result 6" in outputs[0] and "result 10" in outputs[1]
