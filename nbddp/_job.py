@@ -8,6 +8,7 @@ process, closes the channel and removes the run directory before anyone is told.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import sys
@@ -75,7 +76,10 @@ class Job(Generic[R]):
         self._started = time.monotonic()
         self._launcher = Launcher(self._run_dir, self.config)
         threading.Thread(target=self._wait_launcher, daemon=True, name="nbddp-wait").start()
-        threading.Thread(target=self._supervise, daemon=True, name="nbddp-supervisor").start()
+        # The caller's context goes along, so a notebook routes the output to the cell
+        # that launched the run even while other cells execute (ipykernel >= 7).
+        threading.Thread(target=contextvars.copy_context().run, args=(self._supervise,),
+                         daemon=True, name="nbddp-supervisor").start()
 
     # --- public ---------------------------------------------------------------------
 

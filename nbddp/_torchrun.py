@@ -24,10 +24,11 @@ from ._rundir import RunDir
 _GRACE_SECONDS = 5.0
 
 
-def _watch_lifeline(fd: int, run_dir: RunDir) -> None:
+def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event) -> None:
     """Block until the kernel's end of the pipe closes, then stop everything."""
     while os.read(fd, 4096):
         pass
+    lost.set()
     print("nbddp: the notebook kernel went away; stopping torchrun", file=sys.stderr)
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
     time.sleep(_GRACE_SECONDS)
@@ -47,8 +48,8 @@ def _write_failures(run_dir: RunDir, error) -> None:
 
 
 def main(argv: list[str]) -> int:
-    run_dir, lifeline = RunDir(Path(argv[0])), int(argv[1])
-    threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir), daemon=True).start()
+    run_dir, lifeline, lost = RunDir(Path(argv[0])), int(argv[1]), threading.Event()
+    threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir, lost), daemon=True).start()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -57,6 +58,9 @@ def main(argv: list[str]) -> int:
     except ChildFailedError as error:
         _write_failures(run_dir, error)
         return 1
+    finally:
+        if lost.is_set():  # nobody else is left to clean up: torchrun stopped its ranks
+            run_dir.remove()
     return 0
 
 

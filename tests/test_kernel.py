@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import textwrap
 import time
@@ -19,10 +20,7 @@ from queue import Empty
 
 import pytest
 
-try:  # conftest is imported as tests.conftest (namespace package) or as conftest
-    from tests.conftest import descendants, run_dirs, wait_until
-except ImportError:
-    from conftest import descendants, run_dirs, wait_until
+from .conftest import descendants, run_dirs, wait_until
 
 jupyter_client = pytest.importorskip("jupyter_client")
 pytest.importorskip("ipykernel")
@@ -52,7 +50,10 @@ class Execution:
     idle_at: float | None = None
 
     def _pump(self, timeout: float) -> bool:
-        """Read iopub messages until one more output of this cell or its end; False on time."""
+        """Read iopub messages until one more output of this cell or its end; False on time.
+
+        Messages of other cells are recorded on their own ``Execution``, not dropped.
+        """
         deadline = time.monotonic() + timeout
         while self.idle_at is None:
             remaining = deadline - time.monotonic()
@@ -62,15 +63,20 @@ class Execution:
                 msg = self.kernel.kc.get_iopub_msg(timeout=remaining)
             except Empty:
                 return False
-            if msg["parent_header"].get("msg_id") != self.msg_id:
-                continue
-            kind = msg["msg_type"]
-            if kind == "status" and msg["content"]["execution_state"] == "idle":
-                self.idle_at = time.monotonic()
-            elif kind in ("stream", "error", "execute_result", "display_data"):
-                self.outputs.append(Output(kind, msg["content"], time.monotonic()))
+            owner = self.kernel.executions.get(msg["parent_header"].get("msg_id"))
+            if owner is not None and owner._record(msg) and owner is self:
                 return True
         return True
+
+    def _record(self, msg: dict) -> bool:
+        """Keep an output message of this cell; True if it was an output."""
+        kind = msg["msg_type"]
+        if kind == "status" and msg["content"]["execution_state"] == "idle":
+            self.idle_at = time.monotonic()
+        elif kind in ("stream", "error", "execute_result", "display_data"):
+            self.outputs.append(Output(kind, msg["content"], time.monotonic()))
+            return True
+        return False
 
     def wait_for_output(self, text: str, timeout: float = CELL_TIMEOUT) -> None:
         """Block until ``text`` shows up in this cell's stream output."""
@@ -135,9 +141,12 @@ class Kernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60,
                                             cwd=str(cwd))
         self.pid: int = self.km.provisioner.pid
+        self.executions: dict[str, Execution] = {}
 
     def submit(self, code: str) -> Execution:
-        return Execution(self, self.kc.execute(textwrap.dedent(code), store_history=True))
+        execution = Execution(self, self.kc.execute(textwrap.dedent(code), store_history=True))
+        self.executions[execution.msg_id] = execution
+        return execution
 
     def run(self, code: str, timeout: float = CELL_TIMEOUT) -> Execution:
         return self.submit(code).finish(timeout)
@@ -215,16 +224,19 @@ nbddp.launch(sleeper, nprocs=2)
 """
 
 
-def _wait_for_ranks(kernel: Kernel, run: Execution) -> dict[int, str]:
-    """Once rank 0 runs the user's code: the kernel's descendants (torchrun and ranks)."""
+def _wait_for_ranks(kernel: Kernel, run: Execution) -> tuple[dict[int, str], str]:
+    """Once rank 0 runs the user's code: the kernel's descendants (torchrun and the
+    ranks) with their start times, and the run directory."""
     run.wait_for_output("rank 0 is sleeping")
     procs = wait_until(lambda: (d if len(d := descendants(kernel.pid)) >= 3 else None),
                        timeout=CELL_TIMEOUT)
-    commands = [_cmdline(p) for p in procs]
+    commands = [_cmdline(p).split() for p in procs]
     launchers = [c for c in commands if "nbddp._torchrun" in c]
     ranks = [c for c in commands if "nbddp._worker" in c and c not in launchers]
     assert len(launchers) == 1 and len(ranks) == 2, commands
-    return _snapshot(procs)
+    run_dir = launchers[0][launchers[0].index("nbddp._torchrun") + 1]
+    assert run_dir in run_dirs(), (run_dir, run_dirs())
+    return _snapshot(procs), run_dir
 
 
 # --- tests ----------------------------------------------------------------------------
@@ -252,7 +264,7 @@ def test_function_using_notebook_definitions(kernel):
         scale = make_scale(5)
         square = lambda v: v ** 2
     """).assert_ok()
-    kernel.run("""
+    run = kernel.run("""
         def work(offset):
             import torch
             import torch.distributed as dist
@@ -263,11 +275,10 @@ def test_function_using_notebook_definitions(kernel):
             return Accumulator(world).add(int(mine.item()))
 
         out = nbddp.launch(work, nprocs=2, args=(4,))
-        type(out).__name__, out.total
+        isinstance(out, Accumulator), out.total
     """).assert_ok()
     expected = 2 + sum((5 * 3 * (rank + 4)) ** 2 for rank in range(2))
-    assert kernel.run("out.total").assert_ok().result() == str(expected)
-    assert kernel.run("type(out).__name__").result() == "'Accumulator'"
+    assert run.result() == f"(True, {expected})", run.describe()
 
 
 def test_rank0_output_appears_live_in_the_launching_cell(kernel):
@@ -290,6 +301,8 @@ def test_rank0_output_appears_live_in_the_launching_cell(kernel):
     assert run.result() == "'done'"
     text = run.stream_text()
     assert "stdout line from rank 0" in text, run.describe()
+    # Rank 0's log holds stdout and stderr in the order written; both reach the
+    # notebook on its stdout stream.
     assert "stderr line from rank 0" in text, run.describe()
     assert "rank 1" not in text, run.describe()  # only rank 0 is forwarded
     first = next(o for o in run.outputs
@@ -300,15 +313,37 @@ def test_rank0_output_appears_live_in_the_launching_cell(kernel):
     assert after.stream_text() == "next cell\n", after.describe()
 
 
+def test_background_job_output_stays_under_the_cell_that_launched_it(kernel):
+    launching = kernel.run("""
+        def slow_talker():
+            import time
+            import torch.distributed as dist
+            time.sleep(2)  # the next cell is running by now
+            print(f"background rank {dist.get_rank()} speaking", flush=True)
+            return "quiet now"
+
+        job = nbddp.launch(slow_talker, nprocs=2, wait=False)
+    """).assert_ok()
+    other = kernel.run("import time; time.sleep(8); print('other cell')").assert_ok()
+    assert "background rank 0" not in other.stream_text(), other.describe()
+    waiting = kernel.run("job.result()").assert_ok()
+    assert waiting.result() == "'quiet now'"
+    assert "background rank 0" not in waiting.stream_text(), waiting.describe()
+    assert "background rank 0 speaking" in launching.stream_text(), launching.describe()
+
+
 def test_failing_rank_shows_remote_traceback_and_kernel_recovers(kernel):
     run = kernel.run("""
         def fails_on_rank_1():
+            import time
             import torch
             import torch.distributed as dist
             if dist.get_rank() == 1:
+                time.sleep(1)  # so that rank 0 is surely blocked in the all_reduce
                 raise ValueError("rank one is unhappy")
+            print("rank 0 waits for rank 1", flush=True)
             t = torch.ones(1)
-            dist.all_reduce(t)  # rank 0 waits here for rank 1
+            dist.all_reduce(t)
             return t.item()
 
         nbddp.launch(fails_on_rank_1, nprocs=2)
@@ -322,6 +357,7 @@ def test_failing_rank_shows_remote_traceback_and_kernel_recovers(kernel):
     assert "in fails_on_rank_1" in text, text
     assert "ValueError: rank one is unhappy" in text, text
     assert "nbddp/_worker.py" not in text, text  # the traceback starts in user code
+    assert "rank 0 waits for rank 1" in run.stream_text(), run.describe()
 
     again = kernel.run("nbddp.launch(lambda: 6 * 7, nprocs=2)").assert_ok()
     assert again.result() == "42"
@@ -330,7 +366,7 @@ def test_failing_rank_shows_remote_traceback_and_kernel_recovers(kernel):
 def test_interrupt_stops_every_process_and_kernel_stays_usable(fresh_kernel):
     fresh_kernel.run("import nbddp").assert_ok()
     run = fresh_kernel.submit(SLEEPER)
-    procs = _wait_for_ranks(fresh_kernel, run)
+    procs, _ = _wait_for_ranks(fresh_kernel, run)
 
     interrupted = time.monotonic()
     fresh_kernel.km.interrupt_kernel()
@@ -350,12 +386,9 @@ def test_interrupt_stops_every_process_and_kernel_stays_usable(fresh_kernel):
 
 
 def test_kernel_death_stops_torchrun_and_ranks(fresh_kernel):
-    before_dirs = run_dirs()
     fresh_kernel.run("import nbddp").assert_ok()
     run = fresh_kernel.submit(SLEEPER)
-    procs = _wait_for_ranks(fresh_kernel, run)
-    new_dirs = run_dirs() - before_dirs
-    assert len(new_dirs) == 1, new_dirs
+    procs, run_dir = _wait_for_ranks(fresh_kernel, run)
 
     os.kill(fresh_kernel.pid, signal.SIGKILL)
     killed = time.monotonic()
@@ -364,7 +397,12 @@ def test_kernel_death_stops_torchrun_and_ranks(fresh_kernel):
     except AssertionError:
         raise AssertionError("still running 10 s after the kernel died: "
                              + "; ".join(_cmdline(p) for p in _alive(procs))) from None
-    wait_until(lambda: not (run_dirs() & new_dirs), timeout=max(0.1, killed + 10 - time.monotonic()))
+    try:
+        wait_until(lambda: not os.path.exists(run_dir),
+                   timeout=max(0.1, killed + 10 - time.monotonic()))
+    except AssertionError:
+        shutil.rmtree(run_dir)  # so the leftover check reports only this failure
+        raise AssertionError("the run directory outlived the killed kernel") from None
 
 
 def test_kernel_that_imported_torch_can_launch(fresh_kernel):
