@@ -12,6 +12,7 @@ from ._devices import _parse_visible_devices, visible_gpu_count
 #: fewest that exercise the distributed code paths (all-reduce, sharded samplers).
 CPU_DEFAULT_NPROCS = 2
 
+OUTPUT_CHOICES = ("rank0", "all", "none")
 _CPU_HINT = "to run on the CPU instead, pass nprocs=N (ranks use gloo) and leave gpus unset"
 
 
@@ -33,6 +34,8 @@ class RunConfig:
     """``CUDA_VISIBLE_DEVICES`` for the ranks, when the user picked GPUs."""
     env: Mapping[str, str] = field(default_factory=dict)
     """Extra environment variables for every rank."""
+    output: str = "rank0"
+    """Whose output is shown live: ``"rank0"``, ``"all"`` (each line prefixed), ``"none"``."""
 
     def __post_init__(self) -> None:
         if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int):
@@ -46,6 +49,8 @@ class RunConfig:
             isinstance(self.timeout, (int, float)) and self.timeout > 0
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        if self.output not in OUTPUT_CHOICES:
+            raise ValueError(f"output must be one of {OUTPUT_CHOICES}, got {self.output!r}")
         bad_env = [k for k, v in self.env.items()
                    if not (isinstance(k, str) and isinstance(v, str))]
         if bad_env:

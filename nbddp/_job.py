@@ -57,7 +57,7 @@ class Job(Generic[R]):
         """Every rank's output, by rank, once the run has ended."""
         self._results: dict[int, Result] = {}
         self._failures: list[Failure | Disconnected] = []
-        self._tail: LogTail
+        self._tails: list[LogTail]
         self._server: ChannelServer
         self._launcher: Launcher  # these three exist once started; teardown checks
         self._run_dir = RunDir.create()
@@ -71,7 +71,7 @@ class Job(Generic[R]):
         key = new_key()
         self._run_dir.write_private(self._run_dir.key, key)
         self._run_dir.write_private(self._run_dir.payload, payload)
-        self._tail = LogTail(self._run_dir.rank_log(0), stdout)
+        self._tails = self._make_tails(stdout)
         self._server = ChannelServer(self._run_dir.socket, key, self._events)
         self._started = time.monotonic()
         self._launcher = Launcher(self._run_dir, self.config)
@@ -119,6 +119,14 @@ class Job(Generic[R]):
 
     # --- supervision ----------------------------------------------------------------
 
+    def _make_tails(self, stdout: TextIO) -> list[LogTail]:
+        if self.config.output == "rank0":
+            return [LogTail(self._run_dir.rank_log(0), stdout)]
+        if self.config.output == "all":
+            return [LogTail(self._run_dir.rank_log(r), stdout, prefix=f"[rank {r}] ")
+                    for r in range(self.config.nprocs)]
+        return []
+
     def _wait_launcher(self) -> None:
         self._events.put(_LauncherExited(self._launcher.process.wait()))
 
@@ -141,7 +149,8 @@ class Job(Generic[R]):
                 event = self._events.get(timeout=_PUMP_INTERVAL)
             except queue.Empty:
                 event = None
-            self._tail.pump()
+            for tail in self._tails:
+                tail.pump()
             if self._cancel_reason:
                 return False, (KeyboardInterrupt() if self._cancel_reason == "interrupted"
                                else CancelledError("the run was cancelled; every rank was stopped"))
@@ -221,9 +230,8 @@ class Job(Generic[R]):
             if hasattr(self, "_launcher"):
                 self._launcher.stop()
             self._drain_reports()
-            if hasattr(self, "_tail"):
-                self._tail.pump()
-                self._tail.close()
+            for tail in getattr(self, "_tails", []):
+                tail.close()
             self.logs = self._run_dir.read_logs(self.config.nprocs)
             if outcome == (False, None):
                 return False, diagnose(self._failures, self._results, self._run_dir,

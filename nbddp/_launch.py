@@ -26,6 +26,7 @@ def launch(
     all_ranks: bool = ...,
     wait: Literal[False],
     env: Mapping[str, str] | None = ...,
+    output: Literal["rank0", "all", "none"] = ...,
 ) -> Job[R]: ...
 @overload
 def launch(
@@ -41,6 +42,7 @@ def launch(
     all_ranks: Literal[True],
     wait: Literal[True] = ...,
     env: Mapping[str, str] | None = ...,
+    output: Literal["rank0", "all", "none"] = ...,
 ) -> list[R]: ...
 @overload
 def launch(
@@ -56,6 +58,7 @@ def launch(
     all_ranks: Literal[False] = ...,
     wait: Literal[True] = ...,
     env: Mapping[str, str] | None = ...,
+    output: Literal["rank0", "all", "none"] = ...,
 ) -> R: ...
 
 
@@ -72,6 +75,7 @@ def launch(
     all_ranks: bool = False,
     wait: bool = True,
     env: Mapping[str, str] | None = None,
+    output: Literal["rank0", "all", "none"] = "rank0",
 ) -> R | list[R] | Job[R]:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh DDP process group.
 
@@ -80,13 +84,15 @@ def launch(
     initialised (NCCL on a GPU rank, else gloo) unless ``init=False``. Returns rank 0's
     return value, every rank's with ``all_ranks=True``, or a ``Job`` with
     ``wait=False``. ``nprocs=None`` runs one rank per visible GPU (or the ``gpus``
-    chosen), and 2 CPU ranks on a machine without GPUs. Rank 0's output is shown live.
+    chosen), and 2 CPU ranks on a machine without GPUs. Rank 0's output is shown live
+    (``output="all"``: every rank's, each line prefixed with its rank; ``"none"``: none).
+    ``env`` adds environment variables for the ranks.
 
     Raises ``WorkerError`` when a rank fails, ``TimeoutError`` after ``timeout``
     seconds, ``PayloadError`` when something cannot be sent; nothing is left running.
     """
     config = RunConfig.resolve(nprocs, gpus, backend=backend, timeout=timeout, init=init,
-                               all_ranks=all_ranks, env=dict(env or {}))
+                               all_ranks=all_ranks, env=dict(env or {}), output=output)
     options = {"init": init, "backend": backend, "all_ranks": all_ranks}
     payload = Payload.capture(fn, tuple(args), dict(kwargs or {}), options).dumps()
     job: Job[R] = Job(config, payload)

@@ -1,9 +1,8 @@
-"""Forward a rank's log file to the notebook as it grows."""
+"""Forward ranks' log files to the notebook as they grow."""
 
 from __future__ import annotations
 
 import codecs
-import os
 from pathlib import Path
 from typing import BinaryIO, TextIO
 
@@ -11,12 +10,17 @@ _CHUNK = 1 << 16
 
 
 class LogTail:
-    """Reads what was appended to ``path`` since the last call and writes it to ``sink``."""
+    """Writes what was appended to ``path`` since the last ``pump`` to ``sink``.
 
-    def __init__(self, path: Path, sink: TextIO) -> None:
-        self.path, self._sink = path, sink
+    With a ``prefix`` (several ranks interleaved) only whole lines are written, each
+    prefixed; without one the text passes through as is, carriage returns included.
+    """
+
+    def __init__(self, path: Path, sink: TextIO, prefix: str = "") -> None:
+        self.path, self._sink, self._prefix = path, sink, prefix
         self._file: BinaryIO | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = ""
 
     def pump(self) -> None:
         if self._file is None:
@@ -24,18 +28,28 @@ class LogTail:
                 self._file = open(self.path, "rb")  # noqa: SIM115 - kept open between pumps
             except FileNotFoundError:
                 return
-        wrote = False
+        text = ""
         while chunk := self._file.read(_CHUNK):
-            self._sink.write(self._decoder.decode(chunk))
-            wrote = True
-        if wrote:
-            self._sink.flush()
+            text += self._decoder.decode(chunk)
+        if text:
+            self._write(text)
+
+    def _write(self, text: str) -> None:
+        if self._prefix:
+            lines = (self._partial + text).split("\n")
+            self._partial = lines.pop()
+            if not lines:
+                return
+            text = "".join(f"{self._prefix}{line}\n" for line in lines)
+        self._sink.write(text)
+        self._sink.flush()
 
     def close(self) -> None:
+        self.pump()
+        if self._partial:
+            self._sink.write(f"{self._prefix}{self._partial}\n")
+            self._sink.flush()
+            self._partial = ""
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    @property
-    def size(self) -> int:
-        return os.fstat(self._file.fileno()).st_size if self._file else 0

@@ -155,3 +155,29 @@ def test_two_processes_launching_at_once_do_not_collide(tmp_path):
     outputs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0]
     assert "result 6" in outputs[0] and "result 10" in outputs[1]
+
+
+def say_hello_twice():
+    import sys
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    print(f"hello from {rank}", flush=True)
+    sys.stdout.write(f"partial line from {rank}")  # no newline: still shown, still prefixed
+    sys.stdout.flush()
+
+
+def test_output_all_prefixes_every_rank_and_none_shows_nothing(capfd):
+    nbddp.launch(say_hello_twice, 2, output="all")
+    lines = capfd.readouterr().out.splitlines()
+    for rank in (0, 1):
+        assert f"[rank {rank}] hello from {rank}" in lines
+        assert f"[rank {rank}] partial line from {rank}" in lines
+    nbddp.launch(say_hello_twice, 2, output="none")
+    assert "hello" not in capfd.readouterr().out
+
+
+def test_bad_output_choice_is_rejected():
+    with pytest.raises(ValueError, match="output must be one of"):
+        nbddp.launch(print, 2, output="rank1")
