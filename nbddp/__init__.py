@@ -7,3 +7,10 @@ from ._launch import launch
 __version__ = "0.1.0"
 
 __all__ = ["Job", "NbddpError", "PayloadError", "WorkerError", "launch"]
+
+
+def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's hook
+    """``%load_ext nbddp`` registers the ``%%ddp`` cell magic."""
+    from ._magic import load_ipython_extension as load
+
+    load(ipython)

@@ -12,6 +12,8 @@ wait raises ``KeyboardInterrupt``; a cancelled ``Job`` raises
 
 from __future__ import annotations
 
+import re
+
 TAIL_LINES = 20
 
 
@@ -21,6 +23,10 @@ class NbddpError(Exception):
 
 class PayloadError(NbddpError, TypeError):
     """A function, argument or captured object cannot be pickled for the ranks."""
+
+    def _render_traceback_(self) -> list[str]:
+        """In IPython the message says it all; the pickler's internals are noise."""
+        return [f"\x1b[31mPayloadError\x1b[0m: {self}"]
 
 
 class WorkerError(NbddpError):
@@ -73,9 +79,27 @@ class WorkerError(NbddpError):
         return "\n".join(parts)
 
     def _render_traceback_(self) -> list[str]:
-        """How IPython shows this error: the remote traceback, labelled by rank."""
+        """How IPython shows this error: the remote traceback, labelled by rank, with
+        notebook cells named as IPython names them (``Cell In[5], line 3``)."""
         red, reset = "\x1b[31m", "\x1b[0m"
-        return [f"{red}WorkerError{reset}: {self}"]
+        return [f"{red}WorkerError{reset}: " + _name_cells(str(self))]
+
+
+def _name_cells(text: str) -> str:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return text
+    shell = get_ipython()
+    namer = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    if namer is None:
+        return text
+
+    def rename(match: re.Match) -> str:
+        name = namer(match.group(1))
+        return f"{name[0]} {name[1]}, line" if name else match.group(0)
+
+    return re.sub(r'File "([^"]+)", line', rename, text)
 
 
 def _rebuild_worker_error(rank: int, summary: str, kwargs: dict) -> WorkerError:

@@ -99,6 +99,9 @@ def _captured(payload: Payload) -> Iterator[tuple[str, Any]]:
 
 
 def _captured_by_function(fn: Any) -> Iterator[tuple[str, Any]]:
+    if hasattr(fn, "__nbddp_captured__"):  # e.g. a notebook cell: its names
+        yield from fn.__nbddp_captured__()
+        return
     fn = getattr(fn, "__func__", fn)  # bound methods: look at the function
     if not isinstance(fn, types.FunctionType):
         yield "fn", fn

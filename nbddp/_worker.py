@@ -25,6 +25,7 @@ from ._payload import Payload, dumps_value
 from ._rundir import RunDir
 
 _PR_SET_PDEATHSIG = 1
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _redirect_output(log: Path) -> None:
@@ -82,7 +83,7 @@ def _run(payload: Payload) -> Any:
 def _failure(rank: int, exc: BaseException) -> Failure:
     """Describe ``exc`` with a traceback that starts in the user's code, not in nbddp."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
     text = "".join(traceback.format_exception(type(exc), exc, tb))
     try:

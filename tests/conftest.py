@@ -117,3 +117,40 @@ def wait_until(condition, timeout: float = 30.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s: {condition}")
+
+
+# --- real Jupyter kernels -------------------------------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _jupyter_event_loop():
+    """jupyter_client's sync API keeps one asyncio loop (a socket pair) per thread;
+    create it before the per-test leftover check, which would count it as a leak."""
+    from jupyter_core.utils import ensure_event_loop
+
+    ensure_event_loop()
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    """One kernel per test module, for tests that neither interrupt nor kill it."""
+    from .kernel_driver import Kernel
+
+    k = Kernel(tmp_path_factory.mktemp("kernel"))
+    try:
+        k.run("import nbddp").assert_ok()
+        yield k
+    finally:
+        k.shutdown()
+
+
+@pytest.fixture
+def fresh_kernel(tmp_path):
+    """A kernel of the test's own, for tests that interrupt or kill it."""
+    from .kernel_driver import Kernel
+
+    k = Kernel(tmp_path)
+    try:
+        yield k
+    finally:
+        k.shutdown()

@@ -1,0 +1,141 @@
+"""A notebook cell as something every rank can run.
+
+The cell travels as its source and the notebook names it reads before assigning them:
+imported modules go by name, notebook functions, classes and data by value, and names
+it does not use stay in the kernel. On a rank it runs like a notebook cell: statements
+in order, a trailing expression's value returned, line numbers the cell's own.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """Rank 0's view after the cell ran: its trailing expression and the ``--out`` names."""
+
+    value: Any = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A cell's code with the notebook names it needs; calling it runs the cell."""
+
+    source: str
+    """The code, compiled as is; its line numbers are the ones the user sees."""
+    filename: str
+    """The name tracebacks show for the cell (IPython's name for it in a notebook)."""
+    namespace: dict[str, Any] = field(default_factory=dict)
+    """The notebook names the cell reads."""
+    outputs: tuple[str, ...] = ()
+    """Names whose values come back to the notebook after the run."""
+
+    @classmethod
+    def from_notebook(
+        cls, source: str, filename: str, user_ns: Mapping[str, Any],
+        hidden: Mapping[str, Any] | None = None, outputs: tuple[str, ...] = (),
+    ) -> Cell:
+        """Parse ``source`` (a SyntaxError points at the cell's line) and pick its names."""
+        __tracebackhide__ = True
+        tree = ast.parse(source, filename)
+        hidden = hidden or {}
+        names = [n for n in sorted(names_read_from_outside(tree))
+                 if n in user_ns and not (n in hidden and hidden[n] is user_ns[n])]
+        return cls(source, filename, {n: user_ns[n] for n in names}, outputs)
+
+    def __nbddp_captured__(self) -> Iterator[tuple[str, Any]]:
+        """What a user would recognise as shipped, for pickling errors and size warnings."""
+        for name, value in self.namespace.items():
+            yield f"notebook name {name!r}", value
+
+    def __call__(self) -> CellResult:
+        scope = _cell_globals(self.namespace)
+        tree = ast.parse(self.source, self.filename)
+        last = tree.body[-1] if tree.body else None
+        if isinstance(last, ast.Expr):  # like IPython: the last expression is the result
+            tree.body.pop()
+        exec(compile(tree, self.filename, "exec"), scope)
+        value = None
+        if isinstance(last, ast.Expr):
+            value = eval(compile(ast.Expression(last.value), self.filename, "eval"), scope)
+        missing = [name for name in self.outputs if name not in scope]
+        if missing:
+            raise NameError(f"--out names not defined by the cell: {', '.join(missing)}")
+        return CellResult(value, {name: for_notebook(scope[name]) for name in self.outputs})
+
+
+def names_read_from_outside(tree: ast.Module) -> set[str]:
+    """Names the cell reads before (or without) assigning them itself.
+
+    Top-level statements are taken in order; names read inside functions, classes and
+    comprehensions count unless the cell assigns them at top level somewhere.
+    """
+    assigned: set[str] = set()
+    needed: set[str] = set()
+    deferred: set[str] = set()
+    for statement in tree.body:
+        reads, writes, nested = _names(statement)
+        needed |= reads - assigned
+        deferred |= nested
+        assigned |= writes
+    return needed | (deferred - assigned)
+
+
+def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str]]:
+    """(top-level reads, top-level writes, reads inside nested scopes) of a statement."""
+    reads: set[str] = set()
+    writes: set[str] = set()
+    nested: set[str] = set()
+    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda,
+              ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    stack: list[tuple[ast.AST, bool]] = [(statement, False)]
+    while stack:
+        node, inside = stack.pop()
+        if isinstance(node, ast.Name):
+            loads = isinstance(node.ctx, ast.Load)
+            if not inside:
+                (reads if loads else writes).add(node.id)
+            elif loads:  # names stored inside a function or comprehension are its own
+                nested.add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            (nested if inside else writes).add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                writes.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            nested.update(node.names)
+        for child in ast.iter_child_nodes(node):
+            stack.append((child, inside or isinstance(node, scopes)))
+    return reads, writes, nested
+
+
+def _cell_globals(namespace: dict[str, Any]) -> dict[str, Any]:
+    """One global scope shared by the cell and the notebook functions it brought along.
+
+    cloudpickle gives every notebook function of one payload the same globals dict;
+    running the cell in that dict means a name the cell assigns is seen by them.
+    """
+    for value in namespace.values():
+        if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
+            scope = value.__globals__
+            break
+    else:
+        scope = {"__name__": "__main__", "__builtins__": builtins}
+    scope.update(namespace)
+    return scope
+
+
+def for_notebook(value: Any) -> Any:
+    """What a name's value becomes in the notebook: a DDP model comes back as its module."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.nn.parallel.DistributedDataParallel):
+        return value.module
+    return value

@@ -1,0 +1,116 @@
+"""``%%ddp``: run a notebook cell on every rank; a thin adapter over ``launch``.
+
+It parses the options, turns the cell into a ``Cell`` (the notebook names it reads go
+along), calls ``launch`` and binds the ``--out`` names in the notebook afterwards.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from ._cell import Cell, CellResult
+from ._devices import visible_gpu_count
+from ._launch import launch
+
+_CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
+
+
+def _parse_gpus(text: str | None) -> int | list[int] | None:
+    """``"2"``: two GPUs; ``"0,2"`` (or ``"1,"``): those GPUs."""
+    if text is None:
+        return None
+    try:
+        if "," in text:
+            return [int(part) for part in text.split(",") if part.strip()]
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--gpus takes a count (2) or GPU indices (0,2), not {text!r}") from None
+
+
+def _check_gpus(gpus: int | list[int]) -> None:
+    available = visible_gpu_count()
+    wanted = gpus if isinstance(gpus, int) else max(gpus, default=-1) + 1
+    if wanted > available:
+        raise UsageError(f"--gpus {gpus} asks for more GPUs than the {available} visible; "
+                         f"{_CPU_HINT}")
+
+
+def _parse_names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    bad = [name for name in names if not name.isidentifier()]
+    if bad:
+        raise UsageError(f"--out takes comma-separated names, and {bad} are not names")
+    return names
+
+
+@magics_class
+class DDPMagics(Magics):
+    """The ``%%ddp`` cell magic."""
+
+    @magic_arguments()
+    @argument("-h", "--help", action="store_true", help="show this help")
+    @argument("--gpus", metavar="N|I,J",
+              help="one rank per GPU: a count (--gpus 2) or GPU indices (--gpus 0,2)")
+    @argument("--nprocs", type=int, metavar="N",
+              help="N ranks on whatever devices exist (gloo on CPU); default: one per "
+                   "visible GPU, or 2 on a machine without one")
+    @argument("--backend", help="process-group backend (default: nccl on GPU, gloo on CPU)")
+    @argument("--timeout", type=float, metavar="SECONDS",
+              help="stop every rank and raise TimeoutError after this many seconds")
+    @argument("--no-init", action="store_true",
+              help="do not initialise the default process group (your code does)")
+    @argument("--out", default="", metavar="NAMES",
+              help="comma-separated names whose rank-0 values are bound in the notebook "
+                   "after the run (a DDP model comes back as its module; tensors on CPU)")
+    @argument("--all-ranks", action="store_true",
+              help="show every rank's output live, each line prefixed with its rank")
+    @cell_magic
+    def ddp(self, line: str, cell: str) -> Any:
+        """Run this cell on every rank of a fresh DDP process group started by torchrun.
+
+        The cell sees the notebook names it uses (modules are imported by name on the
+        ranks; functions, classes and data are sent by value). Rank 0's output is shown
+        live; the value of a trailing expression on rank 0 is the cell's result; a
+        failing rank raises nbddp.WorkerError with the traceback of the cell's lines.
+        """
+        __tracebackhide__ = True  # errors show the user's cell, not this frame
+        args = parse_argstring(self.ddp, line)
+        if args.help:
+            print(self.ddp.parser.format_help())
+            return None
+        gpus = _parse_gpus(args.gpus)
+        if gpus is not None:
+            _check_gpus(gpus)
+        try:
+            code = self._cell(cell, _parse_names(args.out))
+        except SyntaxError as exc:  # shown at the cell's line, before anything starts
+            raise exc.with_traceback(None) from None
+        result: CellResult = launch(
+            code, args.nprocs, gpus=gpus,
+            backend=args.backend, timeout=args.timeout, init=not args.no_init,
+            output="all" if args.all_ranks else "rank0",
+        )
+        self._shell.user_ns.update(result.outputs)
+        return result.value
+
+    @property
+    def _shell(self) -> Any:
+        assert self.shell is not None, "the magic runs inside IPython"
+        return self.shell
+
+    def _cell(self, body: str, outputs: tuple[str, ...]) -> Cell:
+        """The cell as the ranks run it: line 1 is the ``%%ddp`` line, as in the notebook."""
+        __tracebackhide__ = True
+        source = "\n" + body
+        filename = self._shell.compile.cache(source, self._shell.execution_count)
+        return Cell.from_notebook(source, filename, self._shell.user_ns,
+                                  self._shell.user_ns_hidden, outputs)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbddp`` registers ``%%ddp``."""
+    ipython.register_magics(DDPMagics)
