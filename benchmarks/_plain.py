@@ -1,12 +1,14 @@
 """Plain-torchrun entry: ``torchrun ... _plain.py OUT_JSON WORKLOAD [INT_ARGS...]``.
 
-Does what an nbddp rank does around the user's function (init the gloo process group,
-call it, destroy the group); rank 0 writes the return value to OUT_JSON.
+Does what an nbddp rank does around the user's function: init the gloo process group,
+call it, destroy the group, and leave with ``os._exit`` (gloo can abort in C++ static
+destructors at a normal exit, failing the run). Rank 0 writes the value to OUT_JSON.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +25,9 @@ def main(argv: list[str]) -> None:
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(value))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

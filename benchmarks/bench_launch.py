@@ -103,15 +103,17 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="untimed training steps first")
     parser.add_argument("--json", type=Path, help="write the numbers to this file")
     opts = parser.parse_args()
+    if min(opts.repeats, opts.steps) < 1 or opts.warmup < 0:
+        parser.error("--repeats and --steps must be at least 1, --warmup at least 0")
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         # torchrun leaves a torchelastic_* log dir in TMPDIR per run: keep them in ours.
         os.environ["TMPDIR"] = tempfile.tempdir = tmp
         env = rank_environment(RunConfig(nprocs=NPROCS))  # what nbddp gives its torchrun
-        print(f"launch + all_reduce: 1 warm-up + {opts.repeats} runs each ", end="", flush=True)
+        print(f"launch + all_reduce: {opts.repeats} runs each ", end="", flush=True)
         trivial_nb = partial(run_nbddp, _workloads.allreduce_once)
         trivial_tr = partial(run_torchrun, Path(tmp), env, _workloads.allreduce_once)
-        trivial_nb(), trivial_tr()  # warm the file cache; not counted
+        trivial_tr()  # warm the file cache (python, torch) for both; not counted
         nb, tr = alternate(opts.repeats, trivial_nb, trivial_tr)
         if {v for _, v in nb + tr} != {float(NPROCS)}:
             raise RuntimeError(f"all_reduce gave a wrong sum: {nb + tr}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import linecache
 import os
+import pickle
 import sys
 import types
 import warnings
@@ -50,26 +51,28 @@ class Payload:
         return cls(fn, tuple(args), dict(kwargs), _import_path(), _notebook_sources(), options)
 
     def dumps(self) -> bytes:
-        """Pickle for the ranks; name the culprit if it fails, warn if it is huge."""
+        """Pickle for the ranks; name the culprit if it fails, warn if it is huge.
+
+        The user's objects are pickled apart from the import path, so a rank can put
+        the kernel's path in place before it unpickles them.
+        """
         try:
-            data = cloudpickle.dumps(self)
+            body = cloudpickle.dumps((self.fn, self.args, self.kwargs))
         except Exception as exc:
             raise _explain_pickling_failure(self, exc) from exc
-        if len(data) > LARGE_PAYLOAD_BYTES:
-            warnings.warn(_large_payload_message(self, len(data)), stacklevel=3)
-        return data
+        if len(body) > LARGE_PAYLOAD_BYTES:
+            warnings.warn(_large_payload_message(self, len(body)), stacklevel=3)
+        return pickle.dumps((body, self.sys_path, self.sources, self.options))
 
-    @staticmethod
-    def loads(data: bytes) -> Payload:
-        payload = cloudpickle.loads(data)
-        assert isinstance(payload, Payload)
-        return payload
-
-    def install(self) -> None:
-        """Make the kernel's import path and cell sources available in this process."""
-        sys.path.extend(p for p in self.sys_path if p not in sys.path)
-        for filename, lines in self.sources.items():
+    @classmethod
+    def unpack(cls, data: bytes) -> Payload:
+        """Install the kernel's import path and cell sources here, then unpickle the rest."""
+        body, sys_path, sources, options = pickle.loads(data)
+        sys.path.extend(p for p in sys_path if p not in sys.path)
+        for filename, lines in sources.items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+        fn, args, kwargs = cloudpickle.loads(body)
+        return cls(fn, args, kwargs, sys_path, sources, options)
 
 
 def _import_path() -> tuple[str, ...]:

@@ -25,6 +25,7 @@ class RunDir:
         self.socket = path / "channel.sock"
         self.failures = path / "failures.json"
         self.launcher_log = path / "torchrun.log"
+        self.torchrun_logs = path / "torchelastic"  # torchrun's own log dir, kept inside
 
     @classmethod
     def create(cls) -> RunDir:

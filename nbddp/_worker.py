@@ -69,7 +69,8 @@ def _run(payload: Payload) -> Any:
     import torch.distributed as dist
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    on_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    on_gpu = (options["backend"] != "gloo" and torch.cuda.is_available()
+              and local_rank < torch.cuda.device_count())
     if on_gpu:
         torch.cuda.set_device(local_rank)
     dist.init_process_group(options["backend"] or ("nccl" if on_gpu else "gloo"))
@@ -120,8 +121,7 @@ def main(run_dir: str) -> None:
     _stop_when_kernel_goes(channel, finished)
     channel.send(Hello(rank, os.getpid()))
     try:
-        payload = Payload.loads(paths.payload.read_bytes())
-        payload.install()
+        payload = Payload.unpack(paths.payload.read_bytes())
         value = _run(payload)
         wanted = rank == 0 or payload.options["all_ranks"]
         report: Result | Failure = Result(rank, _dumps_result(value) if wanted else None)

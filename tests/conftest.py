@@ -71,7 +71,9 @@ def descendants(root: int | None = None) -> set[int]:
 
 
 def run_dirs() -> set[str]:
-    return set(glob.glob(os.path.join(tempfile.gettempdir(), "nbddp-*")))
+    """nbddp run dirs, and torchrun's own log dirs, in this session's temp dir."""
+    return {path for pattern in ("nbddp-*", "torchelastic_*")
+            for path in glob.glob(os.path.join(tempfile.gettempdir(), pattern))}
 
 
 def socket_fds() -> set[str]:

@@ -181,3 +181,17 @@ def test_output_all_prefixes_every_rank_and_none_shows_nothing(capfd):
 def test_bad_output_choice_is_rejected():
     with pytest.raises(ValueError, match="output must be one of"):
         nbddp.launch(print, 2, output="rank1")
+
+
+def test_modules_on_the_kernels_sys_path_import_on_the_ranks(tmp_path, monkeypatch):
+    import importlib
+    import sys
+
+    (tmp_path / "helpers_on_path.py").write_text("def triple(x):\n    return 3 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # what sys.path.append does in a notebook
+    monkeypatch.chdir("/")  # not found through the working directory either
+    module = importlib.import_module("helpers_on_path")
+    try:
+        assert nbddp.launch(module.triple, 2, args=(5,), init=False) == 15
+    finally:
+        del sys.modules["helpers_on_path"]
