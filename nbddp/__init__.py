@@ -2,11 +2,21 @@
 
 from ._errors import NbddpError, PayloadError, WorkerError
 from ._job import Job
-from ._launch import launch
+from ._launch import last_job, launch
+from ._metrics import log, progress
 
 __version__ = "0.1.0"
 
-__all__ = ["Job", "NbddpError", "PayloadError", "WorkerError", "launch"]
+__all__ = [
+    "Job",
+    "NbddpError",
+    "PayloadError",
+    "WorkerError",
+    "last_job",
+    "launch",
+    "log",
+    "progress",
+]
 
 
 def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's hook

@@ -64,6 +64,15 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Metrics:
+    """A batch of one rank's ``nbddp.log`` records and its ``nbddp.progress`` position."""
+
+    rank: int
+    records: list[tuple[int, dict[str, float]]]
+    position: tuple[int, int | None, str | None] | None = None
+
+
+@dataclass(frozen=True)
 class Disconnected:
     """Kernel-side event: a rank's connection closed."""
 

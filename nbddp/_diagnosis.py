@@ -42,8 +42,11 @@ def diagnose(
             return NbddpError("torchrun failed before the ranks ran:\n" + _launcher_tail(run_dir))
     root = next((c for c in candidates if not _peer_lost(c)), candidates[0])
     if isinstance(root, Failure):
-        return _raised(root, logs)
-    return _died(root.rank, exits.get(root.rank), logs)
+        error = _raised(root, logs)
+    else:
+        error = _died(root.rank, exits.get(root.rank), logs)
+    error.log_dir = str(run_dir.records)
+    return error
 
 
 def _peer_lost(report: Failure | Disconnected) -> bool:

@@ -34,7 +34,8 @@ class WorkerError(NbddpError):
 
     ``traceback`` is the remote traceback as text (``None`` when the rank died
     without raising), ``exitcode``/``signal`` describe how the process ended where
-    known, and ``logs`` maps every rank to its full output.
+    known, ``logs`` maps every rank to its output, and ``log_dir`` is the folder
+    where every rank's full log is kept.
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class WorkerError(NbddpError):
         exitcode: int | None = None,
         signal: str | None = None,
         logs: dict[int, str] | None = None,
+        log_dir: str | None = None,
     ) -> None:
         super().__init__(f"rank {rank} {summary}")
         self.rank = rank
@@ -54,10 +56,11 @@ class WorkerError(NbddpError):
         self.exitcode = exitcode
         self.signal = signal
         self.logs: dict[int, str] = dict(logs or {})
+        self.log_dir = log_dir
 
     def __reduce__(self):
         kwargs = dict(traceback=self.traceback, exitcode=self.exitcode,
-                      signal=self.signal, logs=self.logs)
+                      signal=self.signal, logs=self.logs, log_dir=self.log_dir)
         return _rebuild_worker_error, (self.rank, self.summary, kwargs)
 
     @property
@@ -74,8 +77,10 @@ class WorkerError(NbddpError):
         elif self.output_tail:
             parts.append(f"\n--- last lines of rank {self.rank}'s output ---\n"
                          + self.output_tail)
-        if self.logs:
-            parts.append(f"\n(full output of each rank: .logs[rank], ranks {sorted(self.logs)})")
+        if self.log_dir:
+            parts.append(f"\n(every rank's full output: .logs[rank], and {self.log_dir})")
+        elif self.logs:
+            parts.append(f"\n(every rank's full output: .logs[rank], ranks {sorted(self.logs)})")
         return "\n".join(parts)
 
     def _render_traceback_(self) -> list[str]:

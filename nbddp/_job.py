@@ -16,13 +16,16 @@ import threading
 import time
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Generic, TextIO, TypeVar
 
-from ._channel import ChannelServer, Disconnected, Failure, Hello, Result, new_key
+from ._channel import ChannelServer, Disconnected, Failure, Hello, Metrics, Result, new_key
 from ._config import RunConfig
 from ._diagnosis import diagnose
+from ._display import Panel, PanelState, make_panel
 from ._errors import NbddpError
-from ._output import LogTail
+from ._history import History, read_history
+from ._output import BoundedOutput, LogTail
 from ._payload import loads_value
 from ._process import Launcher
 from ._rundir import RunDir
@@ -31,6 +34,7 @@ logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
 _PUMP_INTERVAL = 0.05
+_REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
 
 
@@ -59,7 +63,8 @@ class Job(Generic[R]):
         self._failures: list[Failure | Disconnected] = []
         self._tails: list[LogTail]
         self._server: ChannelServer
-        self._launcher: Launcher  # these three exist once started; teardown checks
+        self._launcher: Launcher  # these exist once started; teardown checks
+        self._panel: Panel
         self._run_dir = RunDir.create()
         try:
             self._start(payload, stdout or sys.stdout)
@@ -71,7 +76,11 @@ class Job(Generic[R]):
         key = new_key()
         self._run_dir.write_private(self._run_dir.key, key)
         self._run_dir.write_private(self._run_dir.payload, payload)
-        self._tails = self._make_tails(stdout)
+        self._history = History(self.config.nprocs, self._run_dir.metrics)
+        self.state = PanelState(self.config.nprocs, self._history, str(self._run_dir.records))
+        self._panel = make_panel(stdout)
+        self._output = BoundedOutput(self._panel.write, self._run_dir.records)
+        self._tails = self._make_tails(self._output)
         self._server = ChannelServer(self._run_dir.socket, key, self._events)
         self._started = time.monotonic()
         self._launcher = Launcher(self._run_dir, self.config)
@@ -117,13 +126,24 @@ class Job(Generic[R]):
             return value
         raise value
 
+    @property
+    def records(self) -> Path:
+        """The folder that keeps this run's full per-rank logs and metrics history."""
+        return self._run_dir.records
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every step's rank-averaged metrics so far: dicts with ``step``, ``ranks`` and
+        each metric (read from the run's records, so complete however long the run)."""
+        return read_history(self._run_dir.metrics)
+
     # --- supervision ----------------------------------------------------------------
 
-    def _make_tails(self, stdout: TextIO) -> list[LogTail]:
+    def _make_tails(self, sink: BoundedOutput) -> list[LogTail]:
         if self.config.output == "rank0":
-            return [LogTail(self._run_dir.rank_log(0), stdout)]
+            return [LogTail(self._run_dir.rank_log(0), sink)]
         if self.config.output == "all":
-            return [LogTail(self._run_dir.rank_log(r), stdout, prefix=f"[rank {r}] ")
+            return [LogTail(self._run_dir.rank_log(r), sink, prefix=f"[rank {r}] ")
                     for r in range(self.config.nprocs)]
         return []
 
@@ -144,6 +164,7 @@ class Job(Generic[R]):
     def _watch(self) -> tuple[bool, Any]:
         """Consume events until the run's ending is known; return (ok, value or error)."""
         deadline = None if self.config.timeout is None else self._started + self.config.timeout
+        refreshed = 0.0
         while True:
             try:
                 event = self._events.get(timeout=_PUMP_INTERVAL)
@@ -160,18 +181,30 @@ class Job(Generic[R]):
             ending = self._handle(event)
             if ending is not None:
                 return ending
+            if time.monotonic() - refreshed >= _REFRESH_INTERVAL:  # coalesce redraws
+                self._history.tick()
+                self._panel.refresh(self.state)
+                refreshed = time.monotonic()
 
     def _handle(self, event: Any) -> tuple[bool, Any] | None:
-        if isinstance(event, Hello):
+        if isinstance(event, Metrics):
+            self._history.add(event.rank, event.records)
+            if event.rank == 0 and event.position is not None:
+                self.state.set_position(event.position)
+        elif isinstance(event, Hello):
             self._launcher.add_rank(event.pid)
+            self.state.ranks[event.rank] = "running"
         elif isinstance(event, Result):
             self._results[event.rank] = event
+            self.state.ranks[event.rank] = "finished"
         elif isinstance(event, Failure):
             self._failures.append(event)
+            self.state.ranks[event.rank] = "failed"
             return False, None  # the error is built after teardown, from every report
         elif isinstance(event, Disconnected) and event.rank not in self._results:
             if not any(getattr(f, "rank", None) == event.rank for f in self._failures):
                 self._failures.append(event)
+                self.state.ranks[event.rank] = "failed"
                 return self._await_death_report()
         elif isinstance(event, _LauncherExited):
             return self._launcher_ended(event.code)
@@ -212,6 +245,8 @@ class Job(Generic[R]):
                 self._failures.append(event)
             elif isinstance(event, Result):
                 self._results[event.rank] = event
+            elif isinstance(event, Metrics):
+                self._history.add(event.rank, event.records)
 
     def _collect_results(self) -> Any:
         ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
@@ -234,10 +269,34 @@ class Job(Generic[R]):
                 tail.close()
             self.logs = self._run_dir.read_logs(self.config.nprocs)
             if outcome == (False, None):
-                return False, diagnose(self._failures, self._results, self._run_dir,
-                                       self.config.nprocs, self.logs)
+                outcome = False, diagnose(self._failures, self._results, self._run_dir,
+                                          self.config.nprocs, self.logs)
             return outcome
         finally:
             if hasattr(self, "_server"):
                 self._server.close()
             self._run_dir.remove()
+            if hasattr(self, "_panel"):
+                self._show_ending(outcome)
+
+    def _show_ending(self, outcome: tuple[bool, Any]) -> None:
+        self._output.close()
+        self._history.close()
+        self.state.ended = time.monotonic()
+        self.state.status, self.state.message = _describe(outcome)
+        self.state.ranks = [s if s != "running" else "stopped" for s in self.state.ranks]
+        self._panel.close(self.state)
+
+
+def _describe(outcome: tuple[bool, Any]) -> tuple[str, str]:
+    """The panel's status word and message for how the run ended."""
+    ok, value = outcome
+    if ok:
+        return "finished", ""
+    if isinstance(value, KeyboardInterrupt):
+        return "interrupted", "every rank was stopped"
+    if isinstance(value, CancelledError):
+        return "cancelled", "every rank was stopped"
+    if isinstance(value, TimeoutError):
+        return "timed out", str(value)
+    return "failed", str(value).splitlines()[0] if str(value) else type(value).__name__

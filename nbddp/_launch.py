@@ -95,5 +95,16 @@ def launch(
                                all_ranks=all_ranks, env=dict(env or {}), output=output)
     options = {"init": init, "backend": backend, "all_ranks": all_ranks}
     payload = Payload.capture(fn, tuple(args), dict(kwargs or {}), options).dumps()
+    global _last_job
     job: Job[R] = Job(config, payload)
+    _last_job = job
     return job if not wait else job.result()
+
+
+_last_job: Job | None = None
+
+
+def last_job() -> Job | None:
+    """The ``Job`` of the latest ``launch`` (or ``%%ddp`` cell) in this process, if any:
+    its ``history`` of rank-averaged metrics, ``logs`` and ``records`` folder."""
+    return _last_job

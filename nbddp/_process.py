@@ -30,7 +30,7 @@ def torchrun_command(run_dir: RunDir, config: RunConfig, lifeline: int) -> list[
         sys.executable, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline),
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(config.nprocs),
         "--max-restarts", "0", "--log-dir", str(run_dir.torchrun_logs),
-        "-m", "nbddp._worker", str(run_dir.path),
+        "-m", "nbddp._worker", str(run_dir.path), str(run_dir.records),
     ]
 
 

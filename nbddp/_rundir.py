@@ -1,7 +1,8 @@
-"""The run's private directory: payload, key, channel socket and per-rank logs.
+"""The run's private directory (payload, key, channel socket), and its records' paths.
 
 The directory is 0700 and every file in it 0600, so only the user who launched the
-run can read the payload or reach the channel. It is removed when the run ends.
+run can read the payload or reach the channel. It is removed when the run ends; the
+records (per-rank logs, metrics) live in a folder of their own that is kept.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ._records import new_records_dir
+
 _MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
 LOG_TAIL_BYTES = 64 * 2**20
 
@@ -18,13 +21,15 @@ LOG_TAIL_BYTES = 64 * 2**20
 class RunDir:
     """Paths of one run's files; a run dir made by ``create`` is private to the user."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, records: Path | None = None) -> None:
         self.path = path
+        self.records = records or path
         self.payload = path / "payload.pkl"
         self.key = path / "key"
         self.socket = path / "channel.sock"
         self.failures = path / "failures.json"
-        self.launcher_log = path / "torchrun.log"
+        self.launcher_log = self.records / "torchrun.log"
+        self.metrics = self.records / "metrics.jsonl"
         self.torchrun_logs = path / "torchelastic"  # torchrun's own log dir, kept inside
 
     @classmethod
@@ -33,10 +38,10 @@ class RunDir:
         if len(str(path / "channel.sock")) > _MAX_SOCKET_PATH:
             path.rmdir()
             path = Path(tempfile.mkdtemp(prefix="nbddp-", dir="/tmp"))
-        return cls(path)
+        return cls(path, new_records_dir())
 
     def rank_log(self, rank: int) -> Path:
-        return self.path / f"rank-{rank}.log"
+        return self.records / f"rank-{rank}.log"
 
     def write_private(self, path: Path, data: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

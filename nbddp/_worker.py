@@ -1,4 +1,4 @@
-"""The entry point torchrun runs on every rank: ``python -m nbddp._worker RUN_DIR``.
+"""The entry point torchrun runs on every rank: ``python -m nbddp._worker RUN_DIR RECORDS``.
 
 Bootstrap order matters: output goes to the rank's log file first (so even a crash
 is recorded), then the rank connects to the kernel, loads the payload, sets up the
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ._channel import ChannelClient, Failure, Hello, Result
+from ._metrics import start_reporting
 from ._payload import Payload, dumps_value
 from ._rundir import RunDir
 
@@ -111,8 +112,8 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def main(run_dir: str) -> None:
-    paths = RunDir(Path(run_dir))
+def main(run_dir: str, records: str) -> None:
+    paths = RunDir(Path(run_dir), Path(records))
     rank = int(os.environ["RANK"])
     _redirect_output(paths.rank_log(rank))
     _die_with_launcher()
@@ -120,6 +121,7 @@ def main(run_dir: str) -> None:
     finished = threading.Event()
     _stop_when_kernel_goes(channel, finished)
     channel.send(Hello(rank, os.getpid()))
+    reporter = start_reporting(rank, channel.send)
     try:
         payload = Payload.unpack(paths.payload.read_bytes())
         value = _run(payload)
@@ -131,10 +133,11 @@ def main(run_dir: str) -> None:
         else:
             report = _failure(rank, exc)
     finished.set()
+    reporter.close()
     channel.send(report)
     channel.close()
     _exit(0 if isinstance(report, Result) else 1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2])

@@ -29,6 +29,7 @@ def pytest_configure(config):
     # so the leftover check sees this session's files only.
     session_tmp = tempfile.mkdtemp(prefix="pytest-nbddp-")
     os.environ["TMPDIR"] = tempfile.tempdir = session_tmp
+    os.environ["NBDDP_RUNS_DIR"] = os.path.join(session_tmp, "records")
 
 
 def pytest_unconfigure(config):

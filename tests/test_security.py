@@ -29,9 +29,13 @@ def test_run_dir_is_private_while_the_run_is_going(tmp_path):
     try:
         (run_dir,) = wait_until(run_dirs)
         assert mode(run_dir) == 0o700
-        for name in ("payload.pkl", "key", "channel.sock", "rank-0.log"):
+        for name in ("payload.pkl", "key", "channel.sock"):
             wait_until(lambda n=name: os.path.exists(os.path.join(run_dir, n)))
             assert mode(os.path.join(run_dir, name)) == 0o600, name
+        records = job.records
+        assert mode(records) == 0o700  # the kept logs are private too
+        wait_until(lambda: (records / "rank-0.log").exists())
+        assert mode(records / "rank-0.log") == 0o600
     finally:
         go.touch()
         job.result(timeout=60)

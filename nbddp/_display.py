@@ -1,0 +1,257 @@
+"""What a user watches while a run trains: one state object, two frontends.
+
+``PanelState`` holds progress, throughput, the latest rank-averaged metrics, each
+rank's state and the metric curves. ``WidgetPanel`` draws it with ipywidgets under the
+cell (a progress bar, a table, one SVG chart per metric); ``TextPanel`` prints the same
+through tqdm where widgets cannot render. Refreshes are coalesced by the caller.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TextIO
+
+from ._history import History
+
+_COLORS = {"starting": "#999", "running": "#1f77b4", "finished": "#2ca02c",
+           "failed": "#d62728", "stopped": "#999"}
+
+
+@dataclass
+class PanelState:
+    """Everything the panel shows, updated by the supervisor as messages arrive."""
+
+    nprocs: int
+    history: History
+    log_dir: str = ""
+    status: str = "running"
+    """running, finished, failed, cancelled, interrupted or timed out."""
+    message: str = ""
+    ranks: list[str] = field(default_factory=list)
+    position: tuple[int, int | None, str | None] | None = None
+    started: float = field(default_factory=time.monotonic)
+    ended: float | None = None
+    _progress_started: tuple[float, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.ranks = ["starting"] * self.nprocs
+
+    def set_position(self, position: tuple[int, int | None, str | None]) -> None:
+        if self._progress_started is None or position[0] < self._progress_started[1]:
+            self._progress_started = (time.monotonic(), position[0])
+        self.position = position
+
+    @property
+    def elapsed(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    @property
+    def rate(self) -> float | None:
+        """Rank 0's steps per second since its progress began."""
+        if self.position is None or self._progress_started is None:
+            return None
+        seconds = (self.ended or time.monotonic()) - self._progress_started[0]
+        done = self.position[0] - self._progress_started[1]
+        return done / seconds if seconds > 0 and done > 0 else None
+
+    @property
+    def eta(self) -> float | None:
+        if self.position is None or self.position[1] is None or not self.rate:
+            return None
+        return max(0.0, (self.position[1] - self.position[0]) / self.rate)
+
+    def summary(self) -> str:
+        """One line: the run's status, progress and latest averaged metrics."""
+        parts = [f"nbddp: {self.status} on {self.nprocs} ranks in {_duration(self.elapsed)}"]
+        if self.position is not None:
+            n, total, _ = self.position
+            parts.append(f"{n}/{total}" if total else f"{n} steps")
+        metrics = _metric_text(self.history.latest)
+        if metrics:
+            parts.append(f"rank-averaged {metrics}")
+        if self.message:
+            parts.append(self.message)
+        return ", ".join(parts)
+
+
+class Panel(Protocol):
+    def refresh(self, state: PanelState) -> None: ...
+    def write(self, text: str) -> None: ...
+    def close(self, state: PanelState) -> None: ...
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def _metric_text(row: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:.4g}" for k, v in row.items() if k not in ("step", "ranks"))
+
+
+# --- text ----------------------------------------------------------------------------
+
+
+class TextPanel:
+    """tqdm in a terminal or plain Python: a bar once progress or metrics arrive."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._bar: Any = None
+        self._shown: tuple | None = None
+
+    def refresh(self, state: PanelState) -> None:
+        shown = (state.position, state.history.latest.get("step"))
+        if shown == self._shown or (state.position is None and not state.history.latest):
+            return  # nothing new: no redraw (and no falling it/s once progress is done)
+        self._shown = shown
+        if self._bar is None:
+            from tqdm import tqdm
+
+            total = state.position[1] if state.position else None
+            desc = state.position[2] if state.position else None
+            self._bar = tqdm(total=total, desc=desc or "rank 0", file=self._stream,
+                             dynamic_ncols=True, mininterval=0, leave=True)
+        if state.position is not None:
+            self._bar.total = state.position[1]
+            self._bar.n = state.position[0]
+        self._bar.set_postfix_str(_metric_text(state.history.latest), refresh=False)
+        self._bar.refresh()
+
+    def write(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.clear()
+            self._stream.write(text)
+            self._bar.refresh()
+        else:
+            self._stream.write(text)
+        self._stream.flush()
+
+    def close(self, state: PanelState) -> None:
+        if self._bar is not None:
+            self.refresh(state)
+            self._bar.close()
+        self._stream.write(state.summary() + "\n")
+        self._stream.flush()
+
+
+# --- widgets -------------------------------------------------------------------------
+
+
+class WidgetPanel:
+    """ipywidgets under the cell: header, progress bar, metrics, charts, ranks."""
+
+    def __init__(self, stream: TextIO) -> None:
+        try:
+            import ipywidgets as w
+        except ImportError as exc:  # pragma: no cover - a dependency, but say what to do
+            raise ImportError("the live panel needs ipywidgets: pip install ipywidgets") from exc
+        from IPython.display import display
+
+        self._stream = stream
+        self.header = w.HTML()
+        self.bar = w.IntProgress(value=0, min=0, max=1, bar_style="info",
+                                 layout=w.Layout(width="60%"))
+        self.speed = w.HTML()
+        self.metrics = w.HTML()
+        self.charts = w.HTML()
+        self.box = w.VBox([self.header, w.HBox([self.bar, self.speed]), self.metrics,
+                           self.charts])
+        display(self.box)
+
+    def refresh(self, state: PanelState) -> None:
+        self.header.value = _header_html(state)
+        n, total = (state.position or (0, None, None))[:2]
+        self.bar.max = max(total or n or 1, 1)
+        self.bar.value = min(n, self.bar.max)
+        self.bar.bar_style = {"finished": "success", "running": "info"}.get(state.status,
+                                                                           "danger")
+        self.speed.value = _speed_html(state)
+        self.metrics.value = _metrics_html(state.history.latest)
+        self.charts.value = "".join(svg_chart(name, points)
+                                    for name, points in state.history.series.items())
+
+    def write(self, text: str) -> None:
+        self._stream.write(text)
+        self._stream.flush()
+
+    def close(self, state: PanelState) -> None:
+        self.refresh(state)
+        self._stream.write(state.summary() + "\n")  # a record that survives without widgets
+        self._stream.flush()
+
+
+def _header_html(state: PanelState) -> str:
+    color = {"finished": "#2ca02c", "running": "#1f77b4"}.get(state.status, "#d62728")
+    ranks = " ".join(
+        f'<span title="rank {r}: {s}" style="color:{_COLORS[s]}">&#9679; {r} {s}</span>'
+        for r, s in enumerate(state.ranks))
+    message = f" &mdash; {html.escape(state.message)}" if state.message else ""
+    return (f'<b style="color:{color}">nbddp: {html.escape(state.status)}</b>{message}'
+            f'<br><small>ranks: {ranks}</small>')
+
+
+def _speed_html(state: PanelState) -> str:
+    n, total = (state.position or (0, None, None))[:2]
+    parts = [f"{n}/{total}" if total else f"{n}"]
+    if state.rate:
+        parts.append(f"{state.rate:.2f} it/s")
+    parts.append(f"elapsed {_duration(state.elapsed)}")
+    if state.eta is not None and state.status == "running":
+        parts.append(f"ETA {_duration(state.eta)}")
+    return "&nbsp;&nbsp;" + " &middot; ".join(parts)
+
+
+def _metrics_html(row: dict[str, Any]) -> str:
+    if not row:
+        return ""
+    cells = "".join(f"<td><b>{html.escape(k)}</b> {v:.4g}</td>" for k, v in row.items()
+                    if k not in ("step", "ranks"))
+    return (f"<table><tr><td>step {row['step']} (mean of {row['ranks']} ranks)</td>"
+            f"{cells}</tr></table>")
+
+
+def svg_chart(name: str, points: list[tuple[int, float]], width: int = 280,
+              height: int = 90) -> str:
+    """A small line chart of one metric over steps, as inline SVG."""
+    if not points:
+        return ""
+    steps = [p[0] for p in points]
+    values = [p[1] for p in points]
+    x0, x1 = min(steps), max(steps)
+    y0, y1 = min(values), max(values)
+    xs = (x1 - x0) or 1
+    ys = (y1 - y0) or 1
+    pad = 4
+    coords = " ".join(
+        f"{pad + (s - x0) / xs * (width - 2 * pad):.1f},"
+        f"{height - pad - (v - y0) / ys * (height - 2 * pad - 14):.1f}"
+        for s, v in points)
+    label = html.escape(f"{name}: {values[-1]:.4g} (min {y0:.4g}, max {y1:.4g})")
+    return (f'<svg class="nbddp-chart" data-metric="{html.escape(name)}" width="{width}" '
+            f'height="{height}" style="margin:4px;border:1px solid #ddd">'
+            f'<text x="{pad}" y="12" font-size="11">{label}</text>'
+            f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{coords}"/>'
+            "</svg>")
+
+
+def make_panel(stream: TextIO | None = None) -> Panel:
+    """Widgets inside a Jupyter kernel, text elsewhere; ``NBDDP_DISPLAY`` overrides."""
+    stream = stream or sys.stdout
+    choice = os.environ.get("NBDDP_DISPLAY", "auto")
+    if choice == "widget" or (choice == "auto" and _in_jupyter_kernel()):
+        return WidgetPanel(stream)
+    return TextPanel(stream)
+
+
+def _in_jupyter_kernel() -> bool:
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return False
+    shell = ipython.get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"

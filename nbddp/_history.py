@@ -1,0 +1,92 @@
+"""Rank-averaged metrics per step, in the kernel: exact on disk, bounded in memory.
+
+A step's average is taken once every rank has reported that step, or once it has
+waited ``STALE_SECONDS`` while some rank has moved past it (a rank far behind, or one
+that never logs, is then left out of that step; ``ranks`` records how many were
+averaged). Every averaged step is appended to a JSON-lines file; memory keeps at most
+``MAX_POINTS`` points per metric for the live chart, thinning old ones by half.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import IO, Any
+
+STALE_SECONDS = 2.0
+MAX_POINTS = 1000
+
+
+class History:
+    """Collects ranks' ``log`` records and turns them into one averaged row per step."""
+
+    def __init__(self, nprocs: int, path: Path | None = None) -> None:
+        self.nprocs, self.path = nprocs, path
+        self._pending: dict[int, dict[str, dict[int, float]]] = {}
+        self._first_seen: dict[int, float] = {}
+        self._latest_step: dict[int, int] = {}
+        self._file: IO[str] | None = path.open("a", buffering=1) if path else None
+        self.latest: dict[str, Any] = {}
+        """The last averaged row: ``step``, ``ranks`` and every metric."""
+        self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
+        """Per metric, (step, average) points for the chart, at most MAX_POINTS."""
+        self.steps = 0
+
+    def add(self, rank: int, records: list[tuple[int, dict[str, float]]]) -> None:
+        now = time.monotonic()
+        for step, metrics in records:
+            slot = self._pending.setdefault(step, {})
+            self._first_seen.setdefault(step, now)
+            for name, value in metrics.items():
+                slot.setdefault(name, {})[rank] = value
+            self._latest_step[rank] = max(step, self._latest_step.get(rank, step))
+        self._settle(now)
+
+    def _settle(self, now: float, everything: bool = False) -> None:
+        newest = max(self._latest_step.values(), default=None)
+        for step in sorted(self._pending):
+            reported = {rank for values in self._pending[step].values() for rank in values}
+            complete = len(reported) == self.nprocs
+            stale = now - self._first_seen[step] > STALE_SECONDS and newest is not None \
+                and newest > step
+            if complete or stale or everything:
+                self._finish(step, self._pending.pop(step), len(reported))
+                del self._first_seen[step]
+
+    def _finish(self, step: int, metrics: dict[str, dict[int, float]], ranks: int) -> None:
+        row: dict[str, Any] = {"step": step, "ranks": ranks}
+        for name, values in metrics.items():
+            row[name] = sum(values.values()) / len(values)
+            self._append_point(name, step, row[name])
+        self.latest = row
+        self.steps += 1
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+
+    def _append_point(self, name: str, step: int, value: float) -> None:
+        points = self.series[name]
+        points.append((step, value))
+        if len(points) > MAX_POINTS:
+            points[:] = points[::2]
+
+    def tick(self) -> None:
+        """Average steps that waited long enough (called while the run goes on)."""
+        self._settle(time.monotonic())
+
+    def close(self) -> None:
+        """Average whatever is left and close the file."""
+        self._settle(time.monotonic(), everything=True)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def read_history(path: Path) -> list[dict[str, Any]]:
+    """Every averaged step of a run, in order, from its JSON-lines file."""
+    try:
+        with path.open() as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []

@@ -1,0 +1,42 @@
+"""Where a run's records stay after it ends: every rank's full log and the metrics history.
+
+The temporary run dir (payload, key, socket) is removed when a run ends; its records
+are kept on purpose, like torchrun's ``--log-dir``, so a failure or a flood of output
+can be read in full later. They go to ``$NBDDP_RUNS_DIR`` (default
+``~/.cache/nbddp/runs``), one private folder per run; the newest ``KEEP_RUNS`` are kept.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+KEEP_RUNS = 20
+_PREFIX = "run-"
+
+
+def records_root() -> Path:
+    configured = os.environ.get("NBDDP_RUNS_DIR")
+    if configured:
+        return Path(configured)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "nbddp" / "runs"
+
+
+def new_records_dir() -> Path:
+    """A new private folder for one run's records; the oldest beyond KEEP_RUNS go."""
+    root = records_root()
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = root / f"{_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    path.mkdir(mode=0o700)
+    _prune(root)
+    return path
+
+
+def _prune(root: Path) -> None:
+    runs = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir())
+    for old in runs[:-KEEP_RUNS]:
+        shutil.rmtree(old, ignore_errors=True)
