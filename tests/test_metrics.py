@@ -1,0 +1,114 @@
+"""nbddp.log / nbddp.progress: averaged over ranks in the kernel, shown live, kept."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+import nbddp
+from nbddp._history import History
+
+
+def train_and_log(steps):
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    for step in nbddp.progress(range(steps), desc="epoch"):
+        nbddp.log(step=step, loss=torch.tensor(float(step * 10 + rank)), lr=0.1)
+    return "trained"
+
+
+def test_metrics_are_averaged_over_ranks_per_step():
+    job = nbddp.launch(train_and_log, 3, args=(50,), wait=False)
+    assert job.result(timeout=120) == "trained"
+    history = job.history
+    assert [row["step"] for row in history] == list(range(50))
+    for row in history:  # mean over ranks 0, 1, 2 of step*10 + rank
+        assert row["loss"] == pytest.approx(row["step"] * 10 + 1)
+        assert row["lr"] == pytest.approx(0.1)
+        assert row["ranks"] == 3
+    assert nbddp.last_job() is job
+    kept = [json.loads(line) for line in (job.records / "metrics.jsonl").read_text().splitlines()]
+    assert kept == history  # the full history is on disk too
+
+
+def test_text_panel_shows_progress_and_averaged_metrics(capfd):
+    nbddp.launch(train_and_log, 2, args=(30,))
+    out = capfd.readouterr()
+    text = out.out + out.err
+    assert "30/30" in text  # rank 0's progress reached the end
+    assert "loss=290.5" in text  # the last step's mean: (290 + 291) / 2
+    assert "nbddp: finished on 2 ranks" in text
+
+
+def test_step_none_counts_each_ranks_calls_and_bad_values_are_left_out(capfd):
+    def fn():
+        for i in range(5):
+            nbddp.log(value=i, label="not a number")
+        return True
+
+    job = nbddp.launch(fn, 2, wait=False)
+    assert job.result(timeout=60)
+    assert [(row["step"], row["value"]) for row in job.history] == [(i, i) for i in range(5)]
+    assert all("label" not in row for row in job.history)
+    assert "is not a number or a 0-d tensor" in job.logs[0]
+
+
+def test_a_rank_that_never_logs_does_not_hold_the_average_back():
+    def fn():
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            for step in range(3):
+                nbddp.log(step=step, loss=float(step))
+                time.sleep(1.5)
+        return True
+
+    job = nbddp.launch(fn, 2, wait=False)
+    job.result(timeout=60)
+    assert [(r["step"], r["loss"], r["ranks"]) for r in job.history] == [
+        (0, 0.0, 1), (1, 1.0, 1), (2, 2.0, 1)]
+
+
+def test_outside_a_run_log_does_nothing_and_progress_is_tqdm(capsys):
+    from tqdm.auto import tqdm
+
+    nbddp.log(loss=1.0)  # never raises
+    nbddp.log(step=3, loss="anything")
+    bar = nbddp.progress(range(3), desc="plain")
+    assert isinstance(bar, tqdm)
+    assert list(bar) == [0, 1, 2]
+
+
+def test_a_flood_of_output_is_bounded_and_the_full_log_kept(capfd):
+    def flood():
+        for i in range(100_000):
+            print(f"line {i}")
+        return "flooded"
+
+    job = nbddp.launch(flood, 2, wait=False)
+    assert job.result(timeout=120) == "flooded"
+    out = capfd.readouterr().out
+    assert out.count("\nline ") < 1100  # at most about 1000 lines shown
+    assert f"the full log is {job.records}" in out
+    assert "line 99999" in out  # the last lines are shown at the end
+    assert "line 50000" not in out
+    full = (job.records / "rank-0.log").read_text().splitlines()
+    assert len(full) == 100_000 and full[-1] == "line 99999"
+
+
+def test_history_keeps_memory_bounded_and_disk_complete(tmp_path):
+    history = History(nprocs=2, path=tmp_path / "m.jsonl")
+    for step in range(10_000):
+        history.add(0, [(step, {"loss": float(step)})])
+        history.add(1, [(step, {"loss": float(step) + 2})])
+    history.close()
+    points = history.series["loss"]
+    assert len(points) <= 1000
+    assert points[-1] == (9999, 10000.0)  # the newest point is always kept
+    rows = (tmp_path / "m.jsonl").read_text().splitlines()
+    assert len(rows) == 10_000
+    assert json.loads(rows[1234]) == {"step": 1234, "ranks": 2, "loss": 1235.0}
