@@ -1,0 +1,90 @@
+"""The live panel as a notebook stores it: widget state after a real run (nbclient)."""
+
+from __future__ import annotations
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+TRAIN = '''
+import nbddp
+
+def train(steps):
+    import time
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    for step in nbddp.progress(range(steps), desc="train"):
+        nbddp.log(step=step, loss=step + 10 * rank, acc=0.5 + rank)
+        time.sleep(0.01)
+    return "trained"
+
+nbddp.launch(train, nprocs=2, args=(30,))
+'''
+
+FAIL = '''
+def fails(steps):
+    import torch.distributed as dist
+    for step in nbddp.progress(range(steps)):
+        nbddp.log(step=step, loss=1.0)
+        if dist.get_rank() == 1 and step == 5:
+            raise RuntimeError("diverged")
+
+nbddp.launch(fails, nprocs=2, args=(100,))
+'''
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    """A notebook with a training cell and a failing cell, run with widget state kept."""
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(TRAIN), nbformat.v4.new_code_cell(FAIL)]
+    NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
+                   store_widget_state=True,
+                   resources={"metadata": {"path": str(tmp_path_factory.mktemp("nb"))}}
+                   ).execute()
+    return nb
+
+
+def panel(nb, cell_index):
+    """The widget models of the panel shown under one cell, by class name."""
+    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
+    (shown,) = [o for o in nb.cells[cell_index].outputs if o.output_type == "display_data"]
+    models: dict[str, list[dict]] = {}
+
+    def walk(model_id):
+        model = state[model_id]
+        models.setdefault(model["model_name"], []).append(model["state"])
+        for child in model["state"].get("children", []):
+            walk(child.removeprefix("IPY_MODEL_"))
+
+    walk(shown.data["application/vnd.jupyter.widget-view+json"]["model_id"])
+    return models
+
+
+def test_a_finished_run_shows_the_final_step_and_rank_averages(executed):
+    models = panel(executed, 0)
+    (bar,) = models["IntProgressModel"]
+    assert (bar["value"], bar["max"], bar["bar_style"]) == (30, 30, "success")
+    html = " ".join(m["value"] for m in models["HTMLModel"])
+    assert "nbddp: finished" in html
+    assert "step 29 (mean of 2 ranks)" in html
+    assert "<b>loss</b> 34" in html  # mean of 29 and 29 + 10
+    assert "<b>acc</b> 1" in html  # mean of 0.5 and 1.5
+    assert 'class="nbddp-chart" data-metric="loss"' in html
+    assert "30/30" in html
+    stream = "".join(o.get("text", "") for o in executed.cells[0].outputs)
+    assert "nbddp: finished on 2 ranks" in stream  # a record that needs no widgets
+
+
+def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
+    models = panel(executed, 1)
+    (bar,) = models["IntProgressModel"]
+    assert bar["bar_style"] == "danger"
+    html = " ".join(m["value"] for m in models["HTMLModel"])
+    assert "nbddp: failed" in html
+    assert "rank 1 raised RuntimeError: diverged" in html
+    assert "1 failed" in html  # the per-rank state
+    (error,) = [o for o in executed.cells[1].outputs if o.output_type == "error"]
+    assert error.ename == "WorkerError"
