@@ -112,3 +112,20 @@ def test_history_keeps_memory_bounded_and_disk_complete(tmp_path):
     rows = (tmp_path / "m.jsonl").read_text().splitlines()
     assert len(rows) == 10_000
     assert json.loads(rows[1234]) == {"step": 1234, "ranks": 2, "loss": 1235.0}
+
+
+def test_logging_100k_times_a_second_is_coalesced(capfd):
+    def hammer(n):
+        for i in range(n):
+            nbddp.log(step=i, loss=float(i))
+        return n
+
+    start = time.monotonic()
+    job = nbddp.launch(hammer, 2, args=(100_000,), wait=False)
+    assert job.result(timeout=300) == 100_000
+    seconds = time.monotonic() - start
+    history = job.history
+    assert len(history) == 100_000 and history[-1] == {"step": 99_999, "ranks": 2, "loss": 99_999}
+    redraws = capfd.readouterr().out.count("\r")  # tqdm redraws its line with a carriage return
+    assert redraws > 0
+    assert redraws <= 10 * seconds + 10  # at most about ten redraws a second
