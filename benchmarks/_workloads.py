@@ -1,13 +1,19 @@
-"""The code both launchers run, defined once: one all-reduce, and a small DDP training loop.
+"""The code the benchmarks run on the ranks, defined once.
 
-``bench_launch.py`` passes these functions to ``nbddp.launch``; ``_plain.py`` imports
-and calls them under plain ``torchrun``. Both expect the default process group to be
-initialised (gloo) by whoever calls them.
+``bench_launch.py`` passes ``allreduce_once`` and ``train_mlp`` to ``nbddp.launch``;
+``_plain.py`` imports and calls them under plain ``torchrun``. ``bench_metrics.py``
+uses ``train_mlp`` (with ``log_every_step``), ``log_call_cost`` and
+``print_timestamps``, under ``nbddp.launch`` only. All expect the default process group
+to be initialised (gloo) by whoever calls them. ``nbddp`` is imported only inside the
+functions that need it, so a plain-torchrun rank never imports it.
 """
 
 from __future__ import annotations
 
+import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,9 +30,9 @@ def allreduce_once() -> float:
     return float(value.item())
 
 
-def train_mlp(steps: int, warmup: int) -> dict[str, float]:
-    """Train a 2-layer MLP with DDP and SGD on seeded synthetic data; return timed steps/s."""
-    rank = dist.get_rank()
+def _mlp_step(rank: int) -> Callable[[int], torch.Tensor]:
+    """A seeded 2-layer MLP in DDP with SGD; the returned function runs one training step
+    on synthetic batch ``i`` and returns its loss."""
     torch.manual_seed(0)
     model = DistributedDataParallel(
         nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
@@ -37,16 +43,115 @@ def train_mlp(steps: int, warmup: int) -> dict[str, float]:
     xs = torch.randn(BATCHES, BATCH, IN_FEATURES, generator=gen)
     ys = torch.randint(0, CLASSES, (BATCHES, BATCH), generator=gen)
 
-    def step(i: int) -> None:
+    def step(i: int) -> torch.Tensor:
         optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(xs[i % BATCHES]), ys[i % BATCHES]).backward()
+        loss = loss_fn(model(xs[i % BATCHES]), ys[i % BATCHES])
+        loss.backward()
         optimizer.step()
+        return loss
+
+    return step
+
+
+def train_mlp(steps: int, warmup: int, log_every_step: int = 0) -> dict[str, float]:
+    """Train a 2-layer MLP with DDP and SGD on seeded synthetic data; return timed steps/s.
+
+    With ``log_every_step`` (an int, so ``_plain.py`` can pass it), every step also calls
+    ``nbddp.log(step=n, loss=loss.detach())`` (n counts every step, warmup included).
+    """
+    rank = dist.get_rank()
+    step = _mlp_step(rank)
+    log: Callable[..., None] | None = None
+    if log_every_step:
+        import nbddp
+
+        log = nbddp.log
 
     for i in range(warmup):
-        step(i)
+        loss = step(i)
+        if log is not None:
+            log(step=i, loss=loss.detach())
     dist.barrier()
     start = time.perf_counter()
-    for i in range(steps):
-        step(i)
+    if log is None:
+        for i in range(steps):
+            step(i)
+    else:
+        for i in range(steps):
+            loss = step(i)
+            log(step=warmup + i, loss=loss.detach())
     elapsed = time.perf_counter() - start
     return {"steps_per_s": steps / elapsed, "threads": float(torch.get_num_threads())}
+
+
+def _no_op(step: int | None = None, **metrics: Any) -> None:
+    """What a call of ``nbddp.log`` costs at the least: a Python call with keywords."""
+
+
+def log_call_cost(calls: int) -> dict[str, float]:
+    """Microseconds per ``nbddp.log(step=i, loss=x, acc=y)`` call in a tight loop of
+    ``calls`` calls: with Python floats, with 0-d tensors, and (for scale) an empty
+    function called the same way; wall time (``*_us``) and the rank process's CPU time
+    (``*_cpu_us``). Every rank runs the loops; the reporter is live."""
+    import nbddp
+    from nbddp import _metrics
+
+    if _metrics._reporter is None:
+        raise RuntimeError("nbddp's reporter is not active: not a launched run?")
+    loss_t, acc_t = torch.tensor(0.25), torch.tensor(0.75)  # like loss.detach()
+    cases: list[tuple[str, Callable[..., None], Any, Any]] = [
+        ("no_op_us", _no_op, 0.25, 0.75),
+        ("float_us", nbddp.log, 0.25, 0.75),
+        ("tensor_us", nbddp.log, loss_t, acc_t),
+    ]
+    out: dict[str, float] = {}
+    first = 0
+    for name, fn, x, y in cases:
+        dist.barrier()
+        start, cpu = time.perf_counter(), time.process_time()
+        for i in range(first, first + calls):
+            fn(step=i, loss=x, acc=y)
+        out[name] = (time.perf_counter() - start) / calls * 1e6
+        # CPU time of the whole rank process (the reporter thread included): what the
+        # calls cost whatever else the machine is doing
+        out[name.replace("_us", "_cpu_us")] = (time.process_time() - cpu) / calls * 1e6
+        first += calls  # each case logs steps of its own
+        time.sleep(0.3)  # the reporter sends this case's records before the next starts
+    return out
+
+
+MARK = "nbddp-bench-ts"
+
+
+def print_timestamps(count: int, interval_ms: int) -> dict[str, int]:
+    """Rank 0 prints ``count`` lines ``MARK idle SEQ TIME`` while the ranks otherwise idle,
+    then ``count`` lines ``MARK busy SEQ TIME`` while both ranks train the MLP with
+    ``nbddp.log`` every step. TIME is ``time.time()`` just before the print; every print
+    is flushed. The gaps between prints are drawn uniformly from 0.5 to 1.5 times
+    ``interval_ms`` (seeded), so that they do not keep step with the kernel's polling."""
+    import nbddp
+
+    rank, interval = dist.get_rank(), interval_ms / 1000
+    gaps = random.Random(0)
+    dist.barrier()
+    if rank == 0:
+        for seq in range(count):
+            print(f"{MARK} idle {seq} {time.time():.6f}", flush=True)
+            time.sleep(interval * gaps.uniform(0.5, 1.5))
+    dist.barrier()
+    step, printed, i = _mlp_step(rank), 0, 0
+    due = time.monotonic()
+    done = torch.zeros(1)
+    while True:
+        loss = step(i)
+        nbddp.log(step=i, loss=loss.detach())
+        if rank == 0 and printed < count and time.monotonic() >= due:
+            print(f"{MARK} busy {printed} {time.time():.6f}", flush=True)
+            due, printed = time.monotonic() + interval * gaps.uniform(0.5, 1.5), printed + 1
+        i += 1
+        if i % 10 == 0:  # rank 0 says when to stop, so both ranks run the same steps
+            done.fill_(float(printed >= count))
+            dist.broadcast(done, src=0)
+            if done.item():
+                break
+    return {"busy_steps": i}

@@ -109,6 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         # torchrun leaves a torchelastic_* log dir in TMPDIR per run: keep them in ours.
         os.environ["TMPDIR"] = tempfile.tempdir = tmp
+        os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")  # keep the user's records
         env = rank_environment(RunConfig(nprocs=NPROCS))  # what nbddp gives its torchrun
         print(f"launch + all_reduce: {opts.repeats} runs each ", end="", flush=True)
         trivial_nb = partial(run_nbddp, _workloads.allreduce_once)

@@ -197,8 +197,8 @@ def _header_html(state: PanelState) -> str:
 
 
 def _speed_html(state: PanelState) -> str:
-    n, total = (state.position or (0, None, None))[:2]
-    parts = [f"{n}/{total}" if total else f"{n}"]
+    n, total, desc = state.position or (0, None, None)
+    parts = [(f"{html.escape(desc)}: " if desc else "") + (f"{n}/{total}" if total else f"{n}")]
     if state.rate:
         parts.append(f"{state.rate:.2f} it/s")
     parts.append(f"elapsed {_duration(state.elapsed)}")

@@ -1,22 +1,26 @@
 """Rank-averaged metrics per step, in the kernel: exact on disk, bounded in memory.
 
 A step's average is taken once every rank has reported that step, or once it has
-waited ``STALE_SECONDS`` while some rank has moved past it (a rank far behind, or one
-that never logs, is then left out of that step; ``ranks`` records how many were
-averaged). Every averaged step is appended to a JSON-lines file; memory keeps at most
-``MAX_POINTS`` points per metric for the live chart, thinning old ones by half.
+waited ``STALE_SECONDS`` while some rank has moved past it: a rank far behind, or one
+that never logs, is then left out of that step (``ranks`` says how many were averaged),
+and its late records for that step are dropped rather than averaged a second time.
+A rank that reports a step it was already part of (its step counter started over) starts
+a new row. Steps are averaged in order. Every averaged step is appended to a JSON-lines
+file; memory keeps at most ``MAX_POINTS`` points per metric for the live chart,
+thinning old ones by half.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from pathlib import Path
 from typing import IO, Any
 
 STALE_SECONDS = 2.0
-MAX_POINTS = 1000
+MAX_POINTS = 1000  # even, so thinning by half keeps the newest point
+_RECENT = 10_000  # averaged steps remembered, to recognise late records
 
 
 class History:
@@ -27,6 +31,9 @@ class History:
         self._pending: dict[int, dict[str, dict[int, float]]] = {}
         self._first_seen: dict[int, float] = {}
         self._latest_step: dict[int, int] = {}
+        self._averaged: OrderedDict[int, frozenset[int]] = OrderedDict()  # step -> its ranks
+        self.late_records = 0
+        """Records that arrived after their step was averaged without them (dropped)."""
         self._file: IO[str] | None = path.open("a", buffering=1) if path else None
         self.latest: dict[str, Any] = {}
         """The last averaged row: ``step``, ``ranks`` and every metric."""
@@ -37,6 +44,9 @@ class History:
     def add(self, rank: int, records: list[tuple[int, dict[str, float]]]) -> None:
         now = time.monotonic()
         for step, metrics in records:
+            if step not in self._pending and rank not in self._averaged.get(step, {rank}):
+                self.late_records += 1
+                continue
             slot = self._pending.setdefault(step, {})
             self._first_seen.setdefault(step, now)
             for name, value in metrics.items():
@@ -51,12 +61,17 @@ class History:
             complete = len(reported) == self.nprocs
             stale = now - self._first_seen[step] > STALE_SECONDS and newest is not None \
                 and newest > step
-            if complete or stale or everything:
-                self._finish(step, self._pending.pop(step), len(reported))
-                del self._first_seen[step]
+            if not (complete or stale or everything):
+                break  # in order: a later step waits for this one
+            self._finish(step, self._pending.pop(step), reported)
+            del self._first_seen[step]
 
-    def _finish(self, step: int, metrics: dict[str, dict[int, float]], ranks: int) -> None:
-        row: dict[str, Any] = {"step": step, "ranks": ranks}
+    def _finish(self, step: int, metrics: dict[str, dict[int, float]], ranks: set[int]) -> None:
+        row: dict[str, Any] = {"step": step, "ranks": len(ranks)}
+        self._averaged[step] = frozenset(ranks)
+        self._averaged.move_to_end(step)
+        if len(self._averaged) > _RECENT:
+            self._averaged.popitem(last=False)
         for name, values in metrics.items():
             row[name] = sum(values.values()) / len(values)
             self._append_point(name, step, row[name])

@@ -186,7 +186,8 @@ class Job(Generic[R]):
                 self._panel.refresh(self.state)
                 refreshed = time.monotonic()
 
-    def _handle(self, event: Any) -> tuple[bool, Any] | None:
+    def _record(self, event: Any) -> None:
+        """Bookkeeping for a message, whatever the run's state."""
         if isinstance(event, Metrics):
             self._history.add(event.rank, event.records)
             if event.rank == 0 and event.position is not None:
@@ -200,15 +201,24 @@ class Job(Generic[R]):
         elif isinstance(event, Failure):
             self._failures.append(event)
             self.state.ranks[event.rank] = "failed"
+
+    def _handle(self, event: Any) -> tuple[bool, Any] | None:
+        """Record ``event``; return the run's ending if this event decides it."""
+        self._record(event)
+        if isinstance(event, Failure):
             return False, None  # the error is built after teardown, from every report
-        elif isinstance(event, Disconnected) and event.rank not in self._results:
-            if not any(getattr(f, "rank", None) == event.rank for f in self._failures):
-                self._failures.append(event)
-                self.state.ranks[event.rank] = "failed"
-                return self._await_death_report()
-        elif isinstance(event, _LauncherExited):
+        if isinstance(event, Disconnected) and self._vanished(event.rank):
+            self._failures.append(event)
+            self.state.ranks[event.rank] = "failed"
+            return self._await_death_report()
+        if isinstance(event, _LauncherExited):
             return self._launcher_ended(event.code)
         return None
+
+    def _vanished(self, rank: int) -> bool:
+        """True if ``rank`` disconnected without returning or reporting an exception."""
+        reported = any(getattr(f, "rank", None) == rank for f in self._failures)
+        return rank not in self._results and not reported
 
     def _await_death_report(self) -> tuple[bool, Any]:
         """A rank vanished: give torchrun a moment to say how it ended, then stop all."""
@@ -220,8 +230,7 @@ class Job(Generic[R]):
                 continue
             if isinstance(event, _LauncherExited):
                 break
-            if isinstance(event, Failure):
-                self._failures.append(event)
+            self._record(event)
         return False, None
 
     def _launcher_ended(self, code: int) -> tuple[bool, Any]:
@@ -241,12 +250,7 @@ class Job(Generic[R]):
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(event, Failure):
-                self._failures.append(event)
-            elif isinstance(event, Result):
-                self._results[event.rank] = event
-            elif isinstance(event, Metrics):
-                self._history.add(event.rank, event.records)
+            self._record(event)
 
     def _collect_results(self) -> Any:
         ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
@@ -293,6 +297,8 @@ def _describe(outcome: tuple[bool, Any]) -> tuple[str, str]:
     ok, value = outcome
     if ok:
         return "finished", ""
+    if value is None:
+        return "failed", ""
     if isinstance(value, KeyboardInterrupt):
         return "interrupted", "every rank was stopped"
     if isinstance(value, CancelledError):

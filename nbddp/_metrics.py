@@ -39,7 +39,7 @@ class Reporter:
     def log(self, step: int | None, metrics: dict[str, Any]) -> None:
         self._step = self._step + 1 if step is None else step
         for name, value in metrics.items():
-            if hasattr(value, "detach"):  # a tensor: keep no autograd graph alive
+            if getattr(value, "requires_grad", False):  # keep no autograd graph alive
                 metrics[name] = value.detach()
         self._records.append((self._step, metrics))
 

@@ -4,6 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh dev
+# The real-browser test needs Debian's chromium (apt-get, as root) and JupyterLab;
+# NBDDP_BROWSER_TESTS=0 skips installing them (the test then skips itself).
+if [ "${NBDDP_BROWSER_TESTS:-1}" = 1 ]; then bash scripts/install-browser.sh; fi
 PY=${PYTHON:-python3}
 "$PY" -m ruff check nbddp tests benchmarks examples
 "$PY" -m mypy nbddp

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import nbddp
-from nbddp._history import History
+from nbddp._history import History, read_history
 
 
 def train_and_log(steps):
@@ -129,3 +129,22 @@ def test_logging_100k_times_a_second_is_coalesced(capfd):
     redraws = capfd.readouterr().out.count("\r")  # tqdm redraws its line with a carriage return
     assert redraws > 0
     assert redraws <= 10 * seconds + 10  # at most about ten redraws a second
+
+
+def test_a_late_rank_is_left_out_once_and_a_restarted_step_counter_makes_new_rows(tmp_path):
+    history = History(nprocs=2, path=tmp_path / "m.jsonl")
+    history.add(0, [(0, {"loss": 1.0}), (1, {"loss": 1.0})])
+    history._first_seen = {step: 0.0 for step in history._first_seen}  # waited long enough
+    history.tick()
+    assert [(r["step"], r["ranks"]) for r in _rows(history)] == [(0, 1)]  # step 1 is newest
+    history.add(1, [(0, {"loss": 3.0}), (1, {"loss": 3.0})])  # rank 1, late for step 0
+    assert history.late_records == 1
+    history.add(0, [(0, {"loss": 5.0})])  # rank 0 counts from 0 again: a new row
+    history.add(1, [(0, {"loss": 7.0})])
+    history.close()
+    assert [(r["step"], r["ranks"], r["loss"]) for r in _rows(history)] == [
+        (0, 1, 1.0), (1, 2, 2.0), (0, 2, 6.0)]
+
+
+def _rows(history):
+    return read_history(history.path)
