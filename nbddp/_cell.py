@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import os
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -62,10 +63,16 @@ class Cell:
         last = tree.body[-1] if tree.body else None
         if isinstance(last, ast.Expr):  # like IPython: the last expression is the result
             tree.body.pop()
-        exec(compile(tree, self.filename, "exec"), scope)
         value = None
-        if isinstance(last, ast.Expr):
-            value = eval(compile(ast.Expression(last.value), self.filename, "eval"), scope)
+        try:
+            exec(compile(tree, self.filename, "exec"), scope)
+            if isinstance(last, ast.Expr):
+                value = eval(compile(ast.Expression(last.value), self.filename, "eval"), scope)
+        except SystemExit as exc:  # sys.exit() / exit() ends the cell, like a script
+            if exc.code not in (None, 0):
+                raise
+        if int(os.environ.get("RANK", "0")) != 0:
+            return CellResult()  # only rank 0's values go back to the notebook
         missing = [name for name in self.outputs if name not in scope]
         if missing:
             raise NameError(f"--out names not defined by the cell: {', '.join(missing)}")
@@ -120,12 +127,16 @@ def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str]]:
 def _cell_globals(namespace: dict[str, Any]) -> dict[str, Any]:
     """One global scope shared by the cell and the notebook functions it brought along.
 
-    cloudpickle gives every notebook function of one payload the same globals dict;
-    running the cell in that dict means a name the cell assigns is seen by them.
+    cloudpickle gives every notebook function (and method of a notebook class) of one
+    payload the same globals dict; running the cell in that dict means a name the cell
+    assigns is seen by them.
     """
     for value in namespace.values():
-        if isinstance(value, types.FunctionType) and value.__module__ == "__main__":
-            scope = value.__globals__
+        functions = vars(value).values() if isinstance(value, type) else [value]
+        shared = [f for f in functions
+                  if isinstance(f, types.FunctionType) and f.__module__ == "__main__"]
+        if shared:
+            scope = shared[0].__globals__
             break
     else:
         scope = {"__name__": "__main__", "__builtins__": builtins}

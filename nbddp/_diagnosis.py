@@ -40,7 +40,7 @@ def diagnose(
         candidates = [Disconnected(missing[0])]
         if not any(logs.get(rank) for rank in missing):
             return NbddpError("torchrun failed before the ranks ran:\n" + _launcher_tail(run_dir))
-    root = next((c for c in candidates if not _peer_lost(c)), candidates[0])
+    root = next((c for c in candidates if not peer_lost(c)), candidates[0])
     if isinstance(root, Failure):
         error = _raised(root, logs)
     else:
@@ -49,7 +49,7 @@ def diagnose(
     return error
 
 
-def _peer_lost(report: Failure | Disconnected) -> bool:
+def peer_lost(report: Failure | Disconnected) -> bool:
     return isinstance(report, Failure) and any(
         marker in f"{report.type_name}: {report.message}" for marker in _PEER_LOST
     )

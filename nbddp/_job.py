@@ -21,7 +21,7 @@ from typing import Any, Generic, TextIO, TypeVar
 
 from ._channel import ChannelServer, Disconnected, Failure, Hello, Metrics, Result, new_key
 from ._config import RunConfig
-from ._diagnosis import diagnose
+from ._diagnosis import diagnose, peer_lost
 from ._display import Panel, PanelState, make_panel
 from ._errors import NbddpError
 from ._history import History, read_history
@@ -201,16 +201,20 @@ class Job(Generic[R]):
         elif isinstance(event, Failure):
             self._failures.append(event)
             self.state.ranks[event.rank] = "failed"
+        elif isinstance(event, Disconnected) and self._vanished(event.rank):
+            self._failures.append(event)  # died without a word: a root-cause candidate
+            self.state.ranks[event.rank] = "failed"
 
     def _handle(self, event: Any) -> tuple[bool, Any] | None:
         """Record ``event``; return the run's ending if this event decides it."""
+        vanished = isinstance(event, Disconnected) and self._vanished(event.rank)
         self._record(event)
+        if vanished or (isinstance(event, Failure) and peer_lost(event)):
+            # A rank died, or one lost its peer (which may be the one that died):
+            # let torchrun say how the ranks ended before everything is stopped.
+            return self._await_death_report()
         if isinstance(event, Failure):
             return False, None  # the error is built after teardown, from every report
-        if isinstance(event, Disconnected) and self._vanished(event.rank):
-            self._failures.append(event)
-            self.state.ranks[event.rank] = "failed"
-            return self._await_death_report()
         if isinstance(event, _LauncherExited):
             return self._launcher_ended(event.code)
         return None

@@ -9,11 +9,12 @@ from __future__ import annotations
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, magics_class, output_can_be_silenced
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ._cell import Cell, CellResult
 from ._devices import visible_gpu_count
+from ._errors import NbddpError
 from ._launch import launch
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
@@ -31,11 +32,11 @@ def _parse_gpus(text: str | None) -> int | list[int] | None:
         raise UsageError(f"--gpus takes a count (2) or GPU indices (0,2), not {text!r}") from None
 
 
-def _check_gpus(gpus: int | list[int]) -> None:
+def _check_gpus(gpus: int | list[int], typed: str) -> None:
     available = visible_gpu_count()
     wanted = gpus if isinstance(gpus, int) else max(gpus, default=-1) + 1
     if wanted > available:
-        raise UsageError(f"--gpus {gpus} asks for more GPUs than the {available} visible; "
+        raise UsageError(f"--gpus {typed} asks for more GPUs than the {available} visible; "
                          f"{_CPU_HINT}")
 
 
@@ -68,8 +69,9 @@ class DDPMagics(Magics):
                    "after the run (a DDP model comes back as its module; tensors on CPU)")
     @argument("--all-ranks", action="store_true",
               help="show every rank's output live, each line prefixed with its rank")
-    @cell_magic
-    def ddp(self, line: str, cell: str) -> Any:
+    @output_can_be_silenced  # a trailing ';' hides the result, as in any cell
+    @line_cell_magic
+    def ddp(self, line: str, cell: str | None = None) -> Any:
         """Run this cell on every rank of a fresh DDP process group started by torchrun.
 
         The cell sees the notebook names it uses (modules are imported by name on the
@@ -82,20 +84,30 @@ class DDPMagics(Magics):
         if args.help:
             print(self.ddp.parser.format_help())
             return None
+        if cell is None:
+            raise UsageError("%%ddp is a cell magic: put it on the first line of the cell "
+                             "to run on every rank (%ddp -h lists the options)")
         gpus = _parse_gpus(args.gpus)
         if gpus is not None:
-            _check_gpus(gpus)
+            _check_gpus(gpus, args.gpus)
         try:
             code = self._cell(cell, _parse_names(args.out))
         except SyntaxError as exc:  # shown at the cell's line, before anything starts
             raise exc.with_traceback(None) from None
-        result: CellResult = launch(
-            code, args.nprocs, gpus=gpus,
-            backend=args.backend, timeout=args.timeout, init=not args.no_init,
-            output="all" if args.all_ranks else "rank0",
-        )
+        result = self._launch(code, args, gpus)
         self._shell.user_ns.update(result.outputs)
         return result.value
+
+    def _launch(self, code: Cell, args: Any, gpus: int | list[int] | None) -> CellResult:
+        __tracebackhide__ = True
+        try:
+            return launch(code, args.nprocs, gpus=gpus, backend=args.backend,
+                          timeout=args.timeout, init=not args.no_init,
+                          output="all" if args.all_ranks else "rank0")
+        except (ValueError, TypeError) as exc:
+            if isinstance(exc, NbddpError):
+                raise
+            raise UsageError(str(exc)) from None  # a bad option value, before any start
 
     @property
     def _shell(self) -> Any:

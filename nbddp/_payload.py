@@ -24,6 +24,14 @@ from ._errors import PayloadError
 
 #: A payload larger than this still ships, with a warning naming what made it large.
 LARGE_PAYLOAD_BYTES = 100 * 2**20
+
+
+class LargePayloadWarning(UserWarning):
+    """A launch sends more than LARGE_PAYLOAD_BYTES to every rank."""
+
+
+# Shown on every launch, not once per code location: each launch pays the cost again.
+warnings.simplefilter("always", LargePayloadWarning)
 _MAX_SOURCE_BYTES = 4 * 2**20
 
 
@@ -61,7 +69,8 @@ class Payload:
         except Exception as exc:
             raise _explain_pickling_failure(self, exc) from exc
         if len(body) > LARGE_PAYLOAD_BYTES:
-            warnings.warn(_large_payload_message(self, len(body)), stacklevel=3)
+            warnings.warn(_large_payload_message(self, len(body)), LargePayloadWarning,
+                          stacklevel=3)
         return pickle.dumps((body, self.sys_path, self.sources, self.options))
 
     @classmethod

@@ -7,7 +7,13 @@ bash scripts/install.sh dev
 # The real-browser test needs Debian's chromium (apt-get, as root) and JupyterLab;
 # NBDDP_BROWSER_TESTS=0 skips installing them (the test then skips itself).
 if [ "${NBDDP_BROWSER_TESTS:-1}" = 1 ]; then bash scripts/install-browser.sh; fi
+# A real single-machine SLURM cluster (root, Debian packages), started from the shell
+# (not under pytest) and stopped on exit; NBDDP_SLURM_TESTS=0 skips it.
+if [ "${NBDDP_SLURM_TESTS:-1}" = 1 ]; then
+  bash scripts/slurm-up.sh
+  trap 'bash scripts/slurm-down.sh' EXIT
+fi
 PY=${PYTHON:-python3}
 "$PY" -m ruff check nbddp tests benchmarks examples
 "$PY" -m mypy nbddp
-exec "$PY" -m pytest tests notebooks --nbval-lax "$@"
+"$PY" -m pytest tests notebooks --nbval-lax "$@"

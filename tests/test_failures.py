@@ -164,3 +164,18 @@ def test_sys_exit_zero_counts_as_returning_none():
     import sys
 
     assert nbddp.launch(sys.exit, 2, args=(0,), init=False) is None
+
+
+def test_a_rank_that_dies_is_the_root_cause_not_the_peer_that_lost_it():
+    def fn():
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            time.sleep(0.5)  # rank 0 is waiting in the barrier by now
+            os._exit(3)
+        dist.barrier()  # fails with "Connection closed by peer" once rank 1 is gone
+
+    for _ in range(3):  # the race between the two reports must always end the same way
+        with pytest.raises(nbddp.WorkerError) as info:
+            nbddp.launch(fn, 2)
+        assert (info.value.rank, info.value.exitcode) == (1, 3), str(info.value)
