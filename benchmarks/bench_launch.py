@@ -134,10 +134,15 @@ def main() -> None:
         "launch_wall_s": launch, "train_steps_per_s": train,
     }
     print_table(result)
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {opts.json}")
+    write_json(opts.json, result)
+
+
+def write_json(path: Path | None, result: dict) -> None:
+    """Write every figure as JSON, when the user asked for a file."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {path}")
 
 
 def print_table(r: dict) -> None:

@@ -11,7 +11,6 @@ Run: ``python benchmarks/bench_metrics.py [--repeats N] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -30,7 +29,7 @@ import torch
 
 # Importing bench_launch also puts this folder on the ranks' PYTHONPATH and hides GPUs
 # from the ranks (os.environ), as its own runs have it.
-from bench_launch import NPROCS, TIMEOUT, alternate, run_nbddp
+from bench_launch import NPROCS, TIMEOUT, alternate, run_nbddp, write_json
 
 import nbddp
 from nbddp._history import STALE_SECONDS
@@ -175,10 +174,7 @@ def main() -> None:
         "log_call": log_cost, "train_steps_per_s": train, "print_latency": latency,
     }
     print_table(result)
-    if opts.json:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {opts.json}")
+    write_json(opts.json, result)
 
 
 def print_table(r: dict) -> None:
