@@ -162,7 +162,14 @@ class WidgetPanel:
         self.charts = w.HTML()
         self.box = w.VBox([self.header, w.HBox([self.bar, self.speed]), self.metrics,
                            self.charts])
-        display(self.box)
+        self._handle = display(self._bundle("nbddp: starting"), raw=True, display_id=True)
+
+    def _bundle(self, text: str) -> dict[str, Any]:
+        """The widget, with the panel as text for places that cannot render widgets
+        (a notebook run headless keeps this text)."""
+        bundle = dict(self.box._repr_mimebundle_())
+        bundle["text/plain"] = text
+        return bundle
 
     def refresh(self, state: PanelState) -> None:
         self.header.value = _header_html(state)
@@ -182,8 +189,28 @@ class WidgetPanel:
 
     def close(self, state: PanelState) -> None:
         self.refresh(state)
-        self._stream.write(state.summary() + "\n")  # a record that survives without widgets
+        if self._handle is not None:
+            self._handle.update(self._bundle(text_view(state)), raw=True)
+        self._stream.write(state.summary() + "\n")
         self._stream.flush()
+
+
+def text_view(state: PanelState) -> str:
+    """The panel as plain text: status and ranks, a tqdm meter, the latest averages."""
+    ranks = ", ".join(f"{r} {s}" for r, s in enumerate(state.ranks))
+    lines = [f"nbddp: {state.status} (ranks: {ranks})"
+             + (f" - {state.message}" if state.message else "")]
+    if state.position is not None:
+        from tqdm import tqdm
+
+        n, total, desc = state.position
+        lines.append(tqdm.format_meter(n, total, state.elapsed, ncols=80, prefix=desc or "",
+                                       rate=state.rate))
+    latest = state.history.latest
+    if latest:
+        lines.append(f"step {latest['step']} (mean of {latest['ranks']} ranks): "
+                     + _metric_text(latest))
+    return "\n".join(lines)
 
 
 def _header_html(state: PanelState) -> str:

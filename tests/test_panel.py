@@ -76,6 +76,12 @@ def test_a_finished_run_shows_the_final_step_and_rank_averages(executed):
     assert "30/30" in html
     stream = "".join(o.get("text", "") for o in executed.cells[0].outputs)
     assert "nbddp: finished on 2 ranks" in stream  # a record that needs no widgets
+    # Where widgets cannot render (this headless run), the panel reads as text:
+    (shown,) = [o for o in executed.cells[0].outputs if o.output_type == "display_data"]
+    text = shown.data["text/plain"]
+    assert "nbddp: finished (ranks: 0 finished, 1 finished)" in text
+    assert "100%" in text and "30/30" in text
+    assert "step 29 (mean of 2 ranks): loss=34 acc=1" in text
 
 
 def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
@@ -88,3 +94,6 @@ def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
     assert "1 failed" in html  # the per-rank state
     (error,) = [o for o in executed.cells[1].outputs if o.output_type == "error"]
     assert error.ename == "WorkerError"
+    (shown,) = [o for o in executed.cells[1].outputs if o.output_type == "display_data"]
+    assert "nbddp: failed" in shown.data["text/plain"]
+    assert "1 failed" in shown.data["text/plain"]
