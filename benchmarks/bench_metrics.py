@@ -217,7 +217,7 @@ def print_table(r: dict) -> None:
           "over every rank)")
     if k["rows"] != k["logged_steps"] or k["rows_over_every_rank"] != k["rows"]:
         print("    (the ranks' tight loops drift apart by seconds; a step one rank logs over "
-              f"{STALE_SECONDS:g} s after another is averaged twice, once per rank: see README)")
+              f"{STALE_SECONDS:g} s after another is averaged without it: see README)")
     w, wo = (" ".join(f"{x:.4g}" for x in train[k]) for k in ("with_log", "without_log"))
     print(f"  steps/s: with log median {train['with_log_median']:.1f} [{w}]  "
           f"without median {train['without_log_median']:.1f} [{wo}]")

@@ -1,6 +1,7 @@
 """nbddp: run PyTorch DistributedDataParallel from a Jupyter notebook."""
 
 from ._errors import NbddpError, PayloadError, WorkerError
+from ._export import export
 from ._job import Job
 from ._launch import last_job, launch
 from ._metrics import log, progress
@@ -12,6 +13,7 @@ __all__ = [
     "NbddpError",
     "PayloadError",
     "WorkerError",
+    "export",
     "last_job",
     "launch",
     "log",

@@ -32,6 +32,7 @@ class History:
         self._first_seen: dict[int, float] = {}
         self._latest_step: dict[int, int] = {}
         self._averaged: OrderedDict[int, frozenset[int]] = OrderedDict()  # step -> its ranks
+        self._highest: int | None = None  # for late records of steps no longer remembered
         self.late_records = 0
         """Records that arrived after their step was averaged without them (dropped)."""
         self._file: IO[str] | None = path.open("a", buffering=1) if path else None
@@ -44,7 +45,7 @@ class History:
     def add(self, rank: int, records: list[tuple[int, dict[str, float]]]) -> None:
         now = time.monotonic()
         for step, metrics in records:
-            if step not in self._pending and rank not in self._averaged.get(step, {rank}):
+            if step not in self._pending and self._late(rank, step):
                 self.late_records += 1
                 continue
             slot = self._pending.setdefault(step, {})
@@ -53,6 +54,13 @@ class History:
                 slot.setdefault(name, {})[rank] = value
             self._latest_step[rank] = max(step, self._latest_step.get(rank, step))
         self._settle(now)
+
+    def _late(self, rank: int, step: int) -> bool:
+        """Was ``step`` already averaged without ``rank``? (Not: ``rank`` started over.)"""
+        if step in self._averaged:
+            return rank not in self._averaged[step]
+        moving_on = step >= self._latest_step.get(rank, step)
+        return moving_on and self._highest is not None and step <= self._highest
 
     def _settle(self, now: float, everything: bool = False) -> None:
         newest = max(self._latest_step.values(), default=None)
@@ -69,6 +77,7 @@ class History:
     def _finish(self, step: int, metrics: dict[str, dict[int, float]], ranks: set[int]) -> None:
         row: dict[str, Any] = {"step": step, "ranks": len(ranks)}
         self._averaged[step] = frozenset(ranks)
+        self._highest = step if self._highest is None else max(self._highest, step)
         self._averaged.move_to_end(step)
         if len(self._averaged) > _RECENT:
             self._averaged.popitem(last=False)

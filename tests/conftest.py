@@ -157,3 +157,31 @@ def fresh_kernel(tmp_path):
         yield k
     finally:
         k.shutdown()
+
+
+# --- the SLURM test cluster -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slurm_env() -> dict[str, str]:
+    """The environment for SLURM commands; skips the test where no cluster is up."""
+    from .slurm import load_env, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    return {**os.environ, **load_env()}
+
+
+@pytest.fixture
+def jobs(slurm_env):
+    """Job ids a test submits; any still queued at the end are cancelled, and waited for."""
+    from .slurm import job_ended, slurm
+
+    submitted: list[str] = []
+    yield submitted
+    for job_id in submitted:
+        if not job_ended(slurm_env, job_id):
+            slurm(slurm_env, "scancel", job_id)
+    for job_id in submitted:
+        wait_until(lambda job_id=job_id: job_ended(slurm_env, job_id), timeout=60, interval=0.2)

@@ -146,5 +146,20 @@ def test_a_late_rank_is_left_out_once_and_a_restarted_step_counter_makes_new_row
         (0, 1, 1.0), (1, 2, 2.0), (0, 2, 6.0)]
 
 
+def test_late_records_are_recognised_after_the_step_is_forgotten(tmp_path, monkeypatch):
+    from nbddp import _history
+
+    monkeypatch.setattr(_history, "_RECENT", 10)  # remember only the last 10 averaged steps
+    history = History(nprocs=2, path=tmp_path / "m.jsonl")
+    history.add(0, [(step, {"loss": 1.0}) for step in range(100)])
+    history._first_seen = {step: 0.0 for step in history._first_seen}
+    history.tick()  # steps 0..98 averaged over rank 0 alone; 99 is rank 0's newest
+    history.add(1, [(step, {"loss": 3.0}) for step in range(100)])  # rank 1, far behind
+    history.close()
+    rows = _rows(history)
+    assert [r["step"] for r in rows] == list(range(100))  # one row a step, in order
+    assert history.late_records == 99 and rows[-1] == {"step": 99, "ranks": 2, "loss": 2.0}
+
+
 def _rows(history):
     return read_history(history.path)

@@ -1,0 +1,188 @@
+"""Export a notebook function as a standalone script and an sbatch file.
+
+``script_text`` and ``sbatch_text`` are pure functions of their arguments (pinned by
+golden-file tests); ``export`` gathers their inputs and writes the files. The script
+runs under ``torchrun``, under ``srun`` (one task per rank) and as plain ``python``
+(a world of one), with no notebook, no IPython and no nbddp needed to start it.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+from ._source import Standalone, _is_literal, standalone
+
+_BOOTSTRAP = '''
+
+def _distributed_env() -> bool:
+    """torchrun sets RANK & co.; under srun (one task per rank) derive them from SLURM."""
+    if "RANK" in os.environ:
+        return True
+    if "SLURM_PROCID" not in os.environ:
+        return False
+    import subprocess
+
+    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()[0]
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                      LOCAL_RANK=os.environ["SLURM_LOCALID"], MASTER_ADDR=first)
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+    return True
+
+
+def main() -> None:
+    """Set up the process group as nbddp does, call {name}, print rank 0's result."""
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if on_gpu else "gloo"
+    if _distributed_env():
+        dist.init_process_group(backend)
+    else:  # plain `python {script}`: one rank, no rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    result = {call}
+    if dist.get_rank() == 0:
+        print(f"{name} returned: {{result!r}}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The ``#SBATCH`` choices for an exported job."""
+
+    nodes: int = 1
+    """Machines; one torchrun per machine."""
+    nprocs_per_node: int = 1
+    """Ranks per machine (one per GPU on GPU nodes)."""
+    gpus_per_node: int = 0
+    """GPUs to request per machine (0 for CPU jobs)."""
+    cpus_per_task: int | None = None
+    """CPUs for each machine's torchrun and its ranks."""
+    time: str | None = None
+    """Wall-clock limit, e.g. ``"01:00:00"``."""
+    partition: str | None = None
+    """The SLURM partition to submit to."""
+    extra: tuple[str, ...] = ()
+    """More ``#SBATCH`` lines, without the prefix, e.g. ``("--account=proj",)``."""
+    port: int = 29500
+    """The c10d rendezvous port on the first node."""
+
+
+def script_text(name: str, script: str, needs: Standalone, call: str,
+                payload_file: str | None) -> str:
+    """A readable script: the notebook's imports, its definitions, the function, a main."""
+    header = (f'#!/usr/bin/env python\n"""{script}: `{name}` exported from a notebook by nbddp.\n\n'
+              f"Run it on one machine:   torchrun --nproc_per_node 2 {script}\n"
+              f"as a single process:     python {script}\n"
+              f"on a SLURM cluster:      sbatch {Path(script).stem}.sbatch\n"
+              '"""\n\n')
+    imports = ["import os", *(["import cloudpickle"] if payload_file else []), *needs.imports]
+    parts = [header + "\n".join(imports) + "\n"]
+    if payload_file:
+        loads = "\n".join(f"{key} = _data[{key!r}]" for key in needs.data)
+        parts.append(
+            "# Objects that have no source in the notebook, saved beside this script.\n"
+            "_here = os.path.dirname(os.path.abspath(__file__))\n"
+            f"with open(os.path.join(_here, {payload_file!r}), \"rb\") as _file:\n"
+            f"    _data = cloudpickle.load(_file)\n{loads}\n")
+    parts.extend(needs.definitions)
+    return "\n\n".join(p.rstrip("\n") + "\n" for p in parts) + _BOOTSTRAP.format(
+        name=name, script=script, call=call)
+
+
+def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
+    """An sbatch file: one task per node, each a torchrun joined by c10d rendezvous."""
+    lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={options.nodes}",
+             "#SBATCH --ntasks-per-node=1"]
+    if options.gpus_per_node:
+        lines.append(f"#SBATCH --gpus-per-node={options.gpus_per_node}")
+    if options.cpus_per_task:
+        lines.append(f"#SBATCH --cpus-per-task={options.cpus_per_task}")
+    if options.time:
+        lines.append(f"#SBATCH --time={options.time}")
+    if options.partition:
+        lines.append(f"#SBATCH --partition={options.partition}")
+    lines += [f"#SBATCH --output={job_name}-%j.out", f"#SBATCH --error={job_name}-%j.err"]
+    lines += [f"#SBATCH {line}" for line in options.extra]
+    lines += [
+        "",
+        "# The first node of the allocation hosts the rendezvous.",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "",
+        f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {options.nprocs_per_node} \\",
+        "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" \\",
+        f"    --rdzv-endpoint \"$head:{options.port}\" {script}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _call(name: str, args: tuple, kwargs: dict[str, Any], data: dict[str, Any]) -> str:
+    """The call expression; arguments that are not literals go into the payload."""
+    parts = []
+    for i, value in enumerate(args):
+        parts.append(repr(value) if _is_literal(value) else _stash(data, f"_arg{i}", value))
+    for key, value in kwargs.items():
+        parts.append(f"{key}=" + (repr(value) if _is_literal(value)
+                                  else _stash(data, f"_kwarg_{key}", value)))
+    return f"{name}({', '.join(parts)})"
+
+
+def _stash(data: dict[str, Any], key: str, value: Any) -> str:
+    data[key] = value
+    return key
+
+
+def export(
+    fn: Any,
+    path: str | os.PathLike,
+    *,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
+    nodes: int = 1,
+    nprocs: int | None = None,
+    gpus: int = 0,
+    time: str | None = None,
+    partition: str | None = None,
+    sbatch: Sequence[str] = (),
+) -> list[Path]:
+    """Write ``path`` (a script that runs ``fn(*args, **kwargs)`` on every rank), a
+    ``.sbatch`` file beside it, and a ``.payload.pkl`` for objects without source.
+
+    ``nprocs`` is ranks per node (default: ``gpus``, or 1 on CPU nodes). Returns the
+    paths written.
+    """
+    if not isinstance(fn, types.FunctionType):
+        raise TypeError(f"export takes a function defined in the notebook, got {fn!r}")
+    if nodes < 1 or (nprocs is not None and nprocs < 1) or gpus < 0:
+        raise ValueError("nodes and nprocs must be at least 1, gpus at least 0")
+    script = Path(path)
+    script.parent.mkdir(parents=True, exist_ok=True)
+    needs = standalone(fn)
+    call = _call(fn.__name__, tuple(args), dict(kwargs or {}), needs.data)
+    payload = script.with_suffix(".payload.pkl")
+    written = [script, script.with_suffix(".sbatch")]
+    script.write_text(script_text(fn.__name__, script.name, needs, call,
+                                  payload.name if needs.data else None))
+    options = SlurmOptions(nodes=nodes, nprocs_per_node=nprocs or gpus or 1, gpus_per_node=gpus,
+                           time=time, partition=partition, extra=tuple(sbatch))
+    written[1].write_text(sbatch_text(script.name, script.stem, options))
+    if needs.data:
+        payload.write_bytes(cloudpickle.dumps(needs.data))
+        written.append(payload)
+    return written

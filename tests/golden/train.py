@@ -1,0 +1,71 @@
+#!/usr/bin/env python
+"""train.py: `train` exported from a notebook by nbddp.
+
+Run it on one machine:   torchrun --nproc_per_node 2 train.py
+as a single process:     python train.py
+on a SLURM cluster:      sbatch train.sbatch
+"""
+
+import os
+import cloudpickle
+import math
+import torch
+
+
+# Objects that have no source in the notebook, saved beside this script.
+_here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(_here, 'train.payload.pkl'), "rb") as _file:
+    _data = cloudpickle.load(_file)
+weights = _data['weights']
+_arg1 = _data['_arg1']
+
+
+SCALE = 3
+
+
+def helper(x):
+    return x * SCALE
+
+
+def train(steps):
+    return helper(steps)
+
+
+def _distributed_env() -> bool:
+    """torchrun sets RANK & co.; under srun (one task per rank) derive them from SLURM."""
+    if "RANK" in os.environ:
+        return True
+    if "SLURM_PROCID" not in os.environ:
+        return False
+    import subprocess
+
+    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()[0]
+    os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                      LOCAL_RANK=os.environ["SLURM_LOCALID"], MASTER_ADDR=first)
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+    return True
+
+
+def main() -> None:
+    """Set up the process group as nbddp does, call train, print rank 0's result."""
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    backend = "nccl" if on_gpu else "gloo"
+    if _distributed_env():
+        dist.init_process_group(backend)
+    else:  # plain `python train.py`: one rank, no rendezvous
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    result = train(3, _arg1)
+    if dist.get_rank() == 0:
+        print(f"train returned: {result!r}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""nbddp.export: a notebook function as a script for torchrun, srun, python and sbatch."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nbddp._export import SlurmOptions, sbatch_text, script_text
+from nbddp._source import Standalone
+
+from .conftest import wait_until
+from .slurm import job_ended, job_info, submit
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def check_golden(name: str, text: str) -> None:
+    """Compare with tests/golden/NAME; NBDDP_UPDATE_GOLDEN=1 rewrites it."""
+    path = GOLDEN / name
+    if os.environ.get("NBDDP_UPDATE_GOLDEN") == "1":
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+def test_sbatch_text_is_pinned():
+    options = SlurmOptions(nodes=2, nprocs_per_node=4, gpus_per_node=4, cpus_per_task=16,
+                           time="01:00:00", partition="gpu", extra=("--account=proj",))
+    check_golden("train.sbatch", sbatch_text("train.py", "train", options))
+
+
+def test_script_text_is_pinned():
+    needs = Standalone(imports=["import math", "import torch"],
+                       definitions=["SCALE = 3", "def helper(x):\n    return x * SCALE\n",
+                                    "def train(steps):\n    return helper(steps)\n"],
+                       data={"weights": None, "_arg1": None})
+    check_golden("train.py", script_text("train", "train.py", needs, "train(3, _arg1)",
+                                         "train.payload.pkl"))
+
+
+NOTEBOOK = """
+import math
+import torch
+import nbddp
+
+SCALE = 3
+weights = torch.arange(4.0)  # no source: goes into the payload file
+
+def helper(x):
+    return x * SCALE
+
+class Accumulator:
+    def __init__(self):
+        self.total = 0.0
+
+    def add(self, value):
+        self.total += value
+        return self
+
+def train(steps, offset=0.0):
+    import torch.distributed as dist
+    acc = Accumulator()
+    for i in range(steps):
+        acc.add(helper(i))
+    t = torch.tensor([acc.total + weights.sum().item() + offset + math.floor(1.5)])
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size(), dist.get_world_size()
+
+written = nbddp.export(train, "job/train.py", args=(3,), kwargs={"offset": 0.5},
+                       nodes=2, nprocs=2)
+[p.name for p in written]
+"""
+EXPECTED = 9 + 6 + 0.5 + 1  # helper(0..2) + sum(weights) + offset + floor(1.5)
+
+
+def run_script(args: list[str], cwd: Path) -> str:
+    """Run an exported script with no notebook and no nbddp on the import path."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["TMPDIR"] = str(cwd)  # where plain torchrun leaves its torchelastic_* log dirs
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def exported(kernel, tmp_path_factory):
+    """A function defined in a real kernel's cells, exported into a folder."""
+    folder = tmp_path_factory.mktemp("export")
+    kernel.run(f"import os; os.chdir({str(folder)!r})").assert_ok()
+    run = kernel.run(NOTEBOOK).assert_ok()
+    assert run.result() == "['train.py', 'train.sbatch', 'train.payload.pkl']", run.describe()
+    return folder / "job"
+
+
+def test_the_script_is_the_notebooks_own_code(exported):
+    text = (exported / "train.py").read_text()
+    for line in ("import math", "import torch", "SCALE = 3", "def helper(x):",
+                 "class Accumulator:", "def train(steps, offset=0.0):",
+                 "weights = _data['weights']", "result = train(3, offset=0.5)"):
+        assert line in text, line
+    assert "import nbddp" not in text  # runs without nbddp installed
+    compile(text, "train.py", "exec")
+
+
+def test_the_script_runs_under_torchrun(exported):
+    out = run_script([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "2", "train.py"], exported)
+    assert f"train returned: ({EXPECTED}, 2)" in out
+
+
+def test_the_script_runs_as_plain_python(exported):
+    assert f"train returned: ({EXPECTED}, 1)" in run_script([sys.executable, "train.py"],
+                                                              exported)
+
+
+def test_the_sbatch_file_asks_for_what_was_exported(exported):
+    text = (exported / "train.sbatch").read_text()
+    assert "#SBATCH --nodes=2" in text and "--nproc_per_node 2" in text
+    assert "--rdzv-backend c10d" in text and "train.py" in text
+
+
+@pytest.mark.slurm
+def test_the_sbatch_job_runs_on_two_nodes_of_a_real_cluster(exported, slurm_env, jobs):
+    """Two SLURM tasks, each a torchrun --nnodes 2, meet through c10d rendezvous: the
+    all-reduce over 4 ranks proves both nodes took part."""
+    job_id = submit(slurm_env, jobs, "--chdir", str(exported),
+                    f"--export=ALL,TMPDIR={exported}",  # torchrun's log dirs stay in there
+                    str(exported / "train.sbatch"))
+    wait_until(lambda: job_ended(slurm_env, job_id) or
+               job_info(slurm_env, job_id).get("JobState") in ("COMPLETED", "FAILED"),
+               timeout=180, interval=0.5)
+    out = (exported / f"train-{job_id}.out").read_text()
+    err = (exported / f"train-{job_id}.err").read_text()
+    assert f"train returned: ({EXPECTED}, 4)" in out, out + err
+    wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
