@@ -123,18 +123,19 @@ def _captured_by_function(fn: Any) -> Iterator[tuple[str, Any]]:
             yield f"{name!r} (captured by {fn.__name__})", cell.cell_contents
         except ValueError:  # empty cell
             continue
-    for name in sorted(_global_names(fn.__code__)):
+    for name in sorted(global_names(fn.__code__)):
         if name in fn.__globals__:
             yield f"global {name!r} (used by {fn.__name__})", fn.__globals__[name]
     for i, value in enumerate(fn.__defaults__ or ()):
         yield f"default argument {i} of {fn.__name__}", value
 
 
-def _global_names(code: types.CodeType) -> set[str]:
+def global_names(code: types.CodeType) -> set[str]:
+    """Names a code object (and the functions nested in it) may read as globals."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
-            names |= _global_names(const)
+            names |= global_names(const)
     return names
 
 

@@ -16,6 +16,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._payload import global_names
+
 _LITERALS = (int, float, complex, str, bytes, bool, type(None))
 
 
@@ -95,7 +97,7 @@ def _globals_read(obj: Any) -> dict[str, Any]:
     names: dict[str, Any] = {}
     for function in functions:
         scope = function.__globals__
-        for name in sorted(_names_in(function.__code__)):
+        for name in sorted(global_names(function.__code__)):
             if name in scope:
                 names[name] = scope[name]
     if isinstance(obj, type):  # base classes and decorators in the class statement
@@ -104,14 +106,6 @@ def _globals_read(obj: Any) -> dict[str, Any]:
         for node in ast.walk(tree.body[0]):
             if isinstance(node, ast.Name) and node.id in scope and node.id != obj.__name__:
                 names.setdefault(node.id, scope[node.id])
-    return names
-
-
-def _names_in(code: types.CodeType) -> set[str]:
-    names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, types.CodeType):
-            names |= _names_in(const)
     return names
 
 

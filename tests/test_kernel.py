@@ -55,6 +55,22 @@ nbddp.launch(sleeper, nprocs=2)
 """
 
 
+def interrupt_and_check(kernel: Kernel, run: Execution, procs: dict[int, str]) -> None:
+    """Interrupt the kernel: the cell ends in KeyboardInterrupt and every process is gone."""
+    interrupted = time.monotonic()
+    kernel.km.interrupt_kernel()
+    run.finish(timeout=30)
+    assert run.error() is not None and run.error()["ename"] == "KeyboardInterrupt", \
+        run.describe()
+    assert run.idle_at - interrupted < 10, "the interrupted cell took too long to return"
+    try:
+        wait_until(lambda: not _alive(procs) and not descendants(kernel.pid), timeout=5)
+    except AssertionError:
+        left = set(_alive(procs)) | descendants(kernel.pid)
+        raise AssertionError("still running after the interrupt: "
+                             + "; ".join(_cmdline(p) for p in left)) from None
+
+
 def _wait_for_ranks(kernel: Kernel, run: Execution) -> tuple[dict[int, str], str]:
     """Once rank 0 runs the user's code: the kernel's descendants (torchrun and the
     ranks) with their start times, and the run directory."""
@@ -199,18 +215,7 @@ def test_interrupt_stops_every_process_and_kernel_stays_usable(fresh_kernel):
     run = fresh_kernel.submit(SLEEPER)
     procs, _ = _wait_for_ranks(fresh_kernel, run)
 
-    interrupted = time.monotonic()
-    fresh_kernel.km.interrupt_kernel()
-    run.finish(timeout=30)
-    assert run.error() is not None and run.error()["ename"] == "KeyboardInterrupt", \
-        run.describe()
-    assert run.idle_at - interrupted < 10, "the interrupted cell took too long to return"
-    try:
-        wait_until(lambda: not _alive(procs) and not descendants(fresh_kernel.pid), timeout=5)
-    except AssertionError:
-        left = set(_alive(procs)) | descendants(fresh_kernel.pid)
-        raise AssertionError("still running after the interrupt: "
-                             + "; ".join(_cmdline(p) for p in left)) from None
+    interrupt_and_check(fresh_kernel, run, procs)
 
     again = fresh_kernel.run("nbddp.launch(lambda: 'still here', nprocs=2)").assert_ok()
     assert again.result() == "'still here'"

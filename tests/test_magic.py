@@ -15,7 +15,7 @@ import pytest
 
 from .conftest import descendants, run_dirs, wait_until
 from .kernel_driver import Execution, Kernel
-from .test_kernel import _alive, _cmdline, _wait_for_ranks
+from .test_kernel import _wait_for_ranks, interrupt_and_check
 
 OPTIONS = ("--gpus", "--nprocs", "--backend", "--timeout", "--no-init", "--out", "--all-ranks")
 
@@ -445,18 +445,7 @@ def test_interrupt_stops_every_process_and_the_next_cell_works(fresh_kernel):
     """)
     procs, _ = _wait_for_ranks(fresh_kernel, run)
 
-    interrupted = time.monotonic()
-    fresh_kernel.km.interrupt_kernel()
-    run.finish(timeout=30)
-    assert run.error() is not None and run.error()["ename"] == "KeyboardInterrupt", \
-        run.describe()
-    assert run.idle_at - interrupted < 10, "the interrupted cell took too long to return"
-    try:
-        wait_until(lambda: not _alive(procs) and not descendants(fresh_kernel.pid), timeout=5)
-    except AssertionError:
-        left = set(_alive(procs)) | descendants(fresh_kernel.pid)
-        raise AssertionError("still running after the interrupt: "
-                             + "; ".join(_cmdline(p) for p in left)) from None
+    interrupt_and_check(fresh_kernel, run, procs)
 
     again = fresh_kernel.run("%%ddp --nprocs 2\n'still here'").assert_ok()
     assert again.result() == "'still here'"
