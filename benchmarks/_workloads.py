@@ -84,6 +84,35 @@ def train_mlp(steps: int, warmup: int, log_every_step: int = 0) -> dict[str, flo
     return {"steps_per_s": steps / elapsed, "threads": float(torch.get_num_threads())}
 
 
+def train_mlp_paired(blocks: int, block_steps: int, warmup: int) -> dict[str, list[float]]:
+    """In one run, alternate blocks of steps with ``nbddp.log`` every step and without
+    (ABBA order), timing each block between barriers: steps/s per kind of block.
+
+    Pairing inside one run removes what varies from launch to launch (placement, other
+    load), which on a small shared machine is larger than the cost being measured.
+    """
+    import nbddp
+
+    step = _mlp_step(dist.get_rank())
+    for i in range(warmup):
+        step(i)
+    rates: dict[str, list[float]] = {"with_log": [], "without_log": []}
+    n = warmup
+    for block in range(blocks):
+        logging = block % 4 in (0, 3)  # ABBA: with, without, without, with, ...
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(block_steps):
+            loss = step(n)
+            if logging:
+                nbddp.log(step=n, loss=loss.detach())
+            n += 1
+        dist.barrier()
+        rates["with_log" if logging else "without_log"].append(
+            block_steps / (time.perf_counter() - start))
+    return rates
+
+
 def _no_op(step: int | None = None, **metrics: Any) -> None:
     """What a call of ``nbddp.log`` costs at the least: a Python call with keywords."""
 
