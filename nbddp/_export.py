@@ -17,9 +17,10 @@ from typing import Any
 
 import cloudpickle
 
-from ._source import Standalone, _is_literal, standalone
+from ._cell import Cell
+from ._source import Standalone, _is_literal, standalone, standalone_names
 
-_BOOTSTRAP = '''
+_SETUP = '''
 
 def _distributed_env() -> bool:
     """torchrun sets RANK & co.; under srun (one task per rank) derive them from SLURM."""
@@ -37,10 +38,10 @@ def _distributed_env() -> bool:
     return True
 
 
-def main() -> None:
-    """Set up the process group as nbddp does, call {name}, print rank 0's result."""
+def _start_process_group():
+    """The default process group as nbddp sets it up: NCCL on a GPU rank, else gloo."""
     import torch
-    import torch.distributed as dist
+    import torch.distributed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
@@ -48,9 +49,18 @@ def main() -> None:
         torch.cuda.set_device(local_rank)
     backend = "nccl" if on_gpu else "gloo"
     if _distributed_env():
-        dist.init_process_group(backend)
+        torch.distributed.init_process_group(backend)
     else:  # plain `python {script}`: one rank, no rendezvous
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
+    return torch.distributed
+'''
+
+_FUNCTION_MAIN = '''
+
+def main() -> None:
+    """Call {name} on every rank; print rank 0's result."""
+    dist = _start_process_group()
     result = {call}
     if dist.get_rank() == 0:
         print(f"{name} returned: {{result!r}}", flush=True)
@@ -59,6 +69,17 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+'''
+
+_CELL_MAIN = '''
+
+_process_group = _start_process_group()
+
+# --- the notebook cell ---------------------------------------------------------------
+{source}
+# --- end of the cell -----------------------------------------------------------------
+
+_process_group.destroy_process_group()
 '''
 
 
@@ -84,10 +105,12 @@ class SlurmOptions:
     """The c10d rendezvous port on the first node."""
 
 
-def script_text(name: str, script: str, needs: Standalone, call: str,
+def script_text(subject: str, script: str, needs: Standalone, main: str,
                 payload_file: str | None) -> str:
-    """A readable script: the notebook's imports, its definitions, the function, a main."""
-    header = (f'#!/usr/bin/env python\n"""{script}: `{name}` exported from a notebook by nbddp.\n\n'
+    """A readable script: the notebook's imports, its definitions, then ``main`` (from
+    ``function_main`` or ``cell_main``), after the process-group setup."""
+    header = (f'#!/usr/bin/env python\n"""{script}: {subject} exported from a notebook '
+              'by nbddp.\n\n'
               f"Run it on one machine:   torchrun --nproc_per_node 2 {script}\n"
               f"as a single process:     python {script}\n"
               f"on a SLURM cluster:      sbatch {Path(script).stem}.sbatch\n"
@@ -102,8 +125,18 @@ def script_text(name: str, script: str, needs: Standalone, call: str,
             f"with open(os.path.join(_here, {payload_file!r}), \"rb\") as _file:\n"
             f"    _data = cloudpickle.load(_file)\n{loads}\n")
     parts.extend(needs.definitions)
-    return "\n\n".join(p.rstrip("\n") + "\n" for p in parts) + _BOOTSTRAP.format(
-        name=name, script=script, call=call)
+    text = "\n\n".join(p.rstrip("\n") + "\n" for p in parts)
+    return text + _SETUP.format(script=script) + main
+
+
+def function_main(name: str, call: str) -> str:
+    """The end of a function's script: ``main()`` calls it on every rank."""
+    return _FUNCTION_MAIN.format(name=name, call=call)
+
+
+def cell_main(source: str) -> str:
+    """The end of a cell's script: the cell's own lines, between setup and teardown."""
+    return _CELL_MAIN.format(source=source.strip("\n"))
 
 
 def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
@@ -164,23 +197,29 @@ def export(
     """Write ``path`` (a script that runs ``fn(*args, **kwargs)`` on every rank), a
     ``.sbatch`` file beside it, and a ``.payload.pkl`` for objects without source.
 
-    ``nprocs`` is ranks per node (default: ``gpus``, or 1 on CPU nodes). Returns the
-    paths written.
+    ``fn`` is a function defined in the notebook (``%%ddp --export`` passes a cell).
+    ``nprocs`` is ranks per node (default: ``gpus``, or 1 on CPU nodes); ``sbatch``
+    adds ``#SBATCH`` lines. Returns the paths written.
     """
-    if not isinstance(fn, types.FunctionType):
+    if not isinstance(fn, (types.FunctionType, Cell)):
         raise TypeError(f"export takes a function defined in the notebook, got {fn!r}")
     if nodes < 1 or (nprocs is not None and nprocs < 1) or gpus < 0:
         raise ValueError("nodes and nprocs must be at least 1, gpus at least 0")
     script = Path(path)
-    script.parent.mkdir(parents=True, exist_ok=True)
-    needs = standalone(fn)
-    call = _call(fn.__name__, tuple(args), dict(kwargs or {}), needs.data)
+    if isinstance(fn, Cell):
+        needs = standalone_names(fn.namespace)
+        subject, main = "a cell", cell_main(fn.source)
+    else:
+        needs = standalone(fn)
+        call = _call(fn.__name__, tuple(args), dict(kwargs or {}), needs.data)
+        subject, main = f"`{fn.__name__}`", function_main(fn.__name__, call)
     payload = script.with_suffix(".payload.pkl")
-    written = [script, script.with_suffix(".sbatch")]
-    script.write_text(script_text(fn.__name__, script.name, needs, call,
-                                  payload.name if needs.data else None))
+    text = script_text(subject, script.name, needs, main, payload.name if needs.data else None)
     options = SlurmOptions(nodes=nodes, nprocs_per_node=nprocs or gpus or 1, gpus_per_node=gpus,
                            time=time, partition=partition, extra=tuple(sbatch))
+    script.parent.mkdir(parents=True, exist_ok=True)
+    script.write_text(text)
+    written = [script, script.with_suffix(".sbatch")]
     written[1].write_text(sbatch_text(script.name, script.stem, options))
     if needs.data:
         payload.write_bytes(cloudpickle.dumps(needs.data))

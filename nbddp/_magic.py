@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ._cell import Cell, CellResult
 from ._devices import visible_gpu_count
 from ._errors import NbddpError
+from ._export import export
 from ._launch import launch
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
@@ -69,6 +70,17 @@ class DDPMagics(Magics):
                    "after the run (a DDP model comes back as its module; tensors on CPU)")
     @argument("--all-ranks", action="store_true",
               help="show every rank's output live, each line prefixed with its rank")
+    @argument("--export", metavar="PATH",
+              help="do not run: write the cell as a script for torchrun/srun/python at PATH, "
+                   "an sbatch file beside it (and a payload file for data without source)")
+    @argument("--nodes", type=int, default=1, metavar="N",
+              help="with --export: machines for the sbatch job (ranks per node: --nprocs "
+                   "or --gpus)")
+    @argument("--time", help="with --export: the job's time limit, e.g. 01:00:00")
+    @argument("--partition", help="with --export: the SLURM partition")
+    @argument("--sbatch", action="append", default=[], metavar="LINE",
+              help="with --export: an extra #SBATCH line, e.g. --sbatch=--account=proj "
+                   "(repeatable)")
     @output_can_be_silenced  # a trailing ';' hides the result, as in any cell
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
@@ -88,12 +100,14 @@ class DDPMagics(Magics):
             raise UsageError("%%ddp is a cell magic: put it on the first line of the cell "
                              "to run on every rank (%ddp -h lists the options)")
         gpus = _parse_gpus(args.gpus)
-        if gpus is not None:
+        if gpus is not None and not args.export:  # an export's GPUs are the cluster's
             _check_gpus(gpus, args.gpus)
         try:
             code = self._cell(cell, _parse_names(args.out))
         except SyntaxError as exc:  # shown at the cell's line, before anything starts
             raise exc.with_traceback(None) from None
+        if args.export:
+            return _export_cell(code, args, gpus)
         result = self._launch(code, args, gpus)
         self._shell.user_ns.update(result.outputs)
         return result.value
@@ -121,6 +135,21 @@ class DDPMagics(Magics):
         filename = self._shell.compile.cache(source, self._shell.execution_count)
         return Cell.from_notebook(source, filename, self._shell.user_ns,
                                   self._shell.user_ns_hidden, outputs)
+
+
+def _export_cell(code: Cell, args: Any, gpus: int | list[int] | None) -> None:
+    """``--export``: write the script and sbatch file, say how to run them."""
+    gpu_count = len(gpus) if isinstance(gpus, list) else gpus or 0
+    try:
+        written = export(code, args.export, nodes=args.nodes, nprocs=args.nprocs,
+                         gpus=gpu_count, time=args.time, partition=args.partition,
+                         sbatch=args.sbatch)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+    script = written[0]
+    print("wrote " + ", ".join(str(p) for p in written))
+    print(f"run it with: torchrun --nproc_per_node {args.nprocs or gpu_count or 2} {script}, "
+          f"python {script}, or sbatch {written[1]}")
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -37,6 +37,14 @@ def standalone(fn: types.FunctionType) -> Standalone:
     return found
 
 
+def standalone_names(namespace: dict[str, Any]) -> Standalone:
+    """The same for the notebook names a cell reads (``name -> value``)."""
+    found, seen = Standalone(), set[int]()
+    for name, value in namespace.items():
+        _classify(name, value, found, seen)
+    return found
+
+
 def _collect(obj: Any, found: Standalone, seen: set[int]) -> None:
     if id(obj) in seen:
         return

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._export import SlurmOptions, sbatch_text, script_text
+from nbddp._export import SlurmOptions, cell_main, function_main, sbatch_text, script_text
 from nbddp._source import Standalone
 
 from .conftest import wait_until
@@ -37,8 +37,15 @@ def test_script_text_is_pinned():
                        definitions=["SCALE = 3", "def helper(x):\n    return x * SCALE\n",
                                     "def train(steps):\n    return helper(steps)\n"],
                        data={"weights": None, "_arg1": None})
-    check_golden("train.py", script_text("train", "train.py", needs, "train(3, _arg1)",
+    check_golden("train.py", script_text("`train`", "train.py", needs,
+                                         function_main("train", "train(3, _arg1)"),
                                          "train.payload.pkl"))
+
+
+def test_cell_script_text_is_pinned():
+    needs = Standalone(imports=["import torch"], definitions=["SCALE = 3"])
+    cell = "\nimport torch.distributed as dist\nx = torch.ones(1) * SCALE\ndist.all_reduce(x)\n"
+    check_golden("cell.py", script_text("a cell", "cell.py", needs, cell_main(cell), None))
 
 
 NOTEBOOK = """
@@ -136,3 +143,46 @@ def test_the_sbatch_job_runs_on_two_nodes_of_a_real_cluster(exported, slurm_env,
     err = (exported / f"train-{job_id}.err").read_text()
     assert f"train returned: ({EXPECTED}, 4)" in out, out + err
     wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
+
+
+CELL = """
+%%ddp --export cell_job/step.py --nprocs 2 --nodes 2 --time 00:10:00 --sbatch=--account=proj
+import torch.distributed as dist
+total = torch.tensor([helper(2) + weights.sum().item()])
+dist.all_reduce(total)
+if dist.get_rank() == 0:
+    print(f"cell total {total.item()} over {dist.get_world_size()} ranks")
+"""
+
+
+@pytest.fixture(scope="module")
+def exported_cell(exported, kernel):
+    """A %%ddp --export cell, using the notebook's helper and tensor, in the same kernel."""
+    kernel.run("%load_ext nbddp").assert_ok()
+    run = kernel.run(CELL).assert_ok()
+    assert "wrote cell_job/step.py, cell_job/step.sbatch" in run.stream_text(), run.describe()
+    return exported.parent / "cell_job"
+
+
+def test_an_exported_cell_runs_under_torchrun_and_python(exported_cell):
+    text = (exported_cell / "step.py").read_text()
+    assert "def helper(x):" in text and "weights = _data['weights']" in text
+    assert "total = torch.tensor([helper(2) + weights.sum().item()])" in text
+    out = run_script([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node", "2", "step.py"], exported_cell)
+    assert "cell total 24.0 over 2 ranks" in out  # (helper(2) + 6) summed over 2 ranks
+    assert "cell total 12.0 over 1 ranks" in run_script([sys.executable, "step.py"],
+                                                        exported_cell)
+
+
+def test_an_exported_cells_sbatch_has_the_magics_options(exported_cell):
+    text = (exported_cell / "step.sbatch").read_text()
+    for line in ("#SBATCH --nodes=2", "#SBATCH --time=00:10:00", "#SBATCH --account=proj",
+                 "--nproc_per_node 2"):
+        assert line in text, line
+
+
+def test_export_with_gpus_on_a_machine_without_them(kernel, exported):
+    run = kernel.run("%%ddp --export gpu_job/train.py --gpus 4\nx = 1").assert_ok()
+    assert "wrote" in run.stream_text(), run.describe()
+    assert "#SBATCH --gpus-per-node=4" in (exported.parent / "gpu_job/train.sbatch").read_text()

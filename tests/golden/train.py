@@ -47,10 +47,10 @@ def _distributed_env() -> bool:
     return True
 
 
-def main() -> None:
-    """Set up the process group as nbddp does, call train, print rank 0's result."""
+def _start_process_group():
+    """The default process group as nbddp sets it up: NCCL on a GPU rank, else gloo."""
     import torch
-    import torch.distributed as dist
+    import torch.distributed
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     on_gpu = torch.cuda.is_available() and local_rank < torch.cuda.device_count()
@@ -58,9 +58,16 @@ def main() -> None:
         torch.cuda.set_device(local_rank)
     backend = "nccl" if on_gpu else "gloo"
     if _distributed_env():
-        dist.init_process_group(backend)
+        torch.distributed.init_process_group(backend)
     else:  # plain `python train.py`: one rank, no rendezvous
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        store = torch.distributed.HashStore()
+        torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
+    return torch.distributed
+
+
+def main() -> None:
+    """Call train on every rank; print rank 0's result."""
+    dist = _start_process_group()
     result = train(3, _arg1)
     if dist.get_rank() == 0:
         print(f"train returned: {result!r}", flush=True)
