@@ -8,6 +8,7 @@ launched run ``progress`` is a plain tqdm bar and ``log`` does nothing.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import deque
@@ -20,6 +21,7 @@ T = TypeVar("T")
 _SEND_INTERVAL = 0.1
 
 _reporter: Reporter | None = None
+_script: Any = None  # the ScriptReporter of a script run, once a process group is up
 
 
 class Reporter:
@@ -86,9 +88,20 @@ class Reporter:
 
 def log(step: int | None = None, **metrics: Any) -> None:
     """Record metrics (numbers or 0-d tensors) for ``step``; the kernel averages them
-    over ranks per step and metric. ``step=None`` counts this rank's calls. Never blocks."""
+    over ranks per step and metric. ``step=None`` counts this rank's calls. Never blocks.
+
+    In a script run (an exported script under torchrun, srun or python) rank 0 prints
+    the averages and writes them as JSON lines; outside any run it does nothing."""
+    global _script
     if _reporter is not None:
         _reporter.log(step, metrics)
+        return
+    if _script is None:  # asked again until a process group is up
+        from ._script_metrics import script_reporter
+
+        _script = script_reporter()
+    if _script is not None:
+        _script.log(step, metrics)
 
 
 def progress(iterable: Iterable[T], total: int | None = None, desc: str | None = None
@@ -97,7 +110,8 @@ def progress(iterable: Iterable[T], total: int | None = None, desc: str | None =
     if _reporter is None:
         from tqdm.auto import tqdm
 
-        return tqdm(iterable, total=total, desc=desc)
+        rank = int(os.environ.get("RANK", "0"))  # in a script run, only rank 0 shows a bar
+        return tqdm(iterable, total=total, desc=desc, disable=rank != 0)
     return _reporter.track(iterable, total, desc)
 
 

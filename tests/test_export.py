@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -186,3 +187,26 @@ def test_export_with_gpus_on_a_machine_without_them(kernel, exported):
     run = kernel.run("%%ddp --export gpu_job/train.py --gpus 4\nx = 1").assert_ok()
     assert "wrote" in run.stream_text(), run.describe()
     assert "#SBATCH --gpus-per-node=4" in (exported.parent / "gpu_job/train.sbatch").read_text()
+
+
+LOGGED = """
+def logged(steps):
+    import torch.distributed as dist
+    for step in nbddp.progress(range(steps), desc="steps"):
+        nbddp.log(step=step, loss=float(step + dist.get_rank()))
+    return "logged"
+
+nbddp.export(logged, "log_job/logged.py", args=(20,))
+"""
+
+
+def test_log_in_a_script_run_prints_and_writes_rank_averages(kernel, exported):
+    kernel.run(LOGGED).assert_ok()
+    folder = exported.parent / "log_job"
+    env_dir = folder / "metrics"
+    out = run_script(["env", f"NBDDP_METRICS_DIR={env_dir}", sys.executable, "-m",
+                      "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                      "logged.py"], folder)
+    assert "[nbddp] step 19: loss=19.5 (mean of 2 ranks)" in out  # (19 + 20) / 2
+    rows = [json.loads(line) for line in (env_dir / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": s, "ranks": 2, "loss": s + 0.5} for s in range(20)]

@@ -1,0 +1,128 @@
+"""``nbddp.log`` / ``nbddp.progress`` in a script run (torchrun, srun, plain python).
+
+No kernel is listening, and ``log`` must still not synchronise the ranks, so each rank
+appends its records to ``rank-N.jsonl`` in ``$NBDDP_METRICS_DIR`` (default
+``./nbddp-metrics``, beside the job's output on a shared filesystem); rank 0 reads every
+rank's file, averages each step with the same ``History`` the notebook uses, prints the
+averages as readable lines (at most one a second, and the last one) and writes them to
+``metrics.jsonl``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from ._history import History
+
+_INTERVAL = 0.5
+_FINAL_WAIT = 10.0
+
+
+class ScriptReporter:
+    """One rank's log records to its file; on rank 0, the averaging and the printing."""
+
+    def __init__(self, rank: int, world: int, folder: Path) -> None:
+        self.rank, self.world, self.folder = rank, world, folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = (folder / f"rank-{rank}.jsonl").open("w")
+        self._lock = threading.Lock()
+        self._step = -1
+        self._history = History(world, folder / "metrics.jsonl") if rank == 0 else None
+        self._offsets = [0] * world
+        self._printed = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-script")
+        self._thread.start()
+        atexit.register(self.close)
+
+    def log(self, step: int | None, metrics: dict[str, Any]) -> None:
+        self._step = self._step + 1 if step is None else step
+        values = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        with self._lock:
+            self._file.write(json.dumps([self._step, values]) + "\n")
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_INTERVAL):
+            self._flush()
+            self._average()
+
+    def _flush(self) -> None:
+        with self._lock:
+            self._file.flush()
+
+    def _average(self, final: bool = False) -> bool:
+        """Rank 0: read what every rank appended; True once every rank said it is done."""
+        if self._history is None:
+            return True
+        done = 0
+        for rank in range(self.world):
+            records, finished = self._read(rank)
+            self._history.add(rank, records)
+            done += finished
+        self._history.tick()
+        if self._history.latest and (final or time.monotonic() - self._printed >= 1.0):
+            self._printed = time.monotonic()
+            row = self._history.latest
+            metrics = " ".join(f"{k}={v:.4g}" for k, v in row.items() if k not in ("step", "ranks"))
+            print(f"[nbddp] step {row['step']}: {metrics} (mean of {row['ranks']} ranks)",
+                  flush=True)
+        return done == self.world
+
+    def _read(self, rank: int) -> tuple[list[tuple[int, dict[str, float]]], bool]:
+        path = self.folder / f"rank-{rank}.jsonl"
+        try:
+            with path.open() as f:
+                f.seek(self._offsets[rank])
+                text = f.read()
+        except FileNotFoundError:
+            return [], False
+        complete = text[:text.rfind("\n") + 1]
+        self._offsets[rank] += len(complete.encode())
+        records, finished = [], False
+        for line in complete.splitlines():
+            item = json.loads(line)
+            if item == "done":
+                finished = True
+            else:
+                records.append((item[0], item[1]))
+        return records, finished
+
+    def close(self) -> None:
+        """At exit: this rank says it is done; rank 0 waits for the others, then averages."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join()
+        with self._lock:
+            self._file.write(json.dumps("done") + "\n")
+            self._file.close()
+        deadline = time.monotonic() + _FINAL_WAIT
+        while not self._average() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if self._history is not None:
+            self._history.close()
+            self._average(final=True)
+
+
+def _is_number(value: Any) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+def script_reporter() -> ScriptReporter | None:
+    """The reporter of a script run: a process group is up and no kernel launched us."""
+    torch = __import__("sys").modules.get("torch")
+    dist = getattr(torch, "distributed", None) if torch else None
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    folder = Path(os.environ.get("NBDDP_METRICS_DIR", "nbddp-metrics"))
+    return ScriptReporter(dist.get_rank(), dist.get_world_size(), folder)
