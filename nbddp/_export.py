@@ -18,7 +18,7 @@ from typing import Any
 import cloudpickle
 
 from ._cell import Cell
-from ._source import Standalone, _is_literal, standalone, standalone_names
+from ._source import Standalone, is_literal, standalone, standalone_names
 
 _SETUP = '''
 
@@ -169,9 +169,9 @@ def _call(name: str, args: tuple, kwargs: dict[str, Any], data: dict[str, Any]) 
     """The call expression; arguments that are not literals go into the payload."""
     parts = []
     for i, value in enumerate(args):
-        parts.append(repr(value) if _is_literal(value) else _stash(data, f"_arg{i}", value))
+        parts.append(repr(value) if is_literal(value) else _stash(data, f"_arg{i}", value))
     for key, value in kwargs.items():
-        parts.append(f"{key}=" + (repr(value) if _is_literal(value)
+        parts.append(f"{key}=" + (repr(value) if is_literal(value)
                                   else _stash(data, f"_kwarg_{key}", value)))
     return f"{name}({', '.join(parts)})"
 

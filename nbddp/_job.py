@@ -57,8 +57,6 @@ class Job(Generic[R]):
         self._finished = threading.Event()
         self._cancel_reason: str | None = None
         self._outcome: tuple[bool, Any] | None = None
-        self.logs: dict[int, str] = {}
-        """Every rank's output, by rank, once the run has ended."""
         self._results: dict[int, Result] = {}
         self._failures: list[Failure | Disconnected] = []
         self._tails: list[LogTail]
@@ -125,6 +123,11 @@ class Job(Generic[R]):
         if ok:
             return value
         raise value
+
+    @property
+    def logs(self) -> dict[int, str]:
+        """Every rank's output so far, by rank, read from the run's records folder."""
+        return self._run_dir.read_logs(self.config.nprocs)
 
     @property
     def records(self) -> Path:
@@ -275,8 +278,7 @@ class Job(Generic[R]):
             self._drain_reports()
             for tail in getattr(self, "_tails", []):
                 tail.close()
-            self.logs = self._run_dir.read_logs(self.config.nprocs)
-            if outcome == (False, None):
+            if outcome == (False, None):  # only a failure needs the logs read now
                 outcome = False, diagnose(self._failures, self._results, self._run_dir,
                                           self.config.nprocs, self.logs)
             return outcome

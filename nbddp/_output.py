@@ -78,7 +78,7 @@ class BoundedOutput:
 
     def write(self, text: str) -> None:
         if self._hidden == 0:
-            shown, _, rest = _split_lines(text, self._budget)
+            shown, rest = _split_lines(text, self._budget)
             self._budget -= shown.count("\n")
             if shown:
                 self._write(shown)
@@ -100,13 +100,13 @@ class BoundedOutput:
             self._hidden = 0
 
 
-def _split_lines(text: str, budget: int) -> tuple[str, str, str]:
-    """(the first ``budget`` lines of text, "", the rest)."""
+def _split_lines(text: str, budget: int) -> tuple[str, str]:
+    """(the first ``budget`` lines of text, the rest)."""
     if budget <= 0:
-        return "", "", text
+        return "", text
     end = -1
     for _ in range(budget):
         end = text.find("\n", end + 1)
         if end < 0:
-            return text, "", ""
-    return text[:end + 1], "", text[end + 1:]
+            return text, ""
+    return text[:end + 1], text[end + 1:]

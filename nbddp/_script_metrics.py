@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -120,7 +121,7 @@ def _is_number(value: Any) -> bool:
 
 def script_reporter() -> ScriptReporter | None:
     """The reporter of a script run: a process group is up and no kernel launched us."""
-    torch = __import__("sys").modules.get("torch")
+    torch = sys.modules.get("torch")  # no torch imported: no process group either
     dist = getattr(torch, "distributed", None) if torch else None
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return None

@@ -64,7 +64,7 @@ def _classify(name: str, value: Any, found: Standalone, seen: set[int]) -> None:
     elif isinstance(value, (types.FunctionType, type)) and _importable(value):
         line = f"from {value.__module__} import {value.__qualname__}"
         _add(found.imports, line if value.__qualname__ == name else f"{line} as {name}")
-    elif _is_literal(value):
+    elif is_literal(value):
         _add(found.definitions, f"{name} = {value!r}")
     else:
         found.data[name] = value
@@ -125,11 +125,12 @@ def _importable(value: Any) -> bool:
     return value.__module__ not in (None, "__main__", "builtins") and "<" not in value.__qualname__
 
 
-def _is_literal(value: Any) -> bool:
+def is_literal(value: Any) -> bool:
+    """True for values whose ``repr`` is Python source that rebuilds them."""
     if isinstance(value, _LITERALS):
         return True
     if isinstance(value, (list, tuple, set, frozenset)):
-        return all(_is_literal(v) for v in value)
+        return all(is_literal(v) for v in value)
     if isinstance(value, dict):
-        return all(_is_literal(k) and _is_literal(v) for k, v in value.items())
+        return all(is_literal(k) and is_literal(v) for k, v in value.items())
     return False
