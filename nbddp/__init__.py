@@ -3,8 +3,9 @@
 from ._errors import NbddpError, PayloadError, WorkerError
 from ._export import export
 from ._job import Job
-from ._launch import last_job, launch
+from ._launch import attach, last_job, launch
 from ._metrics import log, progress
+from ._slurm import Slurm
 
 __version__ = "0.1.0"
 
@@ -12,7 +13,9 @@ __all__ = [
     "Job",
     "NbddpError",
     "PayloadError",
+    "Slurm",
     "WorkerError",
+    "attach",
     "export",
     "last_job",
     "launch",

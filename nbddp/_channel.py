@@ -1,9 +1,10 @@
 """The authenticated link between the ranks and the kernel, and the messages on it.
 
-The kernel listens on a Unix socket inside the run's private (0700) directory. Both
-ends prove they hold the run's random key (HMAC challenge in each direction) before
-anything else is read, so a stranger's connection is dropped and changes nothing.
-Frames are a 4-byte length and a pickled message; only authenticated peers are read.
+The kernel listens on a Unix socket inside the run's private (0700) directory, or, for
+ranks on other machines (a SLURM job), on a TCP port. Both ends prove they hold the
+run's random key (HMAC challenge in each direction) before anything else is read, so a
+stranger's connection is dropped and changes nothing. Frames are a 4-byte length and a
+pickled message; only authenticated peers are read.
 """
 
 from __future__ import annotations
@@ -73,6 +74,19 @@ class Metrics:
 
 
 @dataclass(frozen=True)
+class Sequenced:
+    """A rank's message and its place in that rank's stream. A rank may send each
+    message on two links (socket and mailbox file); the kernel keeps the first copy."""
+
+    seq: int
+    message: Any
+
+    @property
+    def rank(self) -> int:
+        return self.message.rank
+
+
+@dataclass(frozen=True)
 class Disconnected:
     """Kernel-side event: a rank's connection closed."""
 
@@ -124,14 +138,30 @@ def recv_message(sock: socket.socket) -> Any:
 # --- kernel side ----------------------------------------------------------------------
 
 
-class ChannelServer:
-    """Accepts authenticated rank connections and puts their messages on ``events``."""
+Address = Path | tuple[str, int]
+"""A Unix socket's path, or a TCP (host, port)."""
 
-    def __init__(self, path: Path, key: bytes, events: queue.Queue) -> None:
-        self.path, self._key, self._events = path, key, events
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(path))
-        os.chmod(path, 0o600)
+
+def _new_socket(address: Address) -> socket.socket:
+    family = socket.AF_UNIX if isinstance(address, Path) else socket.AF_INET
+    return socket.socket(family, socket.SOCK_STREAM)
+
+
+class ChannelServer:
+    """Accepts authenticated rank connections and puts their messages on ``events``.
+
+    ``address`` is a socket path, or a TCP (host, port) to bind (port 0: any free one;
+    ``port`` says which).
+    """
+
+    def __init__(self, address: Address, key: bytes, events: queue.Queue) -> None:
+        self.address, self._key, self._events = address, key, events
+        self._listener = _new_socket(address)
+        self._listener.bind(str(address) if isinstance(address, Path) else address)
+        if isinstance(address, Path):
+            os.chmod(address, 0o600)
+        self.port: int | None = None if isinstance(address, Path) else \
+            self._listener.getsockname()[1]
         self._listener.listen(64)
         self._connections: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -183,7 +213,8 @@ class ChannelServer:
                 sock.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self._accepter.join(timeout=5)
-        self.path.unlink(missing_ok=True)
+        if isinstance(self.address, Path):
+            self.address.unlink(missing_ok=True)
 
 
 # --- rank side ------------------------------------------------------------------------
@@ -192,10 +223,10 @@ class ChannelServer:
 class ChannelClient:
     """A rank's authenticated connection to the kernel; ``send`` is thread-safe."""
 
-    def __init__(self, path: Path, key: bytes) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, address: Address, key: bytes) -> None:
+        self._sock = _new_socket(address)
         self._sock.settimeout(_HANDSHAKE_TIMEOUT)
-        self._sock.connect(str(path))
+        self._sock.connect(str(address) if isinstance(address, Path) else address)
         _authenticate(self._sock, key)
         self._sock.settimeout(None)
         self._lock = threading.Lock()

@@ -86,11 +86,15 @@ def _died(rank: int, record: dict | None, logs: dict[int, str]) -> WorkerError:
 
 
 def _read_exits(run_dir: RunDir) -> dict[int, dict]:
-    """torchrun's record of the ranks that exited abnormally, by global rank."""
-    try:
-        return {int(rank): info for rank, info in json.loads(run_dir.failures.read_text()).items()}
-    except (OSError, ValueError):
-        return {}
+    """torchrun's record of the ranks that exited abnormally, by global rank (each
+    machine's torchrun writes its own file)."""
+    exits: dict[int, dict] = {}
+    for path in run_dir.failure_files():
+        try:
+            exits.update({int(rank): info for rank, info in json.loads(path.read_text()).items()})
+        except (OSError, ValueError):
+            continue
+    return exits
 
 
 def _launcher_tail(run_dir: RunDir) -> str:

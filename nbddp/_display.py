@@ -29,7 +29,9 @@ class PanelState:
     history: History
     log_dir: str = ""
     status: str = "running"
-    """running, finished, failed, cancelled, interrupted or timed out."""
+    """queued, running, finished, failed, cancelled, interrupted or timed out."""
+    where: str = ""
+    """Where the ranks run when not on this machine, e.g. ``SLURM job 12``."""
     message: str = ""
     ranks: list[str] = field(default_factory=list)
     position: tuple[int, int | None, str | None] | None = None
@@ -66,7 +68,9 @@ class PanelState:
 
     def summary(self) -> str:
         """One line: the run's status, progress and latest averaged metrics."""
-        parts = [f"nbddp: {self.status} on {self.nprocs} ranks in {_duration(self.elapsed)}"]
+        where = f" ({self.where})" if self.where else ""
+        parts = [f"nbddp: {self.status} on {self.nprocs} ranks{where} in "
+                 f"{_duration(self.elapsed)}"]
         if self.position is not None:
             n, total, _ = self.position
             parts.append(f"{n}/{total}" if total else f"{n} steps")
@@ -176,8 +180,8 @@ class WidgetPanel:
         n, total = (state.position or (0, None, None))[:2]
         self.bar.max = max(total or n or 1, 1)
         self.bar.value = min(n, self.bar.max)
-        self.bar.bar_style = {"finished": "success", "running": "info"}.get(state.status,
-                                                                           "danger")
+        self.bar.bar_style = {"finished": "success", "running": "info",
+                              "queued": ""}.get(state.status, "danger")
         self.speed.value = _speed_html(state)
         self.metrics.value = _metrics_html(state.history.latest)
         self.charts.value = "".join(svg_chart(name, points)
@@ -198,7 +202,8 @@ class WidgetPanel:
 def text_view(state: PanelState) -> str:
     """The panel as plain text: status and ranks, a tqdm meter, the latest averages."""
     ranks = ", ".join(f"{r} {s}" for r, s in enumerate(state.ranks))
-    lines = [f"nbddp: {state.status} (ranks: {ranks})"
+    where = f" {state.where}" if state.where else ""
+    lines = [f"nbddp: {state.status}{where} (ranks: {ranks})"
              + (f" - {state.message}" if state.message else "")]
     if state.position is not None:
         from tqdm import tqdm
@@ -214,12 +219,14 @@ def text_view(state: PanelState) -> str:
 
 
 def _header_html(state: PanelState) -> str:
-    color = {"finished": "#2ca02c", "running": "#1f77b4"}.get(state.status, "#d62728")
+    color = {"finished": "#2ca02c", "running": "#1f77b4", "queued": "#999"}.get(state.status,
+                                                                                "#d62728")
     ranks = " ".join(
         f'<span title="rank {r}: {s}" style="color:{_COLORS[s]}">&#9679; {r} {s}</span>'
         for r, s in enumerate(state.ranks))
     message = f" &mdash; {html.escape(state.message)}" if state.message else ""
-    return (f'<b style="color:{color}">nbddp: {html.escape(state.status)}</b>{message}'
+    where = f" {html.escape(state.where)}" if state.where else ""
+    return (f'<b style="color:{color}">nbddp: {html.escape(state.status)}</b>{where}{message}'
             f'<br><small>ranks: {ranks}</small>')
 
 

@@ -9,6 +9,7 @@ runs under ``torchrun``, under ``srun`` (one task per rank) and as plain ``pytho
 from __future__ import annotations
 
 import os
+import shlex
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -139,8 +140,7 @@ def cell_main(source: str) -> str:
     return _CELL_MAIN.format(source=source.strip("\n"))
 
 
-def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
-    """An sbatch file: one task per node, each a torchrun joined by c10d rendezvous."""
+def _directives(job_name: str, options: SlurmOptions, output: str, error: str | None) -> list[str]:
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={options.nodes}",
              "#SBATCH --ntasks-per-node=1"]
     if options.gpus_per_node:
@@ -151,8 +151,15 @@ def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
         lines.append(f"#SBATCH --time={options.time}")
     if options.partition:
         lines.append(f"#SBATCH --partition={options.partition}")
-    lines += [f"#SBATCH --output={job_name}-%j.out", f"#SBATCH --error={job_name}-%j.err"]
-    lines += [f"#SBATCH {line}" for line in options.extra]
+    lines.append(f"#SBATCH --output={output}")
+    if error:
+        lines.append(f"#SBATCH --error={error}")
+    return lines + [f"#SBATCH {line}" for line in options.extra]
+
+
+def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
+    """An sbatch file: one task per node, each a torchrun joined by c10d rendezvous."""
+    lines = _directives(job_name, options, f"{job_name}-%j.out", f"{job_name}-%j.err")
     lines += [
         "",
         "# The first node of the allocation hosts the rendezvous.",
@@ -161,6 +168,27 @@ def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
         f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {options.nprocs_per_node} \\",
         "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" \\",
         f"    --rdzv-endpoint \"$head:{options.port}\" {script}",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> str:
+    """The sbatch file of a run submitted from the notebook: on each node, nbddp's
+    torchrun wrapper starts nbddp's worker, which reports to the kernel or the mailbox."""
+    folder, python = shlex.quote(run_dir), shlex.quote(python)
+    lines = _directives("nbddp", options, f"{run_dir}/torchrun.log", None)  # no shell here
+    lines += [
+        "",
+        "# Submitted by nbddp from a notebook: the ranks load the payload in this run",
+        "# folder and report to the kernel, or to files here when they cannot reach it.",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        "port=$((20000 + SLURM_JOB_ID % 20000))",
+        "",
+        f"srun --kill-on-bad-exit=1 {python} -m nbddp._torchrun {folder} - \\",
+        f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.nprocs_per_node} "
+        "--max-restarts 0 \\",
+        "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" --rdzv-endpoint \"$head:$port\" \\",
+        f"    -m nbddp._worker {folder} {folder} --mailbox",
     ]
     return "\n".join(lines) + "\n"
 
@@ -192,19 +220,22 @@ def export(
     gpus: int = 0,
     time: str | None = None,
     partition: str | None = None,
+    cpus_per_task: int | None = None,
     sbatch: Sequence[str] = (),
 ) -> list[Path]:
     """Write ``path`` (a script that runs ``fn(*args, **kwargs)`` on every rank), a
     ``.sbatch`` file beside it, and a ``.payload.pkl`` for objects without source.
 
     ``fn`` is a function defined in the notebook (``%%ddp --export`` passes a cell).
-    ``nprocs`` is ranks per node (default: ``gpus``, or 1 on CPU nodes); ``sbatch``
-    adds ``#SBATCH`` lines. Returns the paths written.
+    ``nprocs`` is ranks per node (default: ``gpus``, or 1 on CPU nodes);
+    ``cpus_per_task`` is the CPUs of each node's torchrun and its ranks; ``sbatch`` adds
+    ``#SBATCH`` lines. Returns the paths written.
     """
     if not isinstance(fn, (types.FunctionType, Cell)):
         raise TypeError(f"export takes a function defined in the notebook, got {fn!r}")
-    if nodes < 1 or (nprocs is not None and nprocs < 1) or gpus < 0:
-        raise ValueError("nodes and nprocs must be at least 1, gpus at least 0")
+    if nodes < 1 or (nprocs is not None and nprocs < 1) or gpus < 0 or (
+            cpus_per_task is not None and cpus_per_task < 1):
+        raise ValueError("nodes, nprocs and cpus_per_task must be at least 1, gpus at least 0")
     script = Path(path)
     if isinstance(fn, Cell):
         needs = standalone_names(fn.namespace)
@@ -216,7 +247,8 @@ def export(
     payload = script.with_suffix(".payload.pkl")
     text = script_text(subject, script.name, needs, main, payload.name if needs.data else None)
     options = SlurmOptions(nodes=nodes, nprocs_per_node=nprocs or gpus or 1, gpus_per_node=gpus,
-                           time=time, partition=partition, extra=tuple(sbatch))
+                           cpus_per_task=cpus_per_task, time=time, partition=partition,
+                           extra=tuple(sbatch))
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(text)
     written = [script, script.with_suffix(".sbatch")]

@@ -4,6 +4,10 @@ The supervisor reads the channel's messages, forwards rank 0's output, and decid
 how the run ends: every rank returned (success), a rank raised or died (the first one
 is the root cause), a timeout, or a cancel. Whatever the ending, it stops every
 process, closes the channel and removes the run directory before anyone is told.
+
+A run submitted to SLURM is followed the same way: its launcher is the batch job
+(stopped with ``scancel``), and its ranks' messages also arrive through their mailbox
+files, which is how a restarted kernel re-attaches to it.
 """
 
 from __future__ import annotations
@@ -19,16 +23,28 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TextIO, TypeVar
 
-from ._channel import ChannelServer, Disconnected, Failure, Hello, Metrics, Result, new_key
+from ._channel import (
+    ChannelServer,
+    Disconnected,
+    Failure,
+    Hello,
+    Metrics,
+    Result,
+    Sequenced,
+    new_key,
+)
 from ._config import RunConfig
 from ._diagnosis import diagnose, peer_lost
 from ._display import Panel, PanelState, make_panel
 from ._errors import NbddpError
+from ._export import SlurmOptions
 from ._history import History, read_history
+from ._mailbox import MailboxReader
 from ._output import BoundedOutput, LogTail
 from ._payload import loads_value
 from ._process import Launcher
 from ._rundir import RunDir
+from ._slurm import JobStatus, SlurmLauncher, kernel_host, read_shape, submit
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -51,7 +67,36 @@ class _Wake:
 class Job(Generic[R]):
     """A launched run. ``result()`` waits for it; ``cancel()`` stops it; ``done()`` asks."""
 
-    def __init__(self, config: RunConfig, payload: bytes, stdout: TextIO | None = None) -> None:
+    slurm_job_id: str | None = None
+    """The SLURM job id of a run submitted with ``slurm=``; None for a local run."""
+
+    def __init__(self, config: RunConfig, payload: bytes, stdout: TextIO | None = None,
+                 slurm: SlurmOptions | None = None) -> None:
+        self._prepare(config, RunDir.create() if slurm is None else RunDir.create_shared())
+        try:
+            self._start(payload, stdout or sys.stdout, slurm)
+        except BaseException:  # whatever got started is stopped again
+            self._teardown((False, None))
+            raise
+
+    @classmethod
+    def _attach(cls, run_dir: RunDir, stdout: TextIO | None = None) -> Job:
+        """Follow a submitted SLURM job again, from its run folder (after a restart)."""
+        shape = read_shape(run_dir)
+        job: Job = cls.__new__(cls)
+        job._prepare(RunConfig(nprocs=shape["nprocs"], all_ranks=shape["all_ranks"],
+                               output=shape["output"]), run_dir)
+        try:
+            run_dir.metrics.unlink(missing_ok=True)  # rebuilt from the mailboxes
+            job._open_panel(stdout or sys.stdout)
+            job._follow(shape["job_id"], attached=True)
+            job._begin()
+        except BaseException:
+            job._teardown((False, None))
+            raise
+        return job
+
+    def _prepare(self, config: RunConfig, run_dir: RunDir) -> None:
         self.config = config
         self._events: queue.Queue = queue.Queue()
         self._finished = threading.Event()
@@ -59,29 +104,49 @@ class Job(Generic[R]):
         self._outcome: tuple[bool, Any] | None = None
         self._results: dict[int, Result] = {}
         self._failures: list[Failure | Disconnected] = []
+        self._next_seq: dict[int, int] = {}  # per rank: the next message number expected
         self._tails: list[LogTail]
         self._server: ChannelServer
-        self._launcher: Launcher  # these exist once started; teardown checks
+        self._launcher: Launcher | SlurmLauncher  # these exist once started; teardown checks
         self._panel: Panel
-        self._run_dir = RunDir.create()
-        try:
-            self._start(payload, stdout or sys.stdout)
-        except BaseException:  # whatever got started is stopped again
-            self._teardown((False, None))
-            raise
+        self._mailbox: MailboxReader | None = None
+        self._run_dir = run_dir
+        self._started = time.monotonic()
 
-    def _start(self, payload: bytes, stdout: TextIO) -> None:
+    def _start(self, payload: bytes, stdout: TextIO, slurm: SlurmOptions | None) -> None:
         key = new_key()
         self._run_dir.write_private(self._run_dir.key, key)
         self._run_dir.write_private(self._run_dir.payload, payload)
+        self._open_panel(stdout)
+        if slurm is None:
+            self._server = ChannelServer(self._run_dir.socket, key, self._events)
+            self._launcher = Launcher(self._run_dir, self.config)
+        else:
+            self._server = ChannelServer(("", 0), key, self._events)
+            self._run_dir.write_private(self._run_dir.address,
+                                        f"{kernel_host()} {self._server.port}".encode())
+            self._follow(submit(self._run_dir, self.config, slurm))
+        self._begin()
+
+    def _open_panel(self, stdout: TextIO) -> None:
         self._history = History(self.config.nprocs, self._run_dir.metrics)
         self.state = PanelState(self.config.nprocs, self._history, str(self._run_dir.records))
         self._panel = make_panel(stdout)
         self._output = BoundedOutput(self._panel.write, self._run_dir.records)
         self._tails = self._make_tails(self._output)
-        self._server = ChannelServer(self._run_dir.socket, key, self._events)
-        self._started = time.monotonic()
-        self._launcher = Launcher(self._run_dir, self.config)
+
+    def _follow(self, job_id: str, attached: bool = False) -> None:
+        """Follow a SLURM job: its state, and its ranks' mailbox files."""
+        self.slurm_job_id = job_id
+        self.state.where = f"SLURM job {job_id}"
+        self.state.status = "queued"
+        self._output.write(f"nbddp: attached to SLURM job {job_id}\n" if attached else
+                           f"nbddp: submitted SLURM job {job_id}; after a kernel restart, "
+                           f"nbddp.attach({job_id!r}) follows it again\n")
+        self._mailbox = MailboxReader(self._run_dir.path, self.config.nprocs, self._events)
+        self._launcher = SlurmLauncher(job_id, lambda status: self._events.put(status))
+
+    def _begin(self) -> None:
         threading.Thread(target=self._wait_launcher, daemon=True, name="nbddp-wait").start()
         # The caller's context goes along, so a notebook routes the output to the cell
         # that launched the run even while other cells execute (ipykernel >= 7).
@@ -151,7 +216,22 @@ class Job(Generic[R]):
         return []
 
     def _wait_launcher(self) -> None:
-        self._events.put(_LauncherExited(self._launcher.process.wait()))
+        self._events.put(_LauncherExited(self._launcher.wait()))
+
+    def _next_event(self, timeout: float | None) -> Any:
+        """The next event, or None (nothing came, or a copy of what already came)."""
+        try:
+            event = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(event, Sequenced):
+            if event.seq < self._next_seq.get(event.rank, 0):
+                return None  # it came through the rank's other link first
+            self._next_seq[event.rank] = event.seq + 1
+            return event.message
+        if isinstance(event, Disconnected) and self._mailbox is not None:
+            return None  # the rank's mailbox still speaks for it
+        return event
 
     def _supervise(self) -> None:
         try:
@@ -169,10 +249,7 @@ class Job(Generic[R]):
         deadline = None if self.config.timeout is None else self._started + self.config.timeout
         refreshed = 0.0
         while True:
-            try:
-                event = self._events.get(timeout=_PUMP_INTERVAL)
-            except queue.Empty:
-                event = None
+            event = self._next_event(_PUMP_INTERVAL)
             for tail in self._tails:
                 tail.pump()
             if self._cancel_reason:
@@ -207,6 +284,18 @@ class Job(Generic[R]):
         elif isinstance(event, Disconnected) and self._vanished(event.rank):
             self._failures.append(event)  # died without a word: a root-cause candidate
             self.state.ranks[event.rank] = "failed"
+        elif isinstance(event, JobStatus):
+            self._job_status(event)
+
+    def _job_status(self, status: JobStatus) -> None:
+        """Show a SLURM job's state: queued (and why), then where it runs."""
+        assert self.slurm_job_id is not None
+        self._output.write(f"nbddp: {status.describe(self.slurm_job_id)}\n")
+        if status.state == "PENDING":
+            self.state.status = "queued"
+            self.state.message = status.reason if status.reason != "None" else ""
+        elif status.state == "RUNNING":
+            self.state.status, self.state.message = "running", f"on {status.nodes}"
 
     def _handle(self, event: Any) -> tuple[bool, Any] | None:
         """Record ``event``; return the run's ending if this event decides it."""
@@ -218,6 +307,8 @@ class Job(Generic[R]):
             return self._await_death_report()
         if isinstance(event, Failure):
             return False, None  # the error is built after teardown, from every report
+        if self._mailbox is not None and len(self._results) == self.config.nprocs:
+            return self._launcher_ended(0)  # the batch job's end is not worth waiting for
         if isinstance(event, _LauncherExited):
             return self._launcher_ended(event.code)
         return None
@@ -231,9 +322,8 @@ class Job(Generic[R]):
         """A rank vanished: give torchrun a moment to say how it ended, then stop all."""
         deadline = time.monotonic() + _DEATH_REPORT_WAIT
         while time.monotonic() < deadline:
-            try:
-                event = self._events.get(timeout=_PUMP_INTERVAL)
-            except queue.Empty:
+            event = self._next_event(_PUMP_INTERVAL)
+            if event is None:
                 continue
             if isinstance(event, _LauncherExited):
                 break
@@ -241,6 +331,9 @@ class Job(Generic[R]):
         return False, None
 
     def _launcher_ended(self, code: int) -> tuple[bool, Any]:
+        if self._mailbox is not None:
+            self._mailbox.poll()  # what the ranks wrote just before the job ended
+        self._drain_reports()
         if len(self._results) == self.config.nprocs:
             if code != 0:  # e.g. gloo aborting at exit after a clean run
                 logger.debug("torchrun exited %s after every rank returned; ignored", code)
@@ -248,16 +341,17 @@ class Job(Generic[R]):
                 return True, self._collect_results()
             except NbddpError as exc:
                 return False, exc
-        self._drain_reports()
+        stopped = self._launcher.stopped_from_outside()
+        if stopped and not self._failures:
+            return False, NbddpError(f"{stopped} before every rank returned; the ranks' "
+                                     f"output is in {self._run_dir.records}")
         return False, None
 
     def _drain_reports(self) -> None:
-        while True:
-            try:
-                event = self._events.get_nowait()
-            except queue.Empty:
-                return
-            self._record(event)
+        while not self._events.empty():
+            event = self._next_event(None)
+            if event is not None:
+                self._record(event)
 
     def _collect_results(self) -> Any:
         ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
@@ -274,7 +368,9 @@ class Job(Generic[R]):
         """Stop every process, keep the logs, explain a failure, remove the run dir."""
         try:
             if hasattr(self, "_launcher"):
-                self._launcher.stop()
+                self._launcher.stop(clean=outcome[0])
+            if self._mailbox is not None:
+                self._mailbox.close()  # after a last read of what the ranks wrote
             self._drain_reports()
             for tail in getattr(self, "_tails", []):
                 tail.close()

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
 from ._config import RunConfig
+from ._export import SlurmOptions
 from ._job import Job
 from ._payload import Payload
+from ._rundir import RunDir
+from ._slurm import Slurm, find_run_dir
 
 R = TypeVar("R")
 
@@ -27,6 +32,7 @@ def launch(
     wait: Literal[False],
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
+    slurm: bool | Slurm = ...,
 ) -> Job[R]: ...
 @overload
 def launch(
@@ -43,6 +49,7 @@ def launch(
     wait: Literal[True] = ...,
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
+    slurm: bool | Slurm = ...,
 ) -> list[R]: ...
 @overload
 def launch(
@@ -59,6 +66,7 @@ def launch(
     wait: Literal[True] = ...,
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
+    slurm: bool | Slurm = ...,
 ) -> R: ...
 
 
@@ -76,6 +84,7 @@ def launch(
     wait: bool = True,
     env: Mapping[str, str] | None = None,
     output: Literal["rank0", "all", "none"] = "rank0",
+    slurm: bool | Slurm = False,
 ) -> R | list[R] | Job[R]:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh DDP process group.
 
@@ -88,17 +97,57 @@ def launch(
     (``output="all"``: every rank's, each line prefixed with its rank; ``"none"``: none).
     ``env`` adds environment variables for the ranks.
 
+    ``slurm=Slurm(nodes=2, ...)`` (or ``True``) submits the run as a SLURM batch job
+    instead, with ``nprocs``/``gpus`` ranks per node, and follows it in the same way:
+    queue state, then output, metrics and result. Interrupting stops it (``scancel``).
+
     Raises ``WorkerError`` when a rank fails, ``TimeoutError`` after ``timeout``
     seconds, ``PayloadError`` when something cannot be sent; nothing is left running.
     """
-    config = RunConfig.resolve(nprocs, gpus, backend=backend, timeout=timeout, init=init,
-                               all_ranks=all_ranks, env=dict(env or {}), output=output)
+    settings: dict[str, Any] = dict(backend=backend, timeout=timeout, init=init,
+                                    all_ranks=all_ranks, env=dict(env or {}), output=output)
+    cluster = None
+    if slurm is not False:
+        config, cluster = _cluster_run(nprocs, gpus, Slurm() if slurm is True else slurm,
+                                       settings)
+    else:
+        config = RunConfig.resolve(nprocs, gpus, **settings)
     options = {"init": init, "backend": backend, "all_ranks": all_ranks}
     payload = Payload.capture(fn, tuple(args), dict(kwargs or {}), options).dumps()
+    job: Job[R] = Job(config, payload, slurm=cluster)
+    return _follow(job, wait)
+
+
+def _cluster_run(nprocs: int | None, gpus: Any, slurm: Slurm,
+                 settings: dict[str, Any]) -> tuple[RunConfig, SlurmOptions]:
+    """A SLURM job's shape: ``nprocs`` or ``gpus`` count ranks per node (the nodes'
+    GPUs, not this machine's); default one rank per node."""
+    if not isinstance(slurm, Slurm):
+        raise TypeError(f"slurm must be True or nbddp.Slurm(...), got {slurm!r}")
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise ValueError(f"with slurm, gpus is a count of GPUs per node, got {gpus!r}")
+    if nprocs is not None and gpus is not None and nprocs != gpus:
+        raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
+    per_node = nprocs or gpus or 1
+    config = RunConfig(nprocs=per_node * slurm.nodes, **settings)
+    return config, slurm.options(per_node, gpus or 0)
+
+
+def _follow(job: Job, wait: bool) -> Any:
     global _last_job
-    job: Job[R] = Job(config, payload)
     _last_job = job
     return job if not wait else job.result()
+
+
+def attach(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:
+    """Follow a run submitted with ``slurm=`` again, e.g. after a kernel restart.
+
+    The job is found by its id among this account's run folders, or in ``run_dir``. Its
+    output and metrics so far are shown again, then live; ``result()`` returns rank 0's
+    value once it ends, or raises its error.
+    """
+    folder = find_run_dir(str(job_id)) if run_dir is None else RunDir.of_job(Path(run_dir))
+    return _follow(Job._attach(folder), wait=False)
 
 
 _last_job: Job | None = None

@@ -17,6 +17,7 @@ from ._devices import visible_gpu_count
 from ._errors import NbddpError
 from ._export import export
 from ._launch import launch
+from ._slurm import Slurm
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
 
@@ -73,14 +74,19 @@ class DDPMagics(Magics):
     @argument("--export", metavar="PATH",
               help="do not run: write the cell as a script for torchrun/srun/python at PATH, "
                    "an sbatch file beside it (and a payload file for data without source)")
+    @argument("--slurm", action="store_true",
+              help="submit the cell as a SLURM batch job (sbatch) and follow it here: queue "
+                   "state, output, metrics, result; interrupting the cell runs scancel")
     @argument("--nodes", type=int, default=1, metavar="N",
-              help="with --export: machines for the sbatch job (ranks per node: --nprocs "
-                   "or --gpus)")
-    @argument("--time", help="with --export: the job's time limit, e.g. 01:00:00")
-    @argument("--partition", help="with --export: the SLURM partition")
+              help="with --slurm or --export: machines for the job (ranks per node: --nprocs "
+                   "or --gpus; default one)")
+    @argument("--time", help="with --slurm or --export: the job's time limit, e.g. 01:00:00")
+    @argument("--partition", help="with --slurm or --export: the SLURM partition")
+    @argument("--cpus-per-task", type=int, metavar="N",
+              help="with --slurm or --export: CPUs per node for its torchrun and ranks")
     @argument("--sbatch", action="append", default=[], metavar="LINE",
-              help="with --export: an extra #SBATCH line, e.g. --sbatch=--account=proj "
-                   "(repeatable)")
+              help="with --slurm or --export: an extra #SBATCH line, e.g. "
+                   "--sbatch=--account=proj (repeatable)")
     @output_can_be_silenced  # a trailing ';' hides the result, as in any cell
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
@@ -100,8 +106,16 @@ class DDPMagics(Magics):
             raise UsageError("%%ddp is a cell magic: put it on the first line of the cell "
                              "to run on every rank (%ddp -h lists the options)")
         gpus = _parse_gpus(args.gpus)
-        if gpus is not None and not args.export:  # an export's GPUs are the cluster's
+        if gpus is not None and not (args.export or args.slurm):  # else: the cluster's GPUs
             _check_gpus(gpus, args.gpus)
+        cluster_only = (args.nodes != 1 or args.time or args.partition or args.sbatch
+                        or args.cpus_per_task)
+        if cluster_only and not (args.export or args.slurm):
+            raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
+                             "add --slurm to submit the cell, or --export PATH to write it")
+        if args.export and args.slurm:
+            raise UsageError("--export writes the job's files and --slurm submits it: "
+                             "choose one")
         try:
             code = self._cell(cell, _parse_names(args.out))
         except SyntaxError as exc:  # shown at the cell's line, before anything starts
@@ -115,9 +129,12 @@ class DDPMagics(Magics):
     def _launch(self, code: Cell, args: Any, gpus: int | list[int] | None) -> CellResult:
         __tracebackhide__ = True
         try:
-            return launch(code, args.nprocs, gpus=gpus, backend=args.backend,
-                          timeout=args.timeout, init=not args.no_init,
-                          output="all" if args.all_ranks else "rank0")
+            slurm = args.slurm and Slurm(nodes=args.nodes, time=args.time,
+                                         partition=args.partition, sbatch=args.sbatch,
+                                         cpus_per_task=args.cpus_per_task)
+            return launch(code, args.nprocs, gpus=_per_node(gpus) if args.slurm else gpus,
+                          backend=args.backend, timeout=args.timeout, init=not args.no_init,
+                          output="all" if args.all_ranks else "rank0", slurm=slurm)
         except (ValueError, TypeError) as exc:
             if isinstance(exc, NbddpError):
                 raise
@@ -137,13 +154,18 @@ class DDPMagics(Magics):
                                   self._shell.user_ns_hidden, outputs)
 
 
+def _per_node(gpus: int | list[int] | None) -> int | None:
+    """A cluster job's GPUs per node: a count (indices name this machine's GPUs)."""
+    return len(gpus) if isinstance(gpus, list) else gpus
+
+
 def _export_cell(code: Cell, args: Any, gpus: int | list[int] | None) -> None:
     """``--export``: write the script and sbatch file, say how to run them."""
-    gpu_count = len(gpus) if isinstance(gpus, list) else gpus or 0
+    gpu_count = _per_node(gpus) or 0
     try:
         written = export(code, args.export, nodes=args.nodes, nprocs=args.nprocs,
                          gpus=gpu_count, time=args.time, partition=args.partition,
-                         sbatch=args.sbatch)
+                         cpus_per_task=args.cpus_per_task, sbatch=args.sbatch)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     script = written[0]

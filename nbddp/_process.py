@@ -29,7 +29,7 @@ def torchrun_command(run_dir: RunDir, config: RunConfig, lifeline: int) -> list[
     return [
         sys.executable, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline),
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(config.nprocs),
-        "--max-restarts", "0", "--log-dir", str(run_dir.torchrun_logs),
+        "--max-restarts", "0",
         "-m", "nbddp._worker", str(run_dir.path), str(run_dir.records),
     ]
 
@@ -69,6 +69,10 @@ class Launcher:
         if start is not None:
             self._ranks[pid] = start
 
+    def stopped_from_outside(self) -> str | None:
+        """A local run's ranks tell how they ended themselves (see ``diagnose``)."""
+        return None
+
     def _alive_ranks(self) -> list[int]:
         return [pid for pid, start in self._ranks.items() if _start_time(pid) == start]
 
@@ -88,7 +92,11 @@ class Launcher:
             time.sleep(0.01)
         return False
 
-    def stop(self) -> None:
+    def wait(self) -> int:
+        """Block until torchrun exits; its exit code."""
+        return self.process.wait()
+
+    def stop(self, clean: bool = False) -> None:
         """SIGTERM torchrun and every rank, SIGKILL what is left after half a second."""
         self._signal(signal.SIGTERM)
         if not self._wait_all(_TERM_GRACE):

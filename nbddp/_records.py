@@ -4,6 +4,8 @@ The temporary run dir (payload, key, socket) is removed when a run ends; its rec
 are kept on purpose, like torchrun's ``--log-dir``, so a failure or a flood of output
 can be read in full later. They go to ``$NBDDP_RUNS_DIR`` (default
 ``~/.cache/nbddp/runs``), one private folder per run; the newest ``KEEP_RUNS`` are kept.
+A SLURM job's folder is also its run dir: while its payload is there the job may still be
+running (or waiting to be re-attached), so it is never pruned.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 KEEP_RUNS = 20
 _PREFIX = "run-"
+_LIVE_JOB_MARK = "payload.pkl"  # removed when the run that owns the folder ends
 
 
 def records_root() -> Path:
@@ -30,7 +33,9 @@ def new_records_dir() -> Path:
     """A new private folder for one run's records; the oldest beyond KEEP_RUNS go."""
     root = records_root()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    path = root / f"{_PREFIX}{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    now = time.time()  # names sort in time order: microseconds, then a random tag
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"{now % 1:.6f}"[1:]
+    path = root / f"{_PREFIX}{stamp}-{secrets.token_hex(3)}"
     path.mkdir(mode=0o700)
     _prune(root)
     return path
@@ -39,4 +44,5 @@ def new_records_dir() -> Path:
 def _prune(root: Path) -> None:
     runs = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir())
     for old in runs[:-KEEP_RUNS]:
-        shutil.rmtree(old, ignore_errors=True)
+        if not (old / _LIVE_JOB_MARK).exists():
+            shutil.rmtree(old, ignore_errors=True)

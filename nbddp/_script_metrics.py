@@ -37,6 +37,7 @@ class ScriptReporter:
         self._history = History(world, folder / "metrics.jsonl") if rank == 0 else None
         self._offsets = [0] * world
         self._printed = 0.0
+        self._printed_row: dict[str, Any] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-script")
         self._thread.start()
@@ -44,7 +45,7 @@ class ScriptReporter:
 
     def log(self, step: int | None, metrics: dict[str, Any]) -> None:
         self._step = self._step + 1 if step is None else step
-        values = {k: float(v) for k, v in metrics.items() if _is_number(v)}
+        values = {k: float(_plain(v)) for k, v in metrics.items() if _is_number(v)}
         with self._lock:
             self._file.write(json.dumps([self._step, values]) + "\n")
 
@@ -57,7 +58,7 @@ class ScriptReporter:
         with self._lock:
             self._file.flush()
 
-    def _average(self, final: bool = False) -> bool:
+    def _average(self, final: bool = False, quiet: bool = False) -> bool:
         """Rank 0: read what every rank appended; True once every rank said it is done."""
         if self._history is None:
             return True
@@ -67,9 +68,10 @@ class ScriptReporter:
             self._history.add(rank, records)
             done += finished
         self._history.tick()
-        if self._history.latest and (final or time.monotonic() - self._printed >= 1.0):
-            self._printed = time.monotonic()
-            row = self._history.latest
+        row = self._history.latest
+        due = final or time.monotonic() - self._printed >= 1.0
+        if row and due and not quiet and row != self._printed_row:
+            self._printed, self._printed_row = time.monotonic(), dict(row)
             metrics = " ".join(f"{k}={v:.4g}" for k, v in row.items() if k not in ("step", "ranks"))
             print(f"[nbddp] step {row['step']}: {metrics} (mean of {row['ranks']} ranks)",
                   flush=True)
@@ -104,16 +106,21 @@ class ScriptReporter:
             self._file.write(json.dumps("done") + "\n")
             self._file.close()
         deadline = time.monotonic() + _FINAL_WAIT
-        while not self._average() and time.monotonic() < deadline:
+        while not self._average(quiet=True) and time.monotonic() < deadline:
             time.sleep(0.1)
         if self._history is not None:
             self._history.close()
             self._average(final=True)
 
 
+def _plain(value: Any) -> Any:
+    """A tensor without its autograd history (float() of one that has it warns)."""
+    return value.detach() if getattr(value, "requires_grad", False) else value
+
+
 def _is_number(value: Any) -> bool:
     try:
-        float(value)
+        float(_plain(value))
     except (TypeError, ValueError, RuntimeError):
         return False
     return True

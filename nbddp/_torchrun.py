@@ -1,12 +1,15 @@
 """torchrun itself, run in-process so the kernel learns exactly how each rank ended.
 
 ``python -m nbddp._torchrun RUN_DIR LIFELINE_FD TORCHRUN_ARGS...`` parses and runs
-torchrun's own command line (``torch.distributed.run``). Two additions only:
+torchrun's own command line (``torch.distributed.run``). Additions only:
 
 - when ranks fail, torchrun's structured failures (rank, exit code, signal) are written
-  to ``failures.json`` instead of being left as text for the kernel to parse;
+  to ``failures-<host>-<pid>.json`` (one per machine) instead of being left as text for
+  the kernel to parse;
+- torchrun's own logs go inside the run dir (``--log-dir``), not into a temp dir;
 - the kernel holds the write end of a pipe (the lifeline); if the kernel dies the pipe
-  closes and this process stops torchrun, so no rank outlives the notebook.
+  closes and this process stops torchrun, so no rank outlives the notebook. A SLURM job
+  has no lifeline (``-``): it outlives a kernel restart, and can be re-attached.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -42,19 +46,23 @@ def _write_failures(run_dir: RunDir, error) -> None:
                "signal": f.signal_name() if f.exitcode < 0 else None}
         for rank, f in error.failures.items()
     }
-    tmp = run_dir.failures.with_suffix(".tmp")
+    path = run_dir.failures_file()
+    tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(failures))
-    tmp.replace(run_dir.failures)
+    tmp.replace(path)
 
 
 def main(argv: list[str]) -> int:
-    run_dir, lifeline, lost = RunDir(Path(argv[0])), int(argv[1]), threading.Event()
-    threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir, lost), daemon=True).start()
+    run_dir, lost = RunDir(Path(argv[0])), threading.Event()
+    if argv[1] != "-":
+        threading.Thread(target=_watch_lifeline, args=(int(argv[1]), run_dir, lost),
+                         daemon=True).start()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    log_dir = run_dir.path / f"torchelastic-{socket.gethostname()}-{os.getpid()}"
     try:
-        run(parse_args(argv[2:]))
+        run(parse_args(["--log-dir", str(log_dir), *argv[2:]]))
     except ChildFailedError as error:
         _write_failures(run_dir, error)
         return 1

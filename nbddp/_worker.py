@@ -3,6 +3,9 @@
 Bootstrap order matters: output goes to the rank's log file first (so even a crash
 is recorded), then the rank connects to the kernel, loads the payload, sets up the
 process group, runs the user's function and reports its result or its exception.
+A local rank stops when the kernel goes. A SLURM job's rank (``--mailbox``) carries on:
+it writes every message to its mailbox file as well, and uses the kernel's TCP channel
+only while it can reach it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from ._channel import ChannelClient, Failure, Hello, Result
+from ._channel import ChannelClient, Failure, Hello, Result, Sequenced
+from ._mailbox import MailboxWriter, mailbox_path
 from ._metrics import start_reporting
 from ._payload import Payload, dumps_value
 from ._rundir import RunDir
@@ -59,6 +63,46 @@ def _stop_when_kernel_goes(channel: ChannelClient, finished: threading.Event) ->
             os._exit(1)
 
     threading.Thread(target=watch, daemon=True, name="nbddp-kernel-watch").start()
+
+
+class _Link:
+    """Where this rank's messages go: the kernel's socket and/or the mailbox file. Each
+    message is numbered, so the kernel keeps one copy of what arrives both ways."""
+
+    def __init__(self, channel: ChannelClient | None, mailbox: MailboxWriter | None) -> None:
+        self._channel, self._mailbox = channel, mailbox
+        self._seq = 0
+        self._lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            numbered = Sequenced(self._seq, message)
+            self._seq += 1
+            if self._mailbox is not None:
+                self._mailbox.send(numbered)
+            if self._channel is not None:
+                try:
+                    self._channel.send(numbered)
+                except OSError:
+                    if self._mailbox is None:
+                        raise
+                    self._channel = None  # the kernel went; the mailbox carries on
+
+    def close(self) -> None:
+        for end in (self._channel, self._mailbox):
+            if end is not None:
+                end.close()
+
+
+def _reach_kernel(paths: RunDir) -> ChannelClient | None:
+    """A SLURM rank's TCP connection to the kernel, or None if it cannot be reached."""
+    try:
+        host, port = paths.address.read_text().split()
+        return ChannelClient((host, int(port)), paths.key.read_bytes())
+    except (OSError, ValueError, ConnectionError) as exc:
+        print(f"nbddp: cannot reach the notebook kernel ({exc}); reporting through files "
+              f"in {paths.path}", file=sys.stderr)
+        return None
 
 
 def _run(payload: Payload) -> Any:
@@ -112,14 +156,21 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def main(run_dir: str, records: str) -> None:
+def _connect(paths: RunDir, rank: int, mailbox: bool, finished: threading.Event) -> _Link:
+    if mailbox:
+        return _Link(_reach_kernel(paths), MailboxWriter(mailbox_path(paths.path, rank)))
+    channel = ChannelClient(paths.socket, paths.key.read_bytes())
+    _stop_when_kernel_goes(channel, finished)
+    return _Link(channel, None)
+
+
+def main(run_dir: str, records: str, mailbox: bool = False) -> None:
     paths = RunDir(Path(run_dir), Path(records))
     rank = int(os.environ["RANK"])
     _redirect_output(paths.rank_log(rank))
     _die_with_launcher()
-    channel = ChannelClient(paths.socket, paths.key.read_bytes())
     finished = threading.Event()
-    _stop_when_kernel_goes(channel, finished)
+    channel = _connect(paths, rank, mailbox, finished)
     channel.send(Hello(rank, os.getpid()))
     reporter = start_reporting(rank, channel.send)
     try:
@@ -140,4 +191,4 @@ def main(run_dir: str, records: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], mailbox="--mailbox" in sys.argv[3:])

@@ -146,8 +146,21 @@ def test_the_sbatch_job_runs_on_two_nodes_of_a_real_cluster(exported, slurm_env,
     wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
 
 
+@pytest.mark.slurm
+def test_the_script_runs_under_srun_one_task_per_rank(exported, slurm_env, jobs):
+    """No torchrun: srun starts the 4 ranks, and the script sets up the process group
+    from SLURM's variables."""
+    job_id = submit(slurm_env, jobs, "--nodes=2", "--ntasks-per-node=2", "--time=5",
+                    "--chdir", str(exported), "--output", f"{exported}/srun-%j.out",
+                    "--wrap", f"srun {sys.executable} train.py")
+    wait_until(lambda: job_ended(slurm_env, job_id), timeout=180, interval=0.5)
+    out = (exported / f"srun-{job_id}.out").read_text()
+    assert f"train returned: ({EXPECTED}, 4)" in out, out
+
+
 CELL = """
-%%ddp --export cell_job/step.py --nprocs 2 --nodes 2 --time 00:10:00 --sbatch=--account=proj
+%%ddp --export cell_job/step.py --nprocs 2 --nodes 2 --time 00:10:00 --cpus-per-task 4 \
+      --sbatch=--account=proj
 import torch.distributed as dist
 total = torch.tensor([helper(2) + weights.sum().item()])
 dist.all_reduce(total)
@@ -179,6 +192,7 @@ def test_an_exported_cell_runs_under_torchrun_and_python(exported_cell):
 def test_an_exported_cells_sbatch_has_the_magics_options(exported_cell):
     text = (exported_cell / "step.sbatch").read_text()
     for line in ("#SBATCH --nodes=2", "#SBATCH --time=00:10:00", "#SBATCH --account=proj",
+                 "#SBATCH --cpus-per-task=4",
                  "--nproc_per_node 2"):
         assert line in text, line
 
@@ -207,6 +221,34 @@ def test_log_in_a_script_run_prints_and_writes_rank_averages(kernel, exported):
     out = run_script(["env", f"NBDDP_METRICS_DIR={env_dir}", sys.executable, "-m",
                       "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                       "logged.py"], folder)
-    assert "[nbddp] step 19: loss=19.5 (mean of 2 ranks)" in out  # (19 + 20) / 2
+    assert out.count("[nbddp] step 19: loss=19.5 (mean of 2 ranks)") == 1, out  # (19 + 20) / 2
     rows = [json.loads(line) for line in (env_dir / "metrics.jsonl").read_text().splitlines()]
     assert rows == [{"step": s, "ranks": 2, "loss": s + 0.5} for s in range(20)]
+
+
+LOGGED_CELL = """
+%%ddp --export cell_sbatch/steps.py --nodes 2 --nprocs 1 --time 00:10:00 --cpus-per-task 1
+import torch.distributed as dist
+for step in nbddp.progress(range(10), desc="steps"):
+    nbddp.log(step=step, loss=float(step * (dist.get_rank() + 1)))
+if dist.get_rank() == 0:
+    print(f"cell done on {dist.get_world_size()} ranks", flush=True)
+"""
+
+
+@pytest.mark.slurm
+def test_an_exported_cell_runs_via_sbatch_with_its_metrics(kernel, exported, slurm_env, jobs):
+    """The sbatch file of a %%ddp --export cell, on two nodes: rank 0 prints the averages
+    and writes them beside the job's output."""
+    kernel.run("%load_ext nbddp").assert_ok()
+    kernel.run(LOGGED_CELL).assert_ok()
+    folder = exported.parent / "cell_sbatch"
+    job_id = submit(slurm_env, jobs, "--chdir", str(folder), f"--export=ALL,TMPDIR={folder}",
+                    str(folder / "steps.sbatch"))
+    wait_until(lambda: job_ended(slurm_env, job_id), timeout=180, interval=0.5)
+    out = (folder / f"steps-{job_id}.out").read_text()
+    assert "cell done on 2 ranks" in out, out + (folder / f"steps-{job_id}.err").read_text()
+    assert "[nbddp] step 9: loss=13.5 (mean of 2 ranks)" in out  # (9 * 1 + 9 * 2) / 2
+    rows = [json.loads(line) for line in
+            (folder / "nbddp-metrics" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": s, "ranks": 2, "loss": s * 1.5} for s in range(10)]

@@ -17,7 +17,9 @@ from .conftest import descendants, run_dirs, wait_until
 from .kernel_driver import Execution, Kernel
 from .test_kernel import _wait_for_ranks, interrupt_and_check
 
-OPTIONS = ("--gpus", "--nprocs", "--backend", "--timeout", "--no-init", "--out", "--all-ranks")
+OPTIONS = ("--gpus", "--nprocs", "--backend", "--timeout", "--no-init", "--out", "--all-ranks",
+           "--slurm", "--nodes", "--time", "--partition", "--cpus-per-task", "--sbatch",
+           "--export")
 
 # Installed in the shared kernel: every subprocess.Popen the kernel creates (torchrun
 # is started that way) is counted, so a test can say that an error came before any
@@ -310,6 +312,9 @@ def test_the_line_form_shows_help_or_says_it_is_a_cell_magic(ddp):
     ("--nprocs 0", "nprocs must be at least 1"),
     ("--nprocs 2 --timeout -1", "timeout must be a positive"),
     ("--gpus ,", "gpus must be a positive count"),
+    ("--nodes 2", "add --slurm to submit the cell, or --export PATH"),
+    ("--time 01:00:00", "add --slurm to submit the cell, or --export PATH"),
+    ("--slurm --export job.py", "choose one"),
 ])
 def test_bad_option_values_are_usage_errors(ddp, options, message):
     before = _popens(ddp)

@@ -7,6 +7,9 @@ import queue
 import socket
 import stat
 import time
+from pathlib import Path
+
+import pytest
 
 import nbddp
 from nbddp._channel import KEY_BYTES, ChannelClient, ChannelServer, Hello, new_key
@@ -51,8 +54,8 @@ def test_a_connection_without_the_key_is_refused_and_changes_nothing(tmp_path):
 
     job = nbddp.launch(fn, 2, args=(str(go),), wait=False, init=False)
     (run_dir,) = wait_until(run_dirs)
-    address = os.path.join(run_dir, "channel.sock")
-    wait_until(lambda: os.path.exists(address))
+    address = Path(run_dir, "channel.sock")
+    wait_until(address.exists)
     try:
         ChannelClient(address, new_key())  # wrong key
     except ConnectionError:
@@ -63,13 +66,17 @@ def test_a_connection_without_the_key_is_refused_and_changes_nothing(tmp_path):
     assert job.result(timeout=60) == "finished"
 
 
-def test_server_sends_nothing_but_a_challenge_to_a_stranger(tmp_path):
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_server_sends_nothing_but_a_challenge_to_a_stranger(tmp_path, transport):
+    """The Unix socket of a local run, and the TCP port a SLURM job's ranks connect to
+    (open to the network, so the key is all that keeps strangers out)."""
     events: queue.Queue = queue.Queue()
     key = new_key()
-    server = ChannelServer(tmp_path / "s.sock", key, events)
+    server = ChannelServer(tmp_path / "s.sock" if transport == "unix" else ("", 0), key, events)
+    address = tmp_path / "s.sock" if transport == "unix" else ("127.0.0.1", server.port)
     try:
-        stranger = socket.socket(socket.AF_UNIX)
-        stranger.connect(str(tmp_path / "s.sock"))
+        stranger = socket.socket(socket.AF_UNIX if transport == "unix" else socket.AF_INET)
+        stranger.connect(str(address) if transport == "unix" else address)
         challenge = stranger.recv(1024)
         assert len(challenge) == KEY_BYTES
         stranger.sendall(os.urandom(KEY_BYTES))  # our challenge to it
@@ -82,7 +89,7 @@ def test_server_sends_nothing_but_a_challenge_to_a_stranger(tmp_path):
         except ConnectionResetError:
             pass
         stranger.close()
-        client = ChannelClient(tmp_path / "s.sock", key)  # the right key still works
+        client = ChannelClient(address, key)  # the right key still works
         client.send(Hello(rank=0, pid=1))
         assert events.get(timeout=10) == Hello(rank=0, pid=1)
         assert events.empty()  # the stranger's bytes never became an event

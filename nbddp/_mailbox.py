@@ -1,0 +1,98 @@
+"""Messages through files, for ranks that cannot (or can no longer) reach the kernel.
+
+A SLURM job's ranks run on other machines, and a kernel may sit on a login node that
+they cannot connect to, or restart while the job runs. So each rank also appends every
+message to its own file in the run folder, which lives on the shared filesystem: the
+kernel polls those files, and a kernel that re-attaches reads them from the start. The
+folder is private (0700), like the channel's key. Frames are a 4-byte length and a
+pickle, as on the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import queue
+import struct
+import threading
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_HEADER = struct.Struct("!I")
+POLL_INTERVAL = 0.2
+
+
+def mailbox_path(folder: Path, rank: int) -> Path:
+    return folder / f"rank-{rank}.messages"
+
+
+class MailboxWriter:
+    """One rank's message file; each message is on disk (fsync) when ``send`` returns,
+    so a reader on another machine sees it however the rank ends."""
+
+    def __init__(self, path: Path) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def send(self, message: Any) -> None:
+        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        os.write(self._fd, _HEADER.pack(len(body)) + body)
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
+
+
+class MailboxReader:
+    """Polls every rank's message file and puts each complete message on ``events``."""
+
+    def __init__(self, folder: Path, nprocs: int, events: queue.Queue) -> None:
+        self._paths = [mailbox_path(folder, rank) for rank in range(nprocs)]
+        self._offsets = [0] * nprocs
+        self._events = events
+        self._lock = threading.Lock()  # the poll thread and the supervisor both read
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-mailbox")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(POLL_INTERVAL):
+            self.poll()
+
+    def poll(self) -> None:
+        """Read what every rank has appended since the last poll."""
+        with self._lock:
+            for rank, path in enumerate(self._paths):
+                for message in self._read(rank, path):
+                    self._events.put(message)
+
+    def _read(self, rank: int, path: Path) -> list[Any]:
+        try:  # opened afresh each time: on NFS, an open is what shows new data
+            with open(path, "rb") as f:
+                f.seek(self._offsets[rank])
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        messages, used = [], 0
+        while len(data) - used >= _HEADER.size:
+            (size,) = _HEADER.unpack_from(data, used)
+            end = used + _HEADER.size + size
+            if end > len(data):
+                break  # the rest of this frame is still being written
+            try:
+                messages.append(pickle.loads(data[used + _HEADER.size:end]))
+            except Exception:  # a frame we cannot read is skipped, not fatal
+                logger.warning("nbddp: skipped an unreadable message in %s", path)
+            used = end
+        self._offsets[rank] += used
+        return messages
+
+    def close(self) -> None:
+        """Stop polling, after one last read of what the ranks wrote."""
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.poll()

@@ -1,0 +1,17 @@
+"""The records folders: the newest runs are kept, a SLURM job's folder while it may run."""
+
+from __future__ import annotations
+
+from nbddp._records import KEEP_RUNS, new_records_dir
+
+
+def test_only_the_newest_runs_are_kept_but_never_a_live_jobs_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    live_job = new_records_dir()
+    (live_job / "payload.pkl").write_bytes(b"the job may still be running")
+    finished = new_records_dir()
+    newer = [new_records_dir() for _ in range(KEEP_RUNS)]
+    assert live_job.exists(), "a folder whose job may still run was pruned"
+    assert not finished.exists()
+    assert all(path.exists() for path in newer)
+    assert (live_job.stat().st_mode & 0o777) == 0o700
