@@ -16,4 +16,5 @@ fi
 PY=${PYTHON:-python3}
 "$PY" -m ruff check nbddp tests benchmarks examples
 "$PY" -m mypy nbddp
+PYTHON="$PY" bash scripts/docs.sh   # the docs site, strict: a broken reference fails
 "$PY" -m pytest tests notebooks --nbval-lax "$@"

@@ -1,0 +1,156 @@
+"""Every code example in docs/ runs: the ```python blocks of each page, in order, in one
+real Jupyter kernel per page, so ``%load_ext nbddp``, ``%%ddp`` and ``!torchrun`` cells
+run as a reader would run them.
+
+A ```python block always runs and must not raise. Text that is not meant to run uses
+another fence (```bash, ```text, ```console). Two comments on the line right above a
+fence make the page check more than that:
+
+- ``<!-- raises: NAME -->`` above a ```python block: the block must fail with the
+  exception ``NAME`` (an error page shows the cell as the user writes it);
+- ``<!-- output -->`` above a ```text block: the text must appear in what the ```python
+  block before it printed, so shown output cannot go stale;
+- ``<!-- slurm -->`` above a ```python block: it submits to SLURM, and runs against the
+  test cluster (``scripts/slurm-up.sh``, always up in CI); without one it is skipped, and
+  so is the rest of the page.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .conftest import wait_until
+from .kernel_driver import Kernel
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+LANGUAGES = {"python", "text", "bash", "console", "toml", "yaml"}
+BLOCK_TIMEOUT = 60.0
+
+_FENCE = re.compile(
+    r"^(?:<!--\s*(?P<kind>raises|output|slurm)\s*:?\s*(?P<arg>[\w.]*)\s*-->\n)?"
+    r"```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$",
+    re.M | re.S,
+)
+
+
+@dataclass(frozen=True)
+class Block:
+    lang: str
+    body: str
+    line: int
+    raises: str | None = None
+    is_output: bool = False
+    needs_slurm: bool = False
+
+
+def blocks(page: Path) -> list[Block]:
+    """The fenced blocks of a page, in order (fences start at the left margin)."""
+    text = page.read_text()
+    found = []
+    for match in _FENCE.finditer(text):
+        kind, lang = match["kind"], match["lang"]
+        found.append(Block(lang, match["body"], text.count("\n", 0, match.start("lang")) + 1,
+                           raises=match["arg"] if kind == "raises" else None,
+                           is_output=kind == "output", needs_slurm=kind == "slurm"))
+    return found
+
+
+def _pages() -> list[Path]:
+    return sorted(DOCS.glob("*.md"))
+
+
+def _runnable_pages() -> list[Path]:
+    return [page for page in _pages() if any(b.lang == "python" for b in blocks(page))]
+
+
+def _squeeze(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
+
+
+def test_every_fence_is_understood():
+    """A typo in a fence (```pyhton, an indented ```python) would silently skip a block."""
+    assert _runnable_pages(), f"no ```python blocks found under {DOCS}"
+    for page in _pages():
+        text = page.read_text()
+        found = blocks(page)
+        assert text.count("\n```") + text.startswith("```") == 2 * len(found), \
+            f"{page.name}: a fence is unbalanced or indented"
+        for block in found:
+            where = f"{page.name}:{block.line}"
+            assert block.lang in LANGUAGES, f"{where}: fence language {block.lang!r}"
+            assert block.raises is None or block.lang == "python", where
+            assert not block.is_output or block.lang == "text", where
+            assert not block.needs_slurm or block.lang == "python", where
+        for number, line in enumerate(text.splitlines(), 1):
+            assert not re.match(r"\s+```", line), f"{page.name}:{number}: indented fence"
+            if re.search(r"<!--\s*(raises|output|slurm)\b", line):
+                following = text.splitlines()[number] if number < len(text.splitlines()) else ""
+                assert following.startswith("```"), \
+                    f"{page.name}:{number}: a check comment must sit right above its fence"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", _runnable_pages(), ids=lambda page: page.stem)
+def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch):
+    # The page's kernel, its runs and any torchrun a page starts by hand (which leaves
+    # its log folder behind) use a temp dir of the page's own.
+    private_tmp = tmp_path / "tmp"
+    private_tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(private_tmp))
+    work = tmp_path / "work"
+    work.mkdir()
+    kernel = Kernel(work)
+    try:
+        _run_page(kernel, page)
+    finally:
+        kernel.shutdown()
+    # Nothing nbddp made for a run is left, whatever the page did.
+    wait_until(lambda: not list(private_tmp.glob("nbddp-*")), timeout=10)
+
+
+def _slurm_ready(kernel: Kernel) -> str | None:
+    """Point the kernel at the test cluster; why it cannot be used, or None."""
+    from .slurm import load_env, unavailable
+
+    reason = unavailable()
+    if reason is None:
+        kernel.run(f"import os; os.environ.update({load_env()!r})").assert_ok()
+    return reason
+
+
+def _run_page(kernel: Kernel, page: Path) -> None:
+    previous, slurm_checked = None, False
+    for block in blocks(page):
+        where = f"{page.relative_to(DOCS.parent)}:{block.line}"
+        if block.needs_slurm and not slurm_checked:
+            slurm_checked = True
+            reason = _slurm_ready(kernel)
+            if reason:
+                pytest.skip(f"{where} and after need SLURM: {reason}")
+        if block.lang == "python":
+            run = kernel.run(block.body, timeout=BLOCK_TIMEOUT)
+            if block.raises:
+                _check_raised(run, block.raises, where)
+            else:
+                assert run.error() is None and "UsageError" not in run.stream_text("stderr"), \
+                    f"{where}: the example failed:\n{block.body}\n---\n{run.describe()}"
+            previous = run
+        elif block.is_output:
+            assert previous is not None, f"{where}: <!-- output --> before any python block"
+            shown, printed = _squeeze(block.body), _squeeze(previous.stream_text())
+            assert shown in printed, (f"{where}: the output shown is not what the example "
+                                      f"prints.\nshown:\n{shown}\nprinted:\n{printed}")
+
+
+def _check_raised(run, name: str, where: str) -> None:
+    if name == "UsageError":  # IPython prints a magic's usage error; it is no traceback
+        assert "UsageError" in run.stream_text("stderr"), \
+            f"{where}: expected a UsageError:\n{run.describe()}"
+        return
+    error = run.error()
+    assert error is not None and error["ename"] == name, \
+        f"{where}: expected {name}:\n{run.describe()}"
