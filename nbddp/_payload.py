@@ -71,17 +71,28 @@ class Payload:
         if len(body) > LARGE_PAYLOAD_BYTES:
             warnings.warn(_large_payload_message(self, len(body)), LargePayloadWarning,
                           stacklevel=3)
-        return pickle.dumps((body, self.sys_path, self.sources, self.options))
+        return pickle.dumps((_version(), body, self.sys_path, self.sources, self.options))
 
     @classmethod
     def unpack(cls, data: bytes) -> Payload:
         """Install the kernel's import path and cell sources here, then unpickle the rest."""
-        body, sys_path, sources, options = pickle.loads(data)
+        version, body, sys_path, sources, options = pickle.loads(data)
+        if version != _version():
+            raise RuntimeError(
+                f"this rank runs nbddp {_version()} ({sys.executable}), but the notebook sent "
+                f"its code with nbddp {version}: install the same nbddp where the ranks run")
         sys.path.extend(p for p in sys_path if p not in sys.path)
         for filename, lines in sources.items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         fn, args, kwargs = cloudpickle.loads(body)
         return cls(fn, args, kwargs, sys_path, sources, options)
+
+
+def _version() -> str:
+    """nbddp's version: kernel and ranks must agree on the payload's format."""
+    from . import __version__
+
+    return __version__
 
 
 def _import_path() -> tuple[str, ...]:
