@@ -174,6 +174,7 @@ class Job(Generic[R]):
         ``timeout`` bounds this wait only. Interrupting the wait (Ctrl-C, the
         notebook's stop button) stops the run and re-raises ``KeyboardInterrupt``.
         """
+        __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
             while not self._finished.wait(0.1):

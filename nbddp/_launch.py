@@ -104,6 +104,7 @@ def launch(
     Raises ``WorkerError`` when a rank fails, ``TimeoutError`` after ``timeout``
     seconds, ``PayloadError`` when something cannot be sent; nothing is left running.
     """
+    __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
     settings: dict[str, Any] = dict(backend=backend, timeout=timeout, init=init,
                                     all_ranks=all_ranks, env=dict(env or {}), output=output)
     cluster = None
@@ -134,6 +135,7 @@ def _cluster_run(nprocs: int | None, gpus: Any, slurm: Slurm,
 
 
 def _follow(job: Job, wait: bool) -> Any:
+    __tracebackhide__ = True
     global _last_job
     _last_job = job
     return job if not wait else job.result()
