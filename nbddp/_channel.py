@@ -142,9 +142,11 @@ Address = Path | tuple[str, int]
 """A Unix socket's path, or a TCP (host, port)."""
 
 
-def _new_socket(address: Address) -> socket.socket:
-    family = socket.AF_UNIX if isinstance(address, Path) else socket.AF_INET
-    return socket.socket(family, socket.SOCK_STREAM)
+def _new_socket(address: Address) -> tuple[socket.socket, str | tuple[str, int]]:
+    """A stream socket for ``address``, and the address in the form ``socket`` takes."""
+    if isinstance(address, Path):
+        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), str(address)
+    return socket.socket(socket.AF_INET, socket.SOCK_STREAM), address
 
 
 class ChannelServer:
@@ -156,8 +158,8 @@ class ChannelServer:
 
     def __init__(self, address: Address, key: bytes, events: queue.Queue) -> None:
         self.address, self._key, self._events = address, key, events
-        self._listener = _new_socket(address)
-        self._listener.bind(str(address) if isinstance(address, Path) else address)
+        self._listener, where = _new_socket(address)
+        self._listener.bind(where)
         if isinstance(address, Path):
             os.chmod(address, 0o600)
         self.port: int | None = None if isinstance(address, Path) else \
@@ -224,9 +226,9 @@ class ChannelClient:
     """A rank's authenticated connection to the kernel; ``send`` is thread-safe."""
 
     def __init__(self, address: Address, key: bytes) -> None:
-        self._sock = _new_socket(address)
+        self._sock, where = _new_socket(address)
         self._sock.settimeout(_HANDSHAKE_TIMEOUT)
-        self._sock.connect(str(address) if isinstance(address, Path) else address)
+        self._sock.connect(where)
         _authenticate(self._sock, key)
         self._sock.settimeout(None)
         self._lock = threading.Lock()

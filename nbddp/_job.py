@@ -144,7 +144,7 @@ class Job(Generic[R]):
                            f"nbddp: submitted SLURM job {job_id}; after a kernel restart, "
                            f"nbddp.attach({job_id!r}) follows it again\n")
         self._mailbox = MailboxReader(self._run_dir.path, self.config.nprocs, self._events)
-        self._launcher = SlurmLauncher(job_id, lambda status: self._events.put(status))
+        self._launcher = SlurmLauncher(job_id, self._events.put)
 
     def _begin(self) -> None:
         threading.Thread(target=self._wait_launcher, daemon=True, name="nbddp-wait").start()
@@ -293,8 +293,7 @@ class Job(Generic[R]):
         assert self.slurm_job_id is not None
         self._output.write(f"nbddp: {status.describe(self.slurm_job_id)}\n")
         if status.state == "PENDING":
-            self.state.status = "queued"
-            self.state.message = status.reason if status.reason != "None" else ""
+            self.state.status, self.state.message = "queued", status.reason
         elif status.state == "RUNNING":
             self.state.status, self.state.message = "running", f"on {status.nodes}"
 

@@ -57,7 +57,11 @@ class RunDir:
 
     def failures_file(self) -> Path:
         """Where this torchrun (one per machine) records how its ranks ended."""
-        return self.path / f"failures-{socket.gethostname()}-{os.getpid()}.json"
+        return self.path / f"failures-{_this_torchrun()}.json"
+
+    def torchrun_log_dir(self) -> Path:
+        """This torchrun's own log dir (``--log-dir``), kept inside the run dir."""
+        return self.path / f"torchelastic-{_this_torchrun()}"
 
     def failure_files(self) -> list[Path]:
         return sorted(self.path.glob("failures-*.json"))
@@ -89,3 +93,9 @@ class RunDir:
                 secret.unlink(missing_ok=True)
         else:
             shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _this_torchrun() -> str:
+    """Names the files of one machine's torchrun apart from another's (SLURM's virtual
+    nodes can share a host name, so the PID goes in too)."""
+    return f"{socket.gethostname()}-{os.getpid()}"

@@ -19,44 +19,50 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from ._channel import Metrics
 from ._history import History
+from ._metrics import Reporter
 
 _INTERVAL = 0.5
 _FINAL_WAIT = 10.0
 
 
 class ScriptReporter:
-    """One rank's log records to its file; on rank 0, the averaging and the printing."""
+    """One rank's log records to its file; on rank 0, the averaging and the printing.
+
+    Records are buffered, turned into numbers and written by the same ``Reporter``
+    thread a launched rank uses, so ``log`` stays off the training thread's clock (no
+    ``.item()`` sync on a GPU tensor there).
+    """
 
     def __init__(self, rank: int, world: int, folder: Path) -> None:
         self.rank, self.world, self.folder = rank, world, folder
         folder.mkdir(parents=True, exist_ok=True)
         self._file: IO[str] = (folder / f"rank-{rank}.jsonl").open("w")
-        self._lock = threading.Lock()
-        self._step = -1
+        self._reporter = Reporter(rank, self._write)
         self._history = History(world, folder / "metrics.jsonl") if rank == 0 else None
         self._offsets = [0] * world
         self._printed = 0.0
         self._printed_row: dict[str, Any] = {}
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-script")
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if self._history is not None:
+            self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-script")
+            self._thread.start()
         atexit.register(self.close)
 
     def log(self, step: int | None, metrics: dict[str, Any]) -> None:
-        self._step = self._step + 1 if step is None else step
-        values = {k: float(_plain(v)) for k, v in metrics.items() if _is_number(v)}
-        with self._lock:
-            self._file.write(json.dumps([self._step, values]) + "\n")
+        self._reporter.log(step, metrics)
+
+    def _write(self, batch: Metrics) -> None:
+        """The reporter's send: this rank's records, appended as JSON lines."""
+        for step, values in batch.records:
+            self._file.write(json.dumps([step, values]) + "\n")
+        self._file.flush()
 
     def _loop(self) -> None:
         while not self._stop.wait(_INTERVAL):
-            self._flush()
             self._average()
-
-    def _flush(self) -> None:
-        with self._lock:
-            self._file.flush()
 
     def _average(self, final: bool = False, quiet: bool = False) -> bool:
         """Rank 0: read what every rank appended; True once every rank said it is done."""
@@ -101,29 +107,17 @@ class ScriptReporter:
         if self._stop.is_set():
             return
         self._stop.set()
-        self._thread.join()
-        with self._lock:
-            self._file.write(json.dumps("done") + "\n")
-            self._file.close()
+        if self._thread is not None:
+            self._thread.join()
+        self._reporter.close()  # what is still buffered is written first
+        self._file.write(json.dumps("done") + "\n")
+        self._file.close()
         deadline = time.monotonic() + _FINAL_WAIT
         while not self._average(quiet=True) and time.monotonic() < deadline:
             time.sleep(0.1)
         if self._history is not None:
             self._history.close()
             self._average(final=True)
-
-
-def _plain(value: Any) -> Any:
-    """A tensor without its autograd history (float() of one that has it warns)."""
-    return value.detach() if getattr(value, "requires_grad", False) else value
-
-
-def _is_number(value: Any) -> bool:
-    try:
-        float(_plain(value))
-    except (TypeError, ValueError, RuntimeError):
-        return False
-    return True
 
 
 def script_reporter() -> ScriptReporter | None:

@@ -94,6 +94,7 @@ class JobStatus:
 
     state: str
     reason: str = ""
+    """Why a pending job waits (``Priority``, ``JobHeldUser``...); empty if SLURM says none."""
     nodes: str = ""
     exit_code: int | None = None
 
@@ -104,7 +105,7 @@ class JobStatus:
     def describe(self, job_id: str) -> str:
         """A line for the notebook, e.g. ``SLURM job 12 is queued (Priority)``."""
         if self.state == "PENDING":
-            why = f" ({self.reason})" if self.reason not in ("", "None") else ""
+            why = f" ({self.reason})" if self.reason else ""
             return f"SLURM job {job_id} is queued{why}"
         if self.state == "RUNNING":
             return f"SLURM job {job_id} is running on {self.nodes}"
@@ -131,7 +132,8 @@ def job_status(job_id: str) -> JobStatus:
         raise NbddpError(f"scontrol show job {job_id} failed: {done.stderr.strip()}")
     fields = dict(re.findall(r"(\w[\w/:]*)=(\S*)", done.stdout))
     code = fields.get("ExitCode", "")
-    return JobStatus(fields.get("JobState", "UNKNOWN"), fields.get("Reason", ""),
+    reason = fields.get("Reason", "")
+    return JobStatus(fields.get("JobState", "UNKNOWN"), "" if reason == "None" else reason,
                      fields.get("NodeList", ""), int(code.split(":")[0]) if code[:1].isdigit()
                      else None)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -60,9 +59,8 @@ def main(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    log_dir = run_dir.path / f"torchelastic-{socket.gethostname()}-{os.getpid()}"
     try:
-        run(parse_args(["--log-dir", str(log_dir), *argv[2:]]))
+        run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *argv[2:]]))
     except ChildFailedError as error:
         _write_failures(run_dir, error)
         return 1
