@@ -40,7 +40,6 @@ class History:
         """The last averaged row: ``step``, ``ranks`` and every metric."""
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
         """Per metric, (step, average) points for the chart, at most MAX_POINTS."""
-        self.steps = 0
 
     def add(self, rank: int, records: list[tuple[int, dict[str, float]]]) -> None:
         now = time.monotonic()
@@ -85,7 +84,6 @@ class History:
             row[name] = sum(values.values()) / len(values)
             self._append_point(name, step, row[name])
         self.latest = row
-        self.steps += 1
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
 
