@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 import nbddp  # noqa: E402
 from nbddp._config import RunConfig  # noqa: E402
-from nbddp._process import rank_environment  # noqa: E402
+from nbddp._shape import rank_environment  # noqa: E402
 
 NPROCS = 2
 TIMEOUT = 600.0

@@ -27,7 +27,7 @@ from bench_launch import HERE, alternate, summary, write_json
 
 import nbddp
 from nbddp._config import RunConfig
-from nbddp._process import rank_environment
+from nbddp._shape import rank_environment
 
 NPROCS = 2
 WALL_TARGET = 1.10  # nbddp/plain wall time: at most

@@ -1,13 +1,24 @@
-"""nbddp: run PyTorch DistributedDataParallel from a Jupyter notebook."""
+"""nbddp: run PyTorch DistributedDataParallel from a Jupyter notebook.
+
+The names below are the public API. Those that only the notebook side needs load on
+first use, so a rank (which imports ``nbddp`` for ``log`` and ``progress``) never loads
+the kernel's machinery.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from ._errors import NbddpError, PayloadError, WorkerError
-from ._export import export
-from ._job import Job
-from ._launch import attach, last_job, launch
 from ._metrics import log, progress
-from ._slurm import Slurm
+from ._version import __version__ as __version__
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    from ._export import export
+    from ._job import Job
+    from ._launch import attach, last_job, launch
+    from ._slurm_options import Slurm
 
 __all__ = [
     "Job",
@@ -23,8 +34,26 @@ __all__ = [
     "progress",
 ]
 
+_ON_FIRST_USE = {
+    "Job": "._job", "Slurm": "._slurm_options", "attach": "._launch", "export": "._export",
+    "last_job": "._launch", "launch": "._launch",
+}
 
-def load_ipython_extension(ipython) -> None:  # noqa: ANN001 - IPython's hook
+
+def __getattr__(name: str) -> Any:
+    module = _ON_FIRST_USE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbddp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbddp`` registers the ``%%ddp`` cell magic."""
     from ._magic import load_ipython_extension as load
 

@@ -1,10 +1,10 @@
-"""The authenticated link between the ranks and the kernel, and the messages on it.
+"""The authenticated link between the ranks and the kernel, in both directions.
 
 The kernel listens on a Unix socket inside the run's private (0700) directory, or, for
 ranks on other machines (a SLURM job), on a TCP port. Both ends prove they hold the
 run's random key (HMAC challenge in each direction) before anything else is read, so a
-stranger's connection is dropped and changes nothing. Frames are a 4-byte length and a
-pickled message; only authenticated peers are read.
+stranger's connection is dropped and changes nothing. Ranks send their messages; the
+kernel sends a rank its ``Start``. Frames are those of ``_messages``.
 """
 
 from __future__ import annotations
@@ -15,85 +15,19 @@ import hmac
 import logging
 import os
 import pickle
-import queue
 import secrets
 import socket
-import struct
 import threading
-import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from ._messages import HEADER_SIZE, Disconnected, body_size, decode, encode
 
 logger = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 _HANDSHAKE_TIMEOUT = 10.0
-_HEADER = struct.Struct("!I")
-
-
-# --- messages -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Hello:
-    """A rank is up and connected."""
-
-    rank: int
-    pid: int
-
-
-@dataclass(frozen=True)
-class Result:
-    """A rank finished; ``value`` is its pickled return value when the kernel wants it."""
-
-    rank: int
-    value: bytes | None = None
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A rank raised. ``exception`` is the pickled exception when it could be pickled."""
-
-    rank: int
-    type_name: str
-    module: str
-    message: str
-    traceback: str
-    exception: bytes | None = None
-    time: float = field(default_factory=time.time)
-
-
-@dataclass(frozen=True)
-class Metrics:
-    """A batch of one rank's ``nbddp.log`` records and its ``nbddp.progress`` position."""
-
-    rank: int
-    records: list[tuple[int, dict[str, float]]]
-    position: tuple[int, int | None, str | None] | None = None
-
-
-@dataclass(frozen=True)
-class Sequenced:
-    """A rank's message and its place in that rank's stream. A rank may send each
-    message on two links (socket and mailbox file); the kernel keeps the first copy."""
-
-    seq: int
-    message: Any
-
-    @property
-    def rank(self) -> int:
-        return self.message.rank
-
-
-@dataclass(frozen=True)
-class Disconnected:
-    """Kernel-side event: a rank's connection closed."""
-
-    rank: int
-
-
-# --- authentication and framing -------------------------------------------------------
 
 
 def new_key() -> bytes:
@@ -107,7 +41,7 @@ def _digest(key: bytes, challenge: bytes) -> bytes:
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     chunks, remaining = [], n
     while remaining:
-        chunk = sock.recv(remaining)
+        chunk = sock.recv(min(remaining, 1 << 20))
         if not chunk:
             raise ConnectionError("connection closed")
         chunks.append(chunk)
@@ -125,17 +59,8 @@ def _authenticate(sock: socket.socket, key: bytes) -> None:
         raise ConnectionError("peer does not hold the run's key")
 
 
-def send_message(sock: socket.socket, message: Any) -> None:
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_HEADER.pack(len(body)) + body)
-
-
 def recv_message(sock: socket.socket) -> Any:
-    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return pickle.loads(_recv_exact(sock, size))
-
-
-# --- kernel side ----------------------------------------------------------------------
+    return decode(_recv_exact(sock, body_size(_recv_exact(sock, HEADER_SIZE))))
 
 
 Address = Path | tuple[str, int]
@@ -149,15 +74,19 @@ def _new_socket(address: Address) -> tuple[socket.socket, str | tuple[str, int]]
     return socket.socket(socket.AF_INET, socket.SOCK_STREAM), address
 
 
+# --- kernel side ----------------------------------------------------------------------
+
+
 class ChannelServer:
-    """Accepts authenticated rank connections and puts their messages on ``events``.
+    """Accepts authenticated rank connections, hands each message to ``deliver``, and
+    sends messages to a rank once it has spoken (its first message names its rank).
 
     ``address`` is a socket path, or a TCP (host, port) to bind (port 0: any free one;
-    ``port`` says which).
+    ``port`` says which). A rank's closed connection is delivered as ``Disconnected``.
     """
 
-    def __init__(self, address: Address, key: bytes, events: queue.Queue) -> None:
-        self.address, self._key, self._events = address, key, events
+    def __init__(self, address: Address, key: bytes, deliver: Callable[[Any], None]) -> None:
+        self.address, self._key, self._deliver = address, key, deliver
         self._listener, where = _new_socket(address)
         self._listener.bind(where)
         if isinstance(address, Path):
@@ -166,6 +95,8 @@ class ChannelServer:
             self._listener.getsockname()[1]
         self._listener.listen(64)
         self._connections: set[socket.socket] = set()
+        self._peers: dict[int, socket.socket] = {}
+        self._send_locks: dict[socket.socket, threading.Lock] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
@@ -194,16 +125,43 @@ class ChannelServer:
             sock.settimeout(None)
             while True:
                 message = recv_message(sock)
-                rank = getattr(message, "rank", rank)
-                self._events.put(message)
+                if rank is None and hasattr(message, "rank"):
+                    rank = self._register(message.rank, sock)
+                self._deliver(message)
         except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
             logger.debug("channel connection ended: %r", exc)
         finally:
-            with self._lock:
-                self._connections.discard(sock)
-            sock.close()
+            self._forget(sock, rank)
             if rank is not None:
-                self._events.put(Disconnected(rank))
+                self._deliver(Disconnected(rank))
+
+    def _register(self, rank: int, sock: socket.socket) -> int:
+        with self._lock:
+            self._peers[rank] = sock
+            self._send_locks[sock] = threading.Lock()
+        return rank
+
+    def _forget(self, sock: socket.socket, rank: int | None) -> None:
+        with self._lock:
+            self._connections.discard(sock)
+            if rank is not None and self._peers.get(rank) is sock:
+                del self._peers[rank]
+            self._send_locks.pop(sock, None)
+        sock.close()
+
+    def send(self, rank: int, message: Any) -> bool:
+        """Send ``message`` to ``rank``; False if that rank is not connected (any more)."""
+        with self._lock:
+            sock = self._peers.get(rank)
+            lock = self._send_locks.get(sock) if sock is not None else None
+        if sock is None or lock is None:
+            return False
+        try:
+            with lock:
+                sock.sendall(encode(message))
+        except OSError:
+            return False
+        return True
 
     def close(self) -> None:
         """Stop listening, drop every connection and remove the socket file."""
@@ -223,7 +181,8 @@ class ChannelServer:
 
 
 class ChannelClient:
-    """A rank's authenticated connection to the kernel; ``send`` is thread-safe."""
+    """A rank's authenticated connection to the kernel; ``send`` is thread-safe, and
+    one thread at a time may ``receive``."""
 
     def __init__(self, address: Address, key: bytes) -> None:
         self._sock, where = _new_socket(address)
@@ -235,15 +194,14 @@ class ChannelClient:
 
     def send(self, message: Any) -> None:
         with self._lock:
-            send_message(self._sock, message)
+            self._sock.sendall(encode(message))
 
-    def wait_closed(self) -> None:
-        """Block until the kernel closes the connection (or it breaks)."""
+    def receive(self) -> Any:
+        """The kernel's next message; ConnectionError once the kernel has closed the link."""
         try:
-            while self._sock.recv(4096):
-                pass
-        except OSError:
-            pass
+            return recv_message(self._sock)
+        except OSError as exc:
+            raise ConnectionError(f"the kernel's link broke: {exc}") from exc
 
     def close(self) -> None:
         self._sock.close()

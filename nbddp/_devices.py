@@ -7,10 +7,15 @@ library, which creates no CUDA context) and applies ``CUDA_VISIBLE_DEVICES``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
+_UNSET = object()
 
+
+@functools.cache
 def _nvml_device_count() -> int:
+    """The machine's GPUs, asked once per process (NVML's start-up is not free)."""
     try:
         nvml = ctypes.CDLL("libnvidia-ml.so.1")
     except OSError:
@@ -37,10 +42,12 @@ def _parse_visible_devices(value: str) -> list[str]:
     return entries
 
 
-def visible_gpu_count() -> int:
-    """How many CUDA devices a process started now with this environment would see."""
+def visible_gpu_count(visible: str | None | object = _UNSET) -> int:
+    """How many CUDA devices a process started now would see, with this environment's
+    ``CUDA_VISIBLE_DEVICES`` or the value given (None: unset)."""
     physical = _nvml_device_count()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
+    if visible is _UNSET:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if not isinstance(visible, str):
         return physical
     return min(physical, len(_parse_visible_devices(visible)))

@@ -11,9 +11,10 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 
-from ._channel import Disconnected, Failure, Result
 from ._errors import NbddpError, WorkerError
+from ._messages import Disconnected, Failure, Result
 from ._payload import loads_value
+from ._records import Records
 from ._rundir import RunDir
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -25,6 +26,7 @@ def diagnose(
     reports: Sequence[Failure | Disconnected],
     results: Mapping[int, Result],
     run_dir: RunDir,
+    records: Records,
     nprocs: int,
     logs: dict[int, str],
 ) -> NbddpError:
@@ -45,7 +47,7 @@ def diagnose(
         error = _raised(root, logs)
     else:
         error = _died(root.rank, exits.get(root.rank), logs)
-    error.log_dir = str(run_dir.records)
+    error.log_dir = str(records.path)
     return error
 
 

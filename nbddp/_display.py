@@ -33,6 +33,8 @@ class PanelState:
     where: str = ""
     """Where the ranks run when not on this machine, e.g. ``SLURM job 12``."""
     message: str = ""
+    footer: str = ""
+    """The panel's last line: what the standby ranks for the next launch are doing."""
     ranks: list[str] = field(default_factory=list)
     position: tuple[int, int | None, str | None] | None = None
     started: float = field(default_factory=time.monotonic)
@@ -86,6 +88,7 @@ class Panel(Protocol):
     def refresh(self, state: PanelState) -> None: ...
     def write(self, text: str) -> None: ...
     def close(self, state: PanelState) -> None: ...
+    def note(self, state: PanelState) -> None: ...
 
 
 def _duration(seconds: float) -> str:
@@ -141,7 +144,12 @@ class TextPanel:
             self.refresh(state)
             self._bar.close()
         self._stream.write(state.summary() + "\n")
+        if state.footer:
+            self._stream.write(f"nbddp: {state.footer}\n")
         self._stream.flush()
+
+    def note(self, state: PanelState) -> None:
+        """A terminal gets the last line once, at close: nothing is printed later."""
 
 
 # --- widgets -------------------------------------------------------------------------
@@ -164,9 +172,11 @@ class WidgetPanel:
         self.speed = w.HTML()
         self.metrics = w.HTML()
         self.charts = w.HTML()
+        self.footer = w.HTML()
         self.box = w.VBox([self.header, w.HBox([self.bar, self.speed]), self.metrics,
-                           self.charts])
+                           self.charts, self.footer])
         self._handle = display(self._bundle("nbddp: starting"), raw=True, display_id=True)
+        self._closed = False
 
     def _bundle(self, text: str) -> dict[str, Any]:
         """The widget, with the panel as text for places that cannot render widgets
@@ -193,10 +203,17 @@ class WidgetPanel:
 
     def close(self, state: PanelState) -> None:
         self.refresh(state)
-        if self._handle is not None:
-            self._handle.update(self._bundle(text_view(state)), raw=True)
+        self._closed = True
+        self.note(state)
         self._stream.write(state.summary() + "\n")
         self._stream.flush()
+
+    def note(self, state: PanelState) -> None:
+        """The last line, live: standby ranks starting, ready, stopped."""
+        self.footer.value = (f'<small style="color:#666">nbddp: {html.escape(state.footer)}'
+                             "</small>" if state.footer else "")
+        if self._closed and self._handle is not None:
+            self._handle.update(self._bundle(text_view(state)), raw=True)
 
 
 def text_view(state: PanelState) -> str:
@@ -215,6 +232,8 @@ def text_view(state: PanelState) -> str:
     if latest:
         lines.append(f"step {latest['step']} (mean of {latest['ranks']} ranks): "
                      + _metric_text(latest))
+    if state.footer:
+        lines.append(f"nbddp: {state.footer}")
     return "\n".join(lines)
 
 

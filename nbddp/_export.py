@@ -12,13 +12,13 @@ import os
 import shlex
 import types
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
 
 from ._cell import Cell
+from ._slurm_options import SlurmOptions
 from ._source import Standalone, is_literal, standalone, standalone_names
 
 _SETUP = '''
@@ -82,28 +82,6 @@ _process_group = _start_process_group()
 
 _process_group.destroy_process_group()
 '''
-
-
-@dataclass(frozen=True)
-class SlurmOptions:
-    """The ``#SBATCH`` choices for an exported job."""
-
-    nodes: int = 1
-    """Machines; one torchrun per machine."""
-    nprocs_per_node: int = 1
-    """Ranks per machine (one per GPU on GPU nodes)."""
-    gpus_per_node: int = 0
-    """GPUs to request per machine (0 for CPU jobs)."""
-    cpus_per_task: int | None = None
-    """CPUs for each machine's torchrun and its ranks."""
-    time: str | None = None
-    """Wall-clock limit, e.g. ``"01:00:00"``."""
-    partition: str | None = None
-    """The SLURM partition to submit to."""
-    extra: tuple[str, ...] = ()
-    """More ``#SBATCH`` lines, without the prefix, e.g. ``("--account=proj",)``."""
-    port: int = 29500
-    """The c10d rendezvous port on the first node."""
 
 
 def script_text(subject: str, script: str, needs: Standalone, main: str,
@@ -188,7 +166,7 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.nprocs_per_node} "
         "--max-restarts 0 \\",
         "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" --rdzv-endpoint \"$head:$port\" \\",
-        f"    -m nbddp._worker {folder} {folder} --mailbox",
+        f"    -m nbddp._worker {folder} --mailbox",
     ]
     return "\n".join(lines) + "\n"
 

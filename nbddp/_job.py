@@ -1,67 +1,46 @@
-"""``Job``: one run from start to teardown, supervised in a background thread.
+"""``Job``: one run on a rank group, from hand-over to teardown, followed in a thread.
 
-The supervisor reads the channel's messages, forwards rank 0's output, and decides
-how the run ends: every rank returned (success), a rank raised or died (the first one
-is the root cause), a timeout, or a cancel. Whatever the ending, it stops every
-process, closes the channel and removes the run directory before anyone is told.
-
-A run submitted to SLURM is followed the same way: its launcher is the batch job
-(stopped with ``scancel``), and its ranks' messages also arrive through their mailbox
-files, which is how a restarted kernel re-attaches to it.
+A ``Supervisor`` follows the run's messages and says how it ended. Then the job ends
+the group. A run whose ranks all returned has its value at once, and its processes
+(already exiting) are seen off in the background: ``result()`` returns, and ``done()``
+turns true once they are gone. Any other ending stops every process, closes the
+channel and removes the run dir before anyone is told; a rank's failure becomes one
+``WorkerError`` that names the root cause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
-import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TextIO, TypeVar
 
-from ._channel import (
-    ChannelServer,
-    Disconnected,
-    Failure,
-    Hello,
-    Metrics,
-    Result,
-    Sequenced,
-    new_key,
-)
 from ._config import RunConfig
-from ._diagnosis import diagnose, peer_lost
-from ._display import Panel, PanelState, make_panel
+from ._diagnosis import diagnose
+from ._display import PanelState
 from ._errors import NbddpError
-from ._export import SlurmOptions
-from ._history import History, read_history
-from ._mailbox import MailboxReader
-from ._output import BoundedOutput, LogTail
-from ._payload import loads_value
-from ._process import Launcher
-from ._rundir import RunDir
-from ._slurm import JobStatus, SlurmLauncher, kernel_host, read_shape, submit
+from ._group import RankGroup
+from ._history import read_history
+from ._records import Records
+from ._supervisor import Ending, Supervisor
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
-_PUMP_INTERVAL = 0.05
-_REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
-_DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
-
 
 @dataclass(frozen=True)
-class _LauncherExited:
-    code: int
+class Outcome:
+    """How a run ended for its caller: a value, or the error to raise."""
 
-
-@dataclass(frozen=True)
-class _Wake:
-    """Sent to the supervisor so it notices a cancel at once."""
+    value: Any = None
+    error: BaseException | None = None
 
 
 class Job(Generic[R]):
@@ -69,88 +48,26 @@ class Job(Generic[R]):
 
     slurm_job_id: str | None = None
     """The SLURM job id of a run submitted with ``slurm=``; None for a local run."""
+    warm: bool = False
+    """True if the run was handed to standby ranks that were already waiting for it."""
 
-    def __init__(self, config: RunConfig, payload: bytes, stdout: TextIO | None = None,
-                 slurm: SlurmOptions | None = None) -> None:
-        self._prepare(config, RunDir.create() if slurm is None else RunDir.create_shared())
-        try:
-            self._start(payload, stdout or sys.stdout, slurm)
-        except BaseException:  # whatever got started is stopped again
-            self._teardown((False, None))
-            raise
-
-    @classmethod
-    def _attach(cls, run_dir: RunDir, stdout: TextIO | None = None) -> Job:
-        """Follow a submitted SLURM job again, from its run folder (after a restart)."""
-        shape = read_shape(run_dir)
-        job: Job = cls.__new__(cls)
-        job._prepare(RunConfig(nprocs=shape["nprocs"], all_ranks=shape["all_ranks"],
-                               output=shape["output"]), run_dir)
-        try:
-            run_dir.metrics.unlink(missing_ok=True)  # rebuilt from the mailboxes
-            job._open_panel(stdout or sys.stdout)
-            job._follow(shape["job_id"], attached=True)
-            job._begin()
-        except BaseException:
-            job._teardown((False, None))
-            raise
-        return job
-
-    def _prepare(self, config: RunConfig, run_dir: RunDir) -> None:
-        self.config = config
-        self._events: queue.Queue = queue.Queue()
-        self._finished = threading.Event()
+    def __init__(self, group: RankGroup, config: RunConfig, records: Records, *,
+                 stdout: TextIO | None = None, warm: bool = False,
+                 after: Callable[[Job], None] | None = None) -> None:
+        """Follow the run ``group`` was handed; ``after`` runs once the ranks have ended
+        it themselves (returned or failed), before the caller is told."""
+        self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
+        self._group, self._records, self._after = group, records, after
         self._cancel_reason: str | None = None
-        self._outcome: tuple[bool, Any] | None = None
-        self._results: dict[int, Result] = {}
-        self._failures: list[Failure | Disconnected] = []
-        self._next_seq: dict[int, int] = {}  # per rank: the next message number expected
-        self._tails: list[LogTail]
-        self._server: ChannelServer
-        self._launcher: Launcher | SlurmLauncher  # these exist once started; teardown checks
-        self._panel: Panel
-        self._mailbox: MailboxReader | None = None
-        self._run_dir = run_dir
+        self._outcome: Outcome | None = None
+        self._ended = threading.Event()  # the outcome is known
+        self._finished = threading.Event()  # ... and every process is gone
         self._started = time.monotonic()
-
-    def _start(self, payload: bytes, stdout: TextIO, slurm: SlurmOptions | None) -> None:
-        key = new_key()
-        self._run_dir.write_private(self._run_dir.key, key)
-        self._run_dir.write_private(self._run_dir.payload, payload)
-        self._open_panel(stdout)
-        if slurm is None:
-            self._server = ChannelServer(self._run_dir.socket, key, self._events)
-            self._launcher = Launcher(self._run_dir, self.config)
-        else:
-            self._server = ChannelServer(("", 0), key, self._events)
-            self._run_dir.write_private(self._run_dir.address,
-                                        f"{kernel_host()} {self._server.port}".encode())
-            self._follow(submit(self._run_dir, self.config, slurm))
-        self._begin()
-
-    def _open_panel(self, stdout: TextIO) -> None:
-        self._history = History(self.config.nprocs, self._run_dir.metrics)
-        self.state = PanelState(self.config.nprocs, self._history, str(self._run_dir.records))
-        self._panel = make_panel(stdout)
-        self._output = BoundedOutput(self._panel.write, self._run_dir.records)
-        self._tails = self._make_tails(self._output)
-
-    def _follow(self, job_id: str, attached: bool = False) -> None:
-        """Follow a SLURM job: its state, and its ranks' mailbox files."""
-        self.slurm_job_id = job_id
-        self.state.where = f"SLURM job {job_id}"
-        self.state.status = "queued"
-        self._output.write(f"nbddp: attached to SLURM job {job_id}\n" if attached else
-                           f"nbddp: submitted SLURM job {job_id}; after a kernel restart, "
-                           f"nbddp.attach({job_id!r}) follows it again\n")
-        self._mailbox = MailboxReader(self._run_dir.path, self.config.nprocs, self._events)
-        self._launcher = SlurmLauncher(job_id, self._events.put)
-
-    def _begin(self) -> None:
-        threading.Thread(target=self._wait_launcher, daemon=True, name="nbddp-wait").start()
+        self._context = contextvars.copy_context()
+        self._supervisor = Supervisor(group, config, records, stdout or sys.stdout)
         # The caller's context goes along, so a notebook routes the output to the cell
         # that launched the run even while other cells execute (ipykernel >= 7).
-        threading.Thread(target=contextvars.copy_context().run, args=(self._supervise,),
+        threading.Thread(target=self._context.copy().run, args=(self._supervise,),
                          daemon=True, name="nbddp-supervisor").start()
 
     # --- public ---------------------------------------------------------------------
@@ -161,10 +78,11 @@ class Job(Generic[R]):
 
     def cancel(self) -> bool:
         """Stop every rank and wait until they are gone; False if the run had already ended."""
-        if self._finished.is_set():
+        if self._ended.is_set():
+            self._finished.wait()
             return False
         self._cancel_reason = self._cancel_reason or "cancelled"
-        self._events.put(_Wake())
+        self._supervisor.wake()
         self._finished.wait()
         return True
 
@@ -177,7 +95,7 @@ class Job(Generic[R]):
         __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            while not self._finished.wait(0.1):
+            while not self._ended.wait(0.1):
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the run is still going after {timeout} s")
         except KeyboardInterrupt:
@@ -185,226 +103,129 @@ class Job(Generic[R]):
             self.cancel()
             raise
         assert self._outcome is not None
-        ok, value = self._outcome
-        if ok:
-            return value
-        raise value
+        if self._outcome.error is not None:
+            raise self._outcome.error
+        return self._outcome.value
+
+    @property
+    def state(self) -> PanelState:
+        """What the live panel shows now: status, each rank's state, progress, metrics."""
+        return self._supervisor.state
 
     @property
     def logs(self) -> dict[int, str]:
         """Every rank's output so far, by rank, read from the run's records folder."""
-        return self._run_dir.read_logs(self.config.nprocs)
+        return self._records.read_logs(self.config.nprocs)
 
     @property
     def records(self) -> Path:
         """The folder that keeps this run's full per-rank logs and metrics history."""
-        return self._run_dir.records
+        return self._records.path
 
     @property
     def history(self) -> list[dict[str, Any]]:
         """Every step's rank-averaged metrics so far: dicts with ``step``, ``ranks`` and
         each metric (read from the run's records, so complete however long the run)."""
-        return read_history(self._run_dir.metrics)
-
-    # --- supervision ----------------------------------------------------------------
-
-    def _make_tails(self, sink: BoundedOutput) -> list[LogTail]:
-        if self.config.output == "rank0":
-            return [LogTail(self._run_dir.rank_log(0), sink)]
-        if self.config.output == "all":
-            return [LogTail(self._run_dir.rank_log(r), sink, prefix=f"[rank {r}] ")
-                    for r in range(self.config.nprocs)]
-        return []
-
-    def _wait_launcher(self) -> None:
-        self._events.put(_LauncherExited(self._launcher.wait()))
-
-    def _next_event(self, timeout: float | None) -> Any:
-        """The next event, or None (nothing came, or a copy of what already came)."""
-        try:
-            event = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
-        except queue.Empty:
-            return None
-        if isinstance(event, Sequenced):
-            if event.seq < self._next_seq.get(event.rank, 0):
-                return None  # it came through the rank's other link first
-            self._next_seq[event.rank] = event.seq + 1
-            return event.message
-        if isinstance(event, Disconnected) and self._mailbox is not None:
-            return None  # the rank's mailbox still speaks for it
-        return event
-
-    def _supervise(self) -> None:
-        try:
-            try:
-                outcome = self._watch()
-            except BaseException as exc:  # a bug here must not leave the run going
-                logger.exception("nbddp supervisor failed")
-                outcome = (False, NbddpError(f"nbddp supervisor failed: {exc!r}"))
-            self._outcome = self._teardown(outcome)
-        finally:
-            self._finished.set()
-
-    def _watch(self) -> tuple[bool, Any]:
-        """Consume events until the run's ending is known; return (ok, value or error)."""
-        deadline = None if self.config.timeout is None else self._started + self.config.timeout
-        refreshed = 0.0
-        while True:
-            event = self._next_event(_PUMP_INTERVAL)
-            for tail in self._tails:
-                tail.pump()
-            if self._cancel_reason:
-                return False, (KeyboardInterrupt() if self._cancel_reason == "interrupted"
-                               else CancelledError("the run was cancelled; every rank was stopped"))
-            if deadline is not None and time.monotonic() > deadline:
-                return False, TimeoutError(f"the run did not finish within {self.config.timeout} "
-                                           "s; every rank was stopped")
-            ending = self._handle(event)
-            if ending is not None:
-                return ending
-            if time.monotonic() - refreshed >= _REFRESH_INTERVAL:  # coalesce redraws
-                self._history.tick()
-                self._panel.refresh(self.state)
-                refreshed = time.monotonic()
-
-    def _record(self, event: Any) -> None:
-        """Bookkeeping for a message, whatever the run's state."""
-        if isinstance(event, Metrics):
-            self._history.add(event.rank, event.records)
-            if event.rank == 0 and event.position is not None:
-                self.state.set_position(event.position)
-        elif isinstance(event, Hello):
-            self._launcher.add_rank(event.pid)
-            self.state.ranks[event.rank] = "running"
-        elif isinstance(event, Result):
-            self._results[event.rank] = event
-            self.state.ranks[event.rank] = "finished"
-        elif isinstance(event, Failure):
-            self._failures.append(event)
-            self.state.ranks[event.rank] = "failed"
-        elif isinstance(event, Disconnected) and self._vanished(event.rank):
-            self._failures.append(event)  # died without a word: a root-cause candidate
-            self.state.ranks[event.rank] = "failed"
-        elif isinstance(event, JobStatus):
-            self._job_status(event)
-
-    def _job_status(self, status: JobStatus) -> None:
-        """Show a SLURM job's state: queued (and why), then where it runs."""
-        assert self.slurm_job_id is not None
-        self._output.write(f"nbddp: {status.describe(self.slurm_job_id)}\n")
-        if status.state == "PENDING":
-            self.state.status, self.state.message = "queued", status.reason
-        elif status.state == "RUNNING":
-            self.state.status, self.state.message = "running", f"on {status.nodes}"
-
-    def _handle(self, event: Any) -> tuple[bool, Any] | None:
-        """Record ``event``; return the run's ending if this event decides it."""
-        vanished = isinstance(event, Disconnected) and self._vanished(event.rank)
-        self._record(event)
-        if vanished or (isinstance(event, Failure) and peer_lost(event)):
-            # A rank died, or one lost its peer (which may be the one that died):
-            # let torchrun say how the ranks ended before everything is stopped.
-            return self._await_death_report()
-        if isinstance(event, Failure):
-            return False, None  # the error is built after teardown, from every report
-        if self._mailbox is not None and len(self._results) == self.config.nprocs:
-            return self._launcher_ended(0)  # the batch job's end is not worth waiting for
-        if isinstance(event, _LauncherExited):
-            return self._launcher_ended(event.code)
-        return None
-
-    def _vanished(self, rank: int) -> bool:
-        """True if ``rank`` disconnected without returning or reporting an exception."""
-        reported = any(getattr(f, "rank", None) == rank for f in self._failures)
-        return rank not in self._results and not reported
-
-    def _await_death_report(self) -> tuple[bool, Any]:
-        """A rank vanished: give torchrun a moment to say how it ended, then stop all."""
-        deadline = time.monotonic() + _DEATH_REPORT_WAIT
-        while time.monotonic() < deadline:
-            event = self._next_event(_PUMP_INTERVAL)
-            if event is None:
-                continue
-            if isinstance(event, _LauncherExited):
-                break
-            self._record(event)
-        return False, None
-
-    def _launcher_ended(self, code: int) -> tuple[bool, Any]:
-        if self._mailbox is not None:
-            self._mailbox.poll()  # what the ranks wrote just before the job ended
-        self._drain_reports()
-        if len(self._results) == self.config.nprocs:
-            if code != 0:  # e.g. gloo aborting at exit after a clean run
-                logger.debug("torchrun exited %s after every rank returned; ignored", code)
-            try:
-                return True, self._collect_results()
-            except NbddpError as exc:
-                return False, exc
-        stopped = self._launcher.stopped_from_outside()
-        if stopped and not self._failures:
-            return False, NbddpError(f"{stopped} before every rank returned; the ranks' "
-                                     f"output is in {self._run_dir.records}")
-        return False, None
-
-    def _drain_reports(self) -> None:
-        while not self._events.empty():
-            event = self._next_event(None)
-            if event is not None:
-                self._record(event)
-
-    def _collect_results(self) -> Any:
-        ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
-        try:
-            values = [loads_value(self._results[r].value or b"") for r in ranks]
-        except Exception as exc:
-            raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
-                             f"the notebook: {type(exc).__name__}: {exc}") from exc
-        return values if self.config.all_ranks else values[0]
+        return read_history(self._records.metrics)
 
     # --- ending ---------------------------------------------------------------------
 
-    def _teardown(self, outcome: tuple[bool, Any]) -> tuple[bool, Any]:
-        """Stop every process, keep the logs, explain a failure, remove the run dir."""
+    def _supervise(self) -> None:
         try:
-            if hasattr(self, "_launcher"):
-                self._launcher.stop(clean=outcome[0])
-            if self._mailbox is not None:
-                self._mailbox.close()  # after a last read of what the ranks wrote
-            self._drain_reports()
-            for tail in getattr(self, "_tails", []):
-                tail.close()
-            if outcome == (False, None):  # only a failure needs the logs read now
-                outcome = False, diagnose(self._failures, self._results, self._run_dir,
-                                          self.config.nprocs, self.logs)
-            return outcome
+            ending = self._watch()
+            if ending.kind == "returned":
+                self._returned()
+            else:
+                self._stopped(ending)
+        except BaseException as exc:  # a bug here must not leave the run going
+            logger.exception("nbddp could not end the run cleanly")
+            with contextlib.suppress(BaseException):
+                self._group.stop()
+                self._group.close()
+            if not self._ended.is_set():
+                self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
         finally:
-            if hasattr(self, "_server"):
-                self._server.close()
-            self._run_dir.remove()
-            if hasattr(self, "_panel"):
-                self._show_ending(outcome)
+            self._finished.set()
 
-    def _show_ending(self, outcome: tuple[bool, Any]) -> None:
-        self._output.close()
-        self._history.close()
-        self.state.ended = time.monotonic()
-        self.state.status, self.state.message = _describe(outcome)
-        self.state.ranks = [s if s != "running" else "stopped" for s in self.state.ranks]
-        self._panel.close(self.state)
+    def _watch(self) -> Ending:
+        deadline = None if self.config.timeout is None else self._started + self.config.timeout
+        try:
+            return self._supervisor.watch(deadline, lambda: self._cancel_reason)
+        except Exception as exc:
+            logger.exception("nbddp supervisor failed")
+            return Ending("stopped", NbddpError(f"nbddp supervisor failed: {exc!r}"))
+
+    def _returned(self) -> None:
+        """Every rank returned: the value now; the exiting processes are seen off after."""
+        sup = self._supervisor
+        sup.drain()
+        try:
+            outcome = Outcome(sup.results_value())
+        except NbddpError as exc:
+            outcome = Outcome(error=exc)
+        self._call_after()
+        self._end_panel(outcome)
+        if self._group.ends_after_result:
+            self._publish(outcome)
+        self._group.stop(clean=True)
+        self._group.close()
+        self._publish(outcome)
+
+    def _stopped(self, ending: Ending) -> None:
+        """Stop every process first, then explain a failure from every report."""
+        sup = self._supervisor
+        try:
+            self._group.stop()
+            sup.drain()
+            error = ending.error
+            if error is None:
+                error = diagnose(sup.failures, sup.results, self._group.run_dir,
+                                 self._records, self.config.nprocs, self.logs)
+        finally:
+            self._group.close()
+        outcome = Outcome(error=error)
+        if ending.kind == "failed":
+            self._call_after()
+        self._end_panel(outcome)
+        self._publish(outcome)
+
+    def _call_after(self) -> None:
+        if self._after is not None:
+            try:
+                self._after(self)
+            except Exception:  # e.g. standby ranks that could not start: not this run's
+                logger.exception("nbddp: after-run hook failed")
+
+    def _publish(self, outcome: Outcome) -> None:
+        if not self._ended.is_set():
+            self._outcome = outcome
+            self._ended.set()
+
+    def _end_panel(self, outcome: Outcome) -> None:
+        sup = self._supervisor
+        sup.pump_output()
+        sup.close_output()
+        state = sup.state
+        state.ended = time.monotonic()
+        state.status, state.message = _describe(outcome)
+        state.ranks = [s if s != "running" else "stopped" for s in state.ranks]
+        sup.panel.close(state)
+
+    def _note(self, line: str) -> None:
+        """Show ``line`` as the panel's last line (standby ranks' state), even after the
+        run: it goes under the cell that launched the run."""
+        self._context.copy().run(self._supervisor.note, line)
 
 
-def _describe(outcome: tuple[bool, Any]) -> tuple[str, str]:
+def _describe(outcome: Outcome) -> tuple[str, str]:
     """The panel's status word and message for how the run ended."""
-    ok, value = outcome
-    if ok:
+    error = outcome.error
+    if error is None:
         return "finished", ""
-    if value is None:
-        return "failed", ""
-    if isinstance(value, KeyboardInterrupt):
+    if isinstance(error, KeyboardInterrupt):
         return "interrupted", "every rank was stopped"
-    if isinstance(value, CancelledError):
+    if isinstance(error, CancelledError):
         return "cancelled", "every rank was stopped"
-    if isinstance(value, TimeoutError):
-        return "timed out", str(value)
-    return "failed", str(value).splitlines()[0] if str(value) else type(value).__name__
+    if isinstance(error, TimeoutError):
+        return "timed out", str(error)
+    return "failed", str(error).splitlines()[0] if str(error) else type(error).__name__

@@ -1,4 +1,9 @@
-"""``launch()``: run a function on every rank of a fresh torchrun process group."""
+"""``launch()``: run a function on every rank of a fresh torchrun process group.
+
+A local launch runs on the standby group when one waits with a shape it can take up,
+and on a group started now otherwise; a SLURM launch submits a batch job. Either way
+the group is handed the payload and a ``Job`` follows the run.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,14 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
 from ._config import RunConfig
-from ._export import SlurmOptions
+from ._group import LocalGroup, RankGroup, SlurmGroup
 from ._job import Job
+from ._messages import RankOptions
 from ._payload import Payload
 from ._rundir import RunDir
-from ._slurm import Slurm, find_run_dir
+from ._shape import GroupShape, Handover
+from ._slurm import find_run_dir
+from ._slurm_options import Slurm, SlurmOptions
 
 R = TypeVar("R")
 
@@ -107,16 +115,37 @@ def launch(
     __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
     settings: dict[str, Any] = dict(backend=backend, timeout=timeout, init=init,
                                     all_ranks=all_ranks, env=dict(env or {}), output=output)
-    cluster = None
+    options = RankOptions(init=init, backend=backend, all_ranks=all_ranks)
     if slurm is not False:
         config, cluster = _cluster_run(nprocs, gpus, Slurm() if slurm is True else slurm,
                                        settings)
+        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
+        job: Job[R] = _start(SlurmGroup.for_submission(config, cluster), config, payload,
+                             options)
     else:
         config = RunConfig.resolve(nprocs, gpus, **settings)
-    options = {"init": init, "backend": backend, "all_ranks": all_ranks}
-    payload = Payload.capture(fn, tuple(args), dict(kwargs or {}), options).dumps()
-    job: Job[R] = Job(config, payload, slurm=cluster)
+        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
+        job = _start_here(config, payload, options)
     return _follow(job, wait)
+
+
+def _start_here(config: RunConfig, payload: bytes, options: RankOptions) -> Job:
+    """On a group of ranks started now on this machine."""
+    return _start(LocalGroup(GroupShape.of(config)), config, payload, options)
+
+
+def _start(group: RankGroup, config: RunConfig, payload: bytes, options: RankOptions,
+           handover: Handover | None = None, warm: bool = False,
+           after: Callable[[Job], None] | None = None) -> Job:
+    """Hand ``group`` the run and follow it; if that fails, stop the group."""
+    try:
+        records = group.new_records()
+        group.hand_over(payload, records, options, handover or Handover())
+        return Job(group, config, records, warm=warm, after=after)
+    except BaseException:
+        group.stop()
+        group.close()
+        raise
 
 
 def _cluster_run(nprocs: int | None, gpus: Any, slurm: Slurm,
@@ -149,7 +178,14 @@ def attach(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:
     value once it ends, or raises its error.
     """
     folder = find_run_dir(str(job_id)) if run_dir is None else RunDir.of_job(Path(run_dir))
-    return _follow(Job._attach(folder), wait=False)
+    group = SlurmGroup.attached(folder)
+    try:
+        job: Job = Job(group, group.config, group.new_records())
+    except BaseException:
+        group.stop()
+        group.close()
+        raise
+    return _follow(job, wait=False)
 
 
 _last_job: Job | None = None

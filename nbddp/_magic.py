@@ -17,7 +17,7 @@ from ._devices import visible_gpu_count
 from ._errors import NbddpError
 from ._export import export
 from ._launch import launch
-from ._slurm import Slurm
+from ._slurm_options import Slurm
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
 

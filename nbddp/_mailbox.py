@@ -4,8 +4,7 @@ A SLURM job's ranks run on other machines, and a kernel may sit on a login node 
 they cannot connect to, or restart while the job runs. So each rank also appends every
 message to its own file in the run folder, which lives on the shared filesystem: the
 kernel polls those files, and a kernel that re-attaches reads them from the start. The
-folder is private (0700), like the channel's key. Frames are a 4-byte length and a
-pickle, as on the socket.
+folder is private (0700), like the channel's key. Frames are those of ``_messages``.
 """
 
 from __future__ import annotations
@@ -13,16 +12,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import pickle
-import queue
-import struct
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ._messages import decode, encode, split_frames
+
 logger = logging.getLogger(__name__)
 
-_HEADER = struct.Struct("!I")
 POLL_INTERVAL = 0.2
 
 
@@ -38,8 +36,7 @@ class MailboxWriter:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def send(self, message: Any) -> None:
-        body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-        os.write(self._fd, _HEADER.pack(len(body)) + body)
+        os.write(self._fd, encode(message))
         os.fsync(self._fd)
 
     def close(self) -> None:
@@ -48,12 +45,12 @@ class MailboxWriter:
 
 
 class MailboxReader:
-    """Polls every rank's message file and puts each complete message on ``events``."""
+    """Polls every rank's message file and hands each complete message to ``deliver``."""
 
-    def __init__(self, folder: Path, nprocs: int, events: queue.Queue) -> None:
+    def __init__(self, folder: Path, nprocs: int, deliver: Callable[[Any], None]) -> None:
         self._paths = [mailbox_path(folder, rank) for rank in range(nprocs)]
         self._offsets = [0] * nprocs
-        self._events = events
+        self._deliver = deliver
         self._lock = threading.Lock()  # the poll thread and the supervisor both read
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-mailbox")
@@ -68,7 +65,7 @@ class MailboxReader:
         with self._lock:
             for rank, path in enumerate(self._paths):
                 for message in self._read(rank, path):
-                    self._events.put(message)
+                    self._deliver(message)
 
     def _read(self, rank: int, path: Path) -> list[Any]:
         try:  # opened afresh each time: on NFS, an open is what shows new data
@@ -77,18 +74,14 @@ class MailboxReader:
                 data = f.read()
         except FileNotFoundError:
             return []
-        messages, used = [], 0
-        while len(data) - used >= _HEADER.size:
-            (size,) = _HEADER.unpack_from(data, used)
-            end = used + _HEADER.size + size
-            if end > len(data):
-                break  # the rest of this frame is still being written
+        bodies, used = split_frames(data)
+        self._offsets[rank] += used
+        messages = []
+        for body in bodies:
             try:
-                messages.append(pickle.loads(data[used + _HEADER.size:end]))
+                messages.append(decode(body))
             except Exception:  # a frame we cannot read is skipped, not fatal
                 logger.warning("nbddp: skipped an unreadable message in %s", path)
-            used = end
-        self._offsets[rank] += used
         return messages
 
     def close(self) -> None:

@@ -46,17 +46,13 @@ class Payload:
     """The kernel's import path, so modules importable there import on the ranks."""
     sources: dict[str, list[str]] = field(default_factory=dict)
     """Notebook cells' source by code file name, so remote tracebacks show the lines."""
-    options: dict[str, Any] = field(default_factory=dict)
-    """How the rank runs ``fn``: ``init``, ``backend``, ``all_ranks``."""
 
     @classmethod
-    def capture(
-        cls, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], options: dict[str, Any]
-    ) -> Payload:
+    def capture(cls, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Payload:
         """Bundle ``fn`` and its arguments with what the ranks need to import and report."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
-        return cls(fn, tuple(args), dict(kwargs), _import_path(), _notebook_sources(), options)
+        return cls(fn, tuple(args), dict(kwargs), _import_path(), _notebook_sources())
 
     def dumps(self) -> bytes:
         """Pickle for the ranks; name the culprit if it fails, warn if it is huge.
@@ -71,28 +67,17 @@ class Payload:
         if len(body) > LARGE_PAYLOAD_BYTES:
             warnings.warn(_large_payload_message(self, len(body)), LargePayloadWarning,
                           stacklevel=3)
-        return pickle.dumps((_version(), body, self.sys_path, self.sources, self.options))
+        return pickle.dumps((body, self.sys_path, self.sources))
 
     @classmethod
     def unpack(cls, data: bytes) -> Payload:
         """Install the kernel's import path and cell sources here, then unpickle the rest."""
-        version, body, sys_path, sources, options = pickle.loads(data)
-        if version != _version():
-            raise RuntimeError(
-                f"this rank runs nbddp {_version()} ({sys.executable}), but the notebook sent "
-                f"its code with nbddp {version}: install the same nbddp where the ranks run")
+        body, sys_path, sources = pickle.loads(data)
         sys.path.extend(p for p in sys_path if p not in sys.path)
         for filename, lines in sources.items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         fn, args, kwargs = cloudpickle.loads(body)
-        return cls(fn, args, kwargs, sys_path, sources, options)
-
-
-def _version() -> str:
-    """nbddp's version: kernel and ranks must agree on the payload's format."""
-    from . import __version__
-
-    return __version__
+        return cls(fn, args, kwargs, sys_path, sources)
 
 
 def _import_path() -> tuple[str, ...]:

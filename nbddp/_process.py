@@ -1,9 +1,10 @@
-"""Start torchrun for a run, and stop every process of the run by PID.
+"""Start torchrun for a local rank group, and stop every process of it by PID.
 
-torchrun starts each rank in a session of its own, so stopping a run means signalling
-torchrun's process group and each rank's PID (learned when the rank connects). A PID is
-only signalled while it still belongs to the process that connected, so a recycled PID
-is never hit.
+torchrun starts each rank in a session of its own, so stopping a group means signalling
+torchrun's process group and each rank's PID (learned when the rank says hello). A PID
+is only signalled while it still belongs to the process that connected, so a recycled
+PID is never hit. The kernel holds a pipe (the lifeline) whose closing, when the kernel
+dies, makes torchrun stop its ranks.
 """
 
 from __future__ import annotations
@@ -12,57 +13,50 @@ import contextlib
 import os
 import signal
 import subprocess
-import sys
+import threading
 import time
 from pathlib import Path
 
-from ._config import RunConfig
 from ._rundir import RunDir
+from ._shape import GroupShape
 
 _TERM_GRACE = 0.5
 _KILL_WAIT = 5.0
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+_CLEAN_EXIT_WAIT = 10.0  # every rank returned: torchrun exits by itself within this
 
 
-def torchrun_command(run_dir: RunDir, config: RunConfig, lifeline: int) -> list[str]:
+def torchrun_command(run_dir: RunDir, shape: GroupShape, lifeline: int) -> list[str]:
     """The torchrun command line (run through ``nbddp._torchrun``) for one machine."""
+    worker = ["-m", "nbddp._worker", str(run_dir.path)]
+    if shape.prepare:
+        worker += ["--prepare", shape.prepare]
     return [
-        sys.executable, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline),
-        "--standalone", "--nnodes", "1", "--nproc-per-node", str(config.nprocs),
-        "--max-restarts", "0",
-        "-m", "nbddp._worker", str(run_dir.path), str(run_dir.records),
+        shape.python, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline),
+        "--standalone", "--nnodes", "1", "--nproc-per-node", str(shape.nprocs),
+        "--max-restarts", "0", *worker,
     ]
 
 
-def rank_environment(config: RunConfig) -> dict[str, str]:
-    """The kernel's environment, made right for ranks that are not a notebook."""
-    env = dict(os.environ)
-    if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
-        del env["MPLBACKEND"]  # ipykernel's inline backend has no kernel in a rank
-    path = env.get("PYTHONPATH")
-    env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
-    if config.cuda_visible_devices is not None:
-        env["CUDA_VISIBLE_DEVICES"] = config.cuda_visible_devices
-    env.update(config.env)
-    return env
-
-
-class Launcher:
+class LocalLauncher:
     """The running torchrun process, and the means to stop it and its ranks."""
 
-    def __init__(self, run_dir: RunDir, config: RunConfig) -> None:
+    def __init__(self, run_dir: RunDir, shape: GroupShape) -> None:
         read_end, self._lifeline = os.pipe()
         log = os.open(run_dir.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self.process = subprocess.Popen(
-                torchrun_command(run_dir, config, read_end), env=rank_environment(config),
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                torchrun_command(run_dir, shape, read_end), env=dict(shape.env),
+                cwd=shape.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 pass_fds=(read_end,), start_new_session=True,
             )
+        except BaseException:
+            os.close(self._lifeline)
+            raise
         finally:
             os.close(read_end)
             os.close(log)
         self._ranks: dict[int, str] = {}  # pid -> start time, to recognise the process
+        self._stopping = threading.Lock()
 
     def add_rank(self, pid: int) -> None:
         start = _start_time(pid)
@@ -73,8 +67,12 @@ class Launcher:
         """A local run's ranks tell how they ended themselves (see ``diagnose``)."""
         return None
 
+    def pids(self) -> list[int]:
+        """torchrun's PID and the live ranks' PIDs."""
+        return [self.process.pid, *self._alive_ranks()]
+
     def _alive_ranks(self) -> list[int]:
-        return [pid for pid, start in self._ranks.items() if _start_time(pid) == start]
+        return [pid for pid, start in list(self._ranks.items()) if _start_time(pid) == start]
 
     def _signal(self, sig: signal.Signals) -> None:
         if self.process.poll() is None:
@@ -97,19 +95,18 @@ class Launcher:
         return self.process.wait()
 
     def stop(self, clean: bool = False) -> None:
-        """SIGTERM torchrun and every rank, SIGKILL what is left after half a second."""
-        self._signal(signal.SIGTERM)
-        if not self._wait_all(_TERM_GRACE):
-            self._signal(signal.SIGKILL)
-            self._wait_all(_KILL_WAIT)
-        self.process.wait()
-        self.release()
-
-    def release(self) -> None:
-        """Close the lifeline (torchrun stops itself if still running)."""
-        if self._lifeline >= 0:
-            os.close(self._lifeline)
-            self._lifeline = -1
+        """SIGTERM torchrun and every rank, SIGKILL what is left after half a second.
+        ``clean`` (every rank returned): first let torchrun exit by itself."""
+        with self._stopping:
+            if not (clean and self._wait_all(_CLEAN_EXIT_WAIT)):
+                self._signal(signal.SIGTERM)
+                if not self._wait_all(_TERM_GRACE):
+                    self._signal(signal.SIGKILL)
+                    self._wait_all(_KILL_WAIT)
+            self.process.wait()
+            if self._lifeline >= 0:  # torchrun is gone; nothing needs the pipe any more
+                os.close(self._lifeline)
+                self._lifeline = -1
 
 
 def _start_time(pid: int) -> str | None:

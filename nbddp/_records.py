@@ -1,8 +1,8 @@
 """Where a run's records stay after it ends: every rank's full log and the metrics history.
 
-The temporary run dir (payload, key, socket) is removed when a run ends; its records
-are kept on purpose, like torchrun's ``--log-dir``, so a failure or a flood of output
-can be read in full later. They go to ``$NBDDP_RUNS_DIR`` (default
+A rank group's temporary run dir (payload, key, socket) is removed when its run ends;
+the run's records are kept on purpose, like torchrun's ``--log-dir``, so a failure or a
+flood of output can be read in full later. They go to ``$NBDDP_RUNS_DIR`` (default
 ``~/.cache/nbddp/runs``), one private folder per run; the newest ``KEEP_RUNS`` are kept.
 A SLURM job's folder is also its run dir: while its payload is there the job may still be
 running (or waiting to be re-attached), so it is never pruned.
@@ -17,8 +17,38 @@ import time
 from pathlib import Path
 
 KEEP_RUNS = 20
+LOG_TAIL_BYTES = 64 * 2**20
 _PREFIX = "run-"
 _LIVE_JOB_MARK = "payload.pkl"  # removed when the run that owns the folder ends
+
+
+class Records:
+    """The kept files of one run: each rank's log, the metrics history, torchrun's log."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.metrics = path / "metrics.jsonl"
+        self.launcher_log = path / "torchrun.log"
+
+    @classmethod
+    def create(cls) -> Records:
+        """A new private folder for one run's records; the oldest beyond KEEP_RUNS go."""
+        return cls(_new_folder())
+
+    def rank_log(self, rank: int) -> Path:
+        return self.path / f"rank-{rank}.log"
+
+    def read_logs(self, nprocs: int) -> dict[int, str]:
+        """Every rank's output (the last 64 MB of it), for errors and ``Job.logs``."""
+        logs = {}
+        for rank in range(nprocs):
+            try:
+                with open(self.rank_log(rank), "rb") as f:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - LOG_TAIL_BYTES))
+                    logs[rank] = f.read().decode("utf-8", errors="replace")
+            except FileNotFoundError:
+                logs[rank] = ""
+        return logs
 
 
 def records_root() -> Path:
@@ -29,8 +59,7 @@ def records_root() -> Path:
     return Path(cache) / "nbddp" / "runs"
 
 
-def new_records_dir() -> Path:
-    """A new private folder for one run's records; the oldest beyond KEEP_RUNS go."""
+def _new_folder() -> Path:
     root = records_root()
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = time.time()  # names sort in time order: microseconds, then a random tag

@@ -19,9 +19,9 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ._channel import Metrics
 from ._history import History
-from ._metrics import Reporter
+from ._messages import Metrics
+from ._reporter import Reporter
 
 _INTERVAL = 0.5
 _FINAL_WAIT = 10.0

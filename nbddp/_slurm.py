@@ -18,16 +18,17 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ._config import RunConfig
 from ._errors import NbddpError
-from ._export import SlurmOptions, submission_sbatch_text
-from ._process import rank_environment
+from ._export import submission_sbatch_text
 from ._records import records_root
 from ._rundir import RunDir
+from ._shape import rank_environment
+from ._slurm_options import SlurmOptions
 
 logger = logging.getLogger(__name__)
 
@@ -47,45 +48,6 @@ _STOPPED_BY_SLURM = {"CANCELLED": "was cancelled", "TIMEOUT": "reached its time 
                      "NODE_FAIL": "lost a node", "PREEMPTED": "was preempted",
                      "OUT_OF_MEMORY": "ran out of memory", "DEADLINE": "missed its deadline",
                      "BOOT_FAIL": "could not boot its nodes"}
-
-
-@dataclass(frozen=True)
-class Slurm:
-    """Submit the run as a SLURM batch job: ``launch(fn, nprocs=2, slurm=Slurm(nodes=2))``.
-
-    ``nprocs`` (or ``gpus``) given to ``launch`` counts ranks per node. ``sbatch`` adds
-    ``#SBATCH`` lines such as ``"--account=proj"``. The run folder (payload, logs,
-    metrics) must be on a filesystem the nodes share: ``$NBDDP_RUNS_DIR``, by default
-    ``~/.cache/nbddp/runs``.
-    """
-
-    nodes: int = 1
-    """Machines; one torchrun per machine, joined by c10d rendezvous."""
-    time: str | None = None
-    """The job's time limit, e.g. ``"01:00:00"``."""
-    partition: str | None = None
-    """The partition to submit to (the cluster's default if not given)."""
-    cpus_per_task: int | None = None
-    """CPUs for each machine's torchrun and its ranks."""
-    sbatch: Sequence[str] = field(default=())
-    """More ``#SBATCH`` options, each one line without the prefix."""
-
-    def __post_init__(self) -> None:
-        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
-            raise ValueError(f"Slurm(nodes=...) must be a positive int, got {self.nodes!r}")
-        if self.cpus_per_task is not None and (
-                isinstance(self.cpus_per_task, bool) or not isinstance(self.cpus_per_task, int)
-                or self.cpus_per_task < 1):
-            raise ValueError(f"Slurm(cpus_per_task=...) must be a positive int, got "
-                             f"{self.cpus_per_task!r}")
-        if isinstance(self.sbatch, str) or not all(isinstance(s, str) for s in self.sbatch):
-            raise TypeError(f"Slurm(sbatch=...) takes a list of lines, got {self.sbatch!r}")
-        object.__setattr__(self, "sbatch", tuple(self.sbatch))
-
-    def options(self, nprocs_per_node: int, gpus_per_node: int) -> SlurmOptions:
-        return SlurmOptions(nodes=self.nodes, nprocs_per_node=nprocs_per_node,
-                            gpus_per_node=gpus_per_node, cpus_per_task=self.cpus_per_task,
-                            time=self.time, partition=self.partition, extra=tuple(self.sbatch))
 
 
 @dataclass(frozen=True)
@@ -232,5 +194,3 @@ class SlurmLauncher:
             logger.warning("nbddp: SLURM job %s still in the queue %s s after scancel",
                            self.job_id, _CANCEL_WAIT)
 
-    def release(self) -> None:
-        """Nothing is held open for a batch job."""

@@ -1,40 +1,54 @@
-"""The entry point torchrun runs on every rank: ``python -m nbddp._worker RUN_DIR RECORDS``.
+"""The entry point torchrun runs on every rank.
 
-Bootstrap order matters: output goes to the rank's log file first (so even a crash
-is recorded), then the rank connects to the kernel, loads the payload, sets up the
-process group, runs the user's function and reports its result or its exception.
-A local rank stops when the kernel goes. A SLURM job's rank (``--mailbox``) carries on:
-it writes every message to its mailbox file as well, and uses the kernel's TCP channel
-only while it can reach it.
+``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox]``
+
+Bootstrap order matters. Output goes to a log file first, so even a crash is recorded.
+Then the rank connects to the kernel, says hello, and prepares while the kernel may not
+yet know what it will run: it imports torch and, with ``--prepare gloo``, joins the
+default gloo process group. Then it waits for its ``Start``: a standby rank waits here
+for the next launch. It creates no CUDA context and no NCCL communicator before that.
+
+With its ``Start`` the rank takes up the run: its log moves to the run's records, and it
+takes up the notebook's working directory and environment. Then it loads the payload,
+runs the user's function and reports its result or its exception.
+
+A SLURM job's rank (``--mailbox``) reads its ``Start`` from the run folder and carries on
+if the kernel goes (see ``_rank_link``). This module imports nothing of the kernel side.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import ctypes
 import faulthandler
+import importlib
 import io
 import os
 import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 from typing import Any
 
-from ._channel import ChannelClient, Failure, Hello, Result, Sequenced
-from ._mailbox import MailboxWriter, mailbox_path
+from ._messages import Failure, Hello, RankOptions, Ready, Result, Start
 from ._metrics import start_reporting
 from ._payload import Payload, dumps_value
+from ._rank_link import KernelLink
+from ._reporter import Reporter
 from ._rundir import RunDir
+from ._version import __version__
 
 _PR_SET_PDEATHSIG = 1
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
+# --- the process --------------------------------------------------------------------
+
+
 def _redirect_output(log: Path) -> None:
-    """Send this process's stdout and stderr (Python and C level) to its log file."""
+    """Send this process's stdout and stderr (Python and C level) to ``log``."""
     sys.stdout.flush()
     sys.stderr.flush()
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -44,7 +58,20 @@ def _redirect_output(log: Path) -> None:
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper):
             stream.reconfigure(line_buffering=True)
-    faulthandler.enable(all_threads=False)  # a segfault still leaves a Python traceback in the log
+    faulthandler.enable(all_threads=False)  # a segfault still leaves a Python traceback
+
+
+def _move_output(old: Path, new: Path) -> None:
+    """Continue the log in ``new``, starting with what was written to ``old`` so far."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with contextlib.suppress(FileNotFoundError), open(old, "rb") as before:
+        data = before.read()
+        if data:
+            fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            os.write(fd, data)
+            os.close(fd)
+    _redirect_output(new)
 
 
 def _die_with_launcher() -> None:
@@ -53,76 +80,83 @@ def _die_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def _stop_when_kernel_goes(channel: ChannelClient, finished: threading.Event) -> None:
-    """If the kernel's end of the channel closes before this rank is done, stop the rank."""
-
-    def watch() -> None:
-        channel.wait_closed()
-        if not finished.is_set():
-            print("nbddp: the notebook kernel went away; stopping this rank", file=sys.stderr)
-            os._exit(1)
-
-    threading.Thread(target=watch, daemon=True, name="nbddp-kernel-watch").start()
+def _exit(code: int) -> None:
+    """Leave without C++ static destructors (gloo can abort in them after a clean run)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
-class _Link:
-    """Where this rank's messages go: the kernel's socket and/or the mailbox file. Each
-    message is numbered, so the kernel keeps one copy of what arrives both ways."""
-
-    def __init__(self, channel: ChannelClient | None, mailbox: MailboxWriter | None) -> None:
-        self._channel, self._mailbox = channel, mailbox
-        self._seq = 0
-        self._lock = threading.Lock()
-
-    def send(self, message: Any) -> None:
-        with self._lock:
-            numbered = Sequenced(self._seq, message)
-            self._seq += 1
-            if self._mailbox is not None:
-                self._mailbox.send(numbered)
-            if self._channel is not None:
-                try:
-                    self._channel.send(numbered)
-                except OSError:
-                    if self._mailbox is None:
-                        raise
-                    self._channel = None  # the kernel went; the mailbox carries on
-
-    def close(self) -> None:
-        for end in (self._channel, self._mailbox):
-            if end is not None:
-                end.close()
+# --- before Start -------------------------------------------------------------------
 
 
-def _reach_kernel(paths: RunDir) -> ChannelClient | None:
-    """A SLURM rank's TCP connection to the kernel, or None if it cannot be reached."""
-    try:
-        host, port = paths.address.read_text().split()
-        return ChannelClient((host, int(port)), paths.key.read_bytes())
-    except (OSError, ValueError, ConnectionError) as exc:
-        print(f"nbddp: cannot reach the notebook kernel ({exc}); reporting through files "
-              f"in {paths.path}", file=sys.stderr)
-        return None
+def _prepare(backend: str | None) -> str | None:
+    """Import torch, and join the default process group if the kernel expects gloo."""
+    import torch.distributed as dist
+
+    if backend != "gloo":
+        return None  # NCCL waits for Start: no CUDA context, no communicator while idle
+    dist.init_process_group("gloo")
+    return "gloo"
 
 
-def _run(payload: Payload) -> Any:
-    """Call the user's function inside an initialised default process group."""
-    options = payload.options
-    if not options["init"]:
-        return payload.fn(*payload.args, **payload.kwargs)
+def _adopt(start: Start, run_dir: RunDir, rank: int) -> None:
+    """Take up the run: the notebook's nbddp, its records, directory and environment."""
+    if start.version != __version__:
+        raise RuntimeError(
+            f"this rank runs nbddp {__version__} ({sys.executable}), but the notebook sent "
+            f"its code with nbddp {start.version}: install the same nbddp where the ranks run")
+    records = Path(start.records)
+    if records != run_dir.path:
+        _move_output(run_dir.rank_log(rank), records / run_dir.rank_log(rank).name)
+    if start.cwd is not None:
+        started_in = os.getcwd()
+        os.chdir(start.cwd)
+        if sys.path and sys.path[0] == started_in:  # `python -m` put the old one first
+            sys.path[0] = start.cwd
+    for name, value in start.env.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    importlib.invalidate_caches()  # modules written in the notebook since this rank started
+
+
+# --- the run ------------------------------------------------------------------------
+
+
+def _process_group(options: RankOptions, prepared: str | None) -> None:
+    """The default process group the user's function expects, reusing a prepared one."""
     import torch
     import torch.distributed as dist
 
+    if not options.init:
+        if prepared:
+            dist.destroy_process_group()
+        return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    on_gpu = (options["backend"] != "gloo" and torch.cuda.is_available()
+    on_gpu = (options.backend != "gloo" and torch.cuda.is_available()
               and local_rank < torch.cuda.device_count())
     if on_gpu:
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(options["backend"] or ("nccl" if on_gpu else "gloo"))
-    value = payload.fn(*payload.args, **payload.kwargs)
-    # Only after success: a failed rank reports at once, without waiting on its peers.
-    if dist.is_initialized():
+    backend = options.backend or ("nccl" if on_gpu else "gloo")
+    if prepared == backend:
+        return
+    if prepared:
         dist.destroy_process_group()
+    dist.init_process_group(backend)
+
+
+def _run(payload: Payload, options: RankOptions, prepared: str | None) -> Any:
+    """Call the user's function inside the default process group it expects."""
+    _process_group(options, prepared)
+    value = payload.fn(*payload.args, **payload.kwargs)
+    if options.init:  # only after success: a failed rank reports at once
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return value
 
 
@@ -148,47 +182,47 @@ def _dumps_result(value: Any) -> bytes:
                         f"{type(exc).__name__}: {exc}") from exc
 
 
-def _exit(code: int) -> None:
-    """Leave without C++ static destructors (gloo can abort in them after a clean run)."""
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _connect(paths: RunDir, rank: int, mailbox: bool, finished: threading.Event) -> _Link:
-    if mailbox:
-        return _Link(_reach_kernel(paths), MailboxWriter(mailbox_path(paths.path, rank)))
-    channel = ChannelClient(paths.socket, paths.key.read_bytes())
-    _stop_when_kernel_goes(channel, finished)
-    return _Link(channel, None)
-
-
-def main(run_dir: str, records: str, mailbox: bool = False) -> None:
-    paths = RunDir(Path(run_dir), Path(records))
-    rank = int(os.environ["RANK"])
-    _redirect_output(paths.rank_log(rank))
-    _die_with_launcher()
-    finished = threading.Event()
-    channel = _connect(paths, rank, mailbox, finished)
-    channel.send(Hello(rank, os.getpid()))
-    reporter = start_reporting(rank, channel.send)
+def _serve(link: KernelLink, run_dir: RunDir, rank: int, prepare: str | None
+           ) -> Result | Failure:
+    """Prepare, wait for Start, run; the report for the kernel, whatever happens."""
+    reporter: Reporter | None = None
     try:
-        payload = Payload.unpack(paths.payload.read_bytes())
-        value = _run(payload)
-        wanted = rank == 0 or payload.options["all_ranks"]
-        report: Result | Failure = Result(rank, _dumps_result(value) if wanted else None)
+        prepared = _prepare(prepare)
+        link.send(Ready(rank))
+        start = link.wait_start()
+        _adopt(start, run_dir, rank)
+        reporter = start_reporting(rank, link.send)
+        payload = Payload.unpack(Path(start.payload).read_bytes())
+        value = _run(payload, start.options, prepared)
+        wanted = rank == 0 or start.options.all_ranks
+        return Result(rank, _dumps_result(value) if wanted else None)
     except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
         if isinstance(exc, SystemExit) and exc.code in (None, 0):
-            report = Result(rank, dumps_value(None) if rank == 0 else None)
-        else:
-            report = _failure(rank, exc)
-    finished.set()
-    reporter.close()
-    channel.send(report)
-    channel.close()
+            return Result(rank, dumps_value(None) if rank == 0 else None)
+        return _failure(rank, exc)
+    finally:
+        link.finished.set()
+        if reporter is not None:
+            reporter.close()  # what is still buffered goes before the report
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nbddp._worker")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--prepare", choices=["gloo"])
+    parser.add_argument("--mailbox", action="store_true")
+    args = parser.parse_args(argv)
+    rank = int(os.environ["RANK"])
+    run_dir = RunDir(args.run_dir, shared=args.mailbox)
+    _redirect_output(run_dir.rank_log(rank))
+    _die_with_launcher()
+    link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir)
+    link.send(Hello(rank, os.getpid()))
+    report = _serve(link, run_dir, rank, args.prepare)
+    link.send(report)
+    link.close()
     _exit(0 if isinstance(report, Result) else 1)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], mailbox="--mailbox" in sys.argv[3:])
+    main(sys.argv[1:])

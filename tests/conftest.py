@@ -30,6 +30,9 @@ def pytest_configure(config):
     session_tmp = tempfile.mkdtemp(prefix="pytest-nbddp-")
     os.environ["TMPDIR"] = tempfile.tempdir = session_tmp
     os.environ["NBDDP_RUNS_DIR"] = os.path.join(session_tmp, "records")
+    # Standby ranks would outlive each test that launches (and every kernel the tests
+    # start inherits this); the tests of standby ranks turn them on themselves.
+    os.environ["NBDDP_STANDBY"] = "0"
 
 
 def pytest_unconfigure(config):
@@ -95,17 +98,29 @@ def cmdline(pid: int) -> str:
         return "?"
 
 
+LEFTOVER_GRACE = 15.0
+
+
 @pytest.fixture(autouse=True)
 def no_leftovers():
-    """Fail the test if it leaves a process, a run dir or a socket behind."""
+    """Fail the test if it leaves a process, a run dir or a socket behind.
+
+    A run whose ranks all returned gives its value back while its processes are still
+    exiting, so they get ``LEFTOVER_GRACE`` seconds to be gone before they count."""
     before_procs, before_dirs, before_socks = descendants(), run_dirs(), socket_fds()
     yield
-    left = descendants() - before_procs
+
+    def leftovers() -> tuple[set, set, set]:
+        return (descendants() - before_procs, run_dirs() - before_dirs,
+                socket_fds() - before_socks)
+
+    deadline = time.monotonic() + LEFTOVER_GRACE
+    while any(leftovers()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left, dirs, socks = leftovers()
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-    dirs = run_dirs() - before_dirs
-    socks = socket_fds() - before_socks
     assert not left, "processes left behind: " + "; ".join(cmdline(p) for p in left)
     assert not dirs, f"run directories left behind: {dirs}"
     assert not socks, f"sockets left open: {len(socks)}"

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._export import SlurmOptions, cell_main, function_main, sbatch_text, script_text
+from nbddp._export import cell_main, function_main, sbatch_text, script_text
+from nbddp._slurm_options import SlurmOptions
 from nbddp._source import Standalone
 
 from .conftest import wait_until

@@ -184,8 +184,10 @@ def test_a_rank_that_dies_is_the_root_cause_not_the_peer_that_lost_it():
 def test_ranks_with_another_nbddp_version_say_so(monkeypatch):
     """The notebook's nbddp and the ranks' must match (on a cluster they are installed
     apart): a mismatch is named, not an unpickling error."""
+    import nbddp._version
+
     installed = nbddp.__version__  # what the ranks import from disk
-    monkeypatch.setattr(nbddp, "__version__", "0.0.0-notebook")
+    monkeypatch.setattr(nbddp._version, "__version__", "0.0.0-notebook")
     with pytest.raises(nbddp.WorkerError, match="install the same nbddp") as caught:
         nbddp.launch(print, nprocs=2)
     assert f"this rank runs nbddp {installed}" in str(caught.value)

@@ -37,3 +37,22 @@ def test_worker_error_pickles_and_keeps_its_details():
     copy = pickle.loads(pickle.dumps(error))
     assert (copy.rank, copy.traceback, copy.exitcode, copy.logs) == (1, "tb", 1, {0: "a", 1: "b"})
     assert str(copy) == str(error)
+
+
+KERNEL_SIDE = {"_cell", "_config", "_devices", "_diagnosis", "_display", "_export", "_group",
+               "_history", "_job", "_launch", "_magic", "_output", "_process", "_shape",
+               "_slurm", "_slurm_options", "_source", "_standby", "_supervisor"}
+
+
+def loaded_nbddp_modules():
+    import sys
+
+    return sorted(name for name in sys.modules if name.startswith("nbddp"))
+
+
+def test_ranks_load_none_of_the_kernel_side():
+    """A rank runs ``python -m nbddp._worker``: it must not load the kernel's machinery
+    (the launcher, the panel, SLURM), only what talks to the kernel and runs the code."""
+    on_rank = nbddp.launch(loaded_nbddp_modules, 2)
+    assert "nbddp._rank_link" in on_rank  # (the worker itself runs as __main__)
+    assert not {f"nbddp.{name}" for name in KERNEL_SIDE} & set(on_rank), on_rank

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from nbddp._records import KEEP_RUNS, new_records_dir
+from nbddp._records import KEEP_RUNS, Records
+
+
+def new_records_dir():
+    return Records.create().path
 
 
 def test_only_the_newest_runs_are_kept_but_never_a_live_jobs_folder(tmp_path, monkeypatch):

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 import nbddp
-from nbddp._channel import KEY_BYTES, ChannelClient, ChannelServer, Hello, new_key
+from nbddp._channel import KEY_BYTES, ChannelClient, ChannelServer, new_key
+from nbddp._messages import Hello
 
 from .conftest import run_dirs, wait_until
 
@@ -72,7 +73,8 @@ def test_server_sends_nothing_but_a_challenge_to_a_stranger(tmp_path, transport)
     (open to the network, so the key is all that keeps strangers out)."""
     events: queue.Queue = queue.Queue()
     key = new_key()
-    server = ChannelServer(tmp_path / "s.sock" if transport == "unix" else ("", 0), key, events)
+    server = ChannelServer(tmp_path / "s.sock" if transport == "unix" else ("", 0), key,
+                           events.put)
     address = tmp_path / "s.sock" if transport == "unix" else ("127.0.0.1", server.port)
     try:
         stranger = socket.socket(socket.AF_UNIX if transport == "unix" else socket.AF_INET)

@@ -1,0 +1,305 @@
+"""Rank groups: the ranks of a run, their private run dir, the channel, their launcher.
+
+A group can exist before any payload. A local group starts torchrun at once; its ranks
+connect, import torch, join their gloo group if the run will use one, and wait for their
+``Start`` (this is what standby ranks are). ``hand_over`` gives a group its run: the
+payload, the records folder, the rank options and what changed in the notebook since
+the ranks started. A SLURM group has no standby: handing it over submits the batch job.
+
+The run (``Job``) reads a group's ``events``, and ends it with ``stop`` (every process)
+and ``close`` (channel, run dir). Whatever started the ranks, torchrun here or a batch
+job there, is a ``Launcher`` that the group waits on and stops: one protocol, no
+branches in the run.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from . import _version
+from ._channel import ChannelServer, new_key
+from ._config import RunConfig
+from ._mailbox import MailboxReader
+from ._messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start, encode
+from ._process import LocalLauncher
+from ._records import Records
+from ._rundir import RunDir
+from ._shape import GroupShape, Handover
+from ._slurm import SlurmLauncher, kernel_host, read_shape, submit
+from ._slurm_options import SlurmOptions
+
+
+class Launcher(Protocol):
+    """What started a group's ranks, as the group sees it."""
+
+    def add_rank(self, pid: int) -> None:
+        """A rank said hello with its PID (a local launcher stops it by that PID)."""
+
+    def wait(self) -> int:
+        """Block until the launcher has ended; its exit code."""
+
+    def stop(self, clean: bool = False) -> None:
+        """Stop every process; ``clean`` (every rank returned): let it end by itself first."""
+
+    def stopped_from_outside(self) -> str | None:
+        """Why the ranks were stopped by someone else (e.g. SLURM's time limit), if so."""
+
+
+@dataclass(frozen=True)
+class LauncherExited:
+    """Kernel-side event: the group's launcher ended with ``code``."""
+
+    code: int
+
+
+class RankGroup:
+    """What every group has: ``nprocs`` ranks, a private run dir, their messages."""
+
+    where = ""
+    """Where the ranks run when not on this machine, for the panel."""
+    notice: str | None = None
+    """A line for the notebook when the run starts on this group."""
+    slurm_job_id: str | None = None
+    ends_after_result = False
+    """After every rank returned, the run's value may be given before the launcher has
+    ended: true where the kernel owns the processes (and sees them off regardless)."""
+
+    def __init__(self, nprocs: int, run_dir: RunDir) -> None:
+        self.nprocs, self.run_dir = nprocs, run_dir
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.launcher: Launcher | None = None
+        self.records: Records | None = None
+        self._server: ChannelServer | None = None
+        self._closed = False
+        self._closing = threading.Lock()
+
+    def _follow_launcher(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        threading.Thread(target=self._wait_launcher, args=(launcher,), daemon=True,
+                         name="nbddp-launcher").start()
+
+    def _wait_launcher(self, launcher: Launcher) -> None:
+        self.events.put(LauncherExited(launcher.wait()))
+
+    def _start_message(self, records: Records, options: RankOptions, handover: Handover
+                       ) -> Start:
+        return Start(_version.__version__, str(records.path), str(self.run_dir.payload), options,
+                     handover.cwd, dict(handover.env))
+
+    def new_records(self) -> Records:
+        """The records folder for the run this group is about to be given."""
+        return Records.create()
+
+    def hand_over(self, payload: bytes, records: Records, options: RankOptions,
+                  handover: Handover) -> None:
+        raise NotImplementedError
+
+    def sync(self) -> None:
+        """Read now whatever the ranks sent through slower links (mailbox files)."""
+
+    def stopped_from_outside(self) -> str | None:
+        return self.launcher.stopped_from_outside() if self.launcher else None
+
+    def stop(self, clean: bool = False) -> None:
+        """Stop every process of the group (and wait until they are gone)."""
+        if self.launcher is not None:
+            self.launcher.stop(clean)
+
+    def close(self) -> None:
+        """After ``stop``: close the channel, keep torchrun's log with the run's records,
+        remove the run dir. A second caller waits until the first is done."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            if self._server is not None:
+                self._server.close()
+            if self.records is not None and \
+                    self.records.launcher_log != self.run_dir.launcher_log:
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(self.run_dir.launcher_log, self.records.launcher_log)
+            self.run_dir.remove()
+
+
+_LOCAL_GROUPS: set[LocalGroup] = set()
+_LOCAL_GROUPS_LOCK = threading.Lock()
+
+
+@atexit.register
+def _end_local_groups() -> None:
+    """At the kernel's exit, no group outlives it: not one still being seen off after
+    its run, not a standby one (their run dirs would stay on disk)."""
+    with _LOCAL_GROUPS_LOCK:
+        groups = list(_LOCAL_GROUPS)
+    for group in groups:
+        group.stop()
+        group.close()
+
+
+class LocalGroup(RankGroup):
+    """torchrun on this machine, started now for ``shape``; its ranks wait for Start."""
+
+    ends_after_result = True  # its lifeline and PIDs stop it, even if the kernel dies
+
+    def __init__(self, shape: GroupShape) -> None:
+        super().__init__(shape.nprocs, RunDir.create())
+        with _LOCAL_GROUPS_LOCK:
+            _LOCAL_GROUPS.add(self)
+        self.shape = shape
+        self._connected: set[int] = set()  # ranks that said hello
+        self.ready: set[int] = set()
+        self.broken = False
+        """A rank or torchrun ended before the group was handed a run."""
+        self.on_change: Callable[[LocalGroup], None] | None = None
+        self._start: Start | None = None
+        self._lock = threading.Lock()
+        try:
+            key = new_key()
+            self.run_dir.write_private(self.run_dir.key, key)
+            self._server = ChannelServer(self.run_dir.socket, key, self._deliver)
+            self._torchrun = LocalLauncher(self.run_dir, shape)
+            self._follow_launcher(self._torchrun)
+        except BaseException:
+            self.stop()
+            self.close()
+            raise
+
+    @property
+    def is_ready(self) -> bool:
+        """Every rank waits for its Start."""
+        return len(self.ready) == self.nprocs and not self.broken
+
+    @property
+    def handed_over(self) -> bool:
+        return self._start is not None
+
+    def pids(self) -> list[int]:
+        """torchrun's and the live ranks' process ids."""
+        return self._torchrun.pids()
+
+    def _deliver(self, message: Any) -> None:
+        """Keep track of the ranks (the channel's threads call this), then queue it."""
+        inner = message.message if isinstance(message, Sequenced) else message
+        with self._lock:
+            if isinstance(inner, Hello):
+                self._torchrun.add_rank(inner.pid)
+                self._connected.add(inner.rank)
+                if self._start is not None and self._server is not None:
+                    self._server.send(inner.rank, self._start)
+            elif isinstance(inner, Ready):
+                self.ready.add(inner.rank)
+            elif isinstance(inner, (Failure, Disconnected)) and self._start is None:
+                self.broken = True
+        self.events.put(message)
+        self._changed()
+
+    def _wait_launcher(self, launcher: Launcher) -> None:
+        code = launcher.wait()
+        with self._lock:
+            self.broken = self.broken or self._start is None
+        self.events.put(LauncherExited(code))
+        self._changed()
+
+    def _changed(self) -> None:
+        notify = self.on_change
+        if notify is not None:
+            notify(self)
+
+    def hand_over(self, payload: bytes, records: Records, options: RankOptions,
+                  handover: Handover) -> None:
+        """Write the payload, then send every rank its Start (a rank that has not said
+        hello yet gets it when it does)."""
+        self.run_dir.write_private(self.run_dir.payload, payload)
+        self.records = records
+        start = self._start_message(records, options, handover)
+        with self._lock:
+            self._start = start
+            assert self._server is not None
+            for rank in self._connected:
+                self._server.send(rank, start)
+
+    def stop(self, clean: bool = False) -> None:
+        self.on_change = None
+        super().stop(clean)
+
+    def close(self) -> None:
+        super().close()
+        with _LOCAL_GROUPS_LOCK:
+            _LOCAL_GROUPS.discard(self)
+
+
+class SlurmGroup(RankGroup):
+    """A batch job's ranks: they report over TCP when they can reach the kernel, and
+    always through mailbox files in the run folder (which is also its records)."""
+
+    def __init__(self, config: RunConfig, run_dir: RunDir) -> None:
+        super().__init__(config.nprocs, run_dir)
+        self.config = config
+        self.options: SlurmOptions | None = None
+        self.records = Records(run_dir.path)
+        self._mailbox = MailboxReader(run_dir.path, config.nprocs, self._deliver)
+
+    @classmethod
+    def for_submission(cls, config: RunConfig, options: SlurmOptions) -> SlurmGroup:
+        """A run folder on the shared filesystem and a TCP channel, ready for ``hand_over``."""
+        group = cls(config, RunDir.create_shared())
+        group.options = options
+        try:
+            key = new_key()
+            group.run_dir.write_private(group.run_dir.key, key)
+            group._server = ChannelServer(("", 0), key, group._deliver)
+            group.run_dir.write_private(group.run_dir.address,
+                                        f"{kernel_host()} {group._server.port}".encode())
+        except BaseException:
+            group.stop()
+            group.close()
+            raise
+        return group
+
+    @classmethod
+    def attached(cls, run_dir: RunDir) -> SlurmGroup:
+        """The group of a job submitted earlier (e.g. before a kernel restart)."""
+        shape = read_shape(run_dir)
+        config = RunConfig(nprocs=shape["nprocs"], all_ranks=shape["all_ranks"],
+                           output=shape["output"])
+        Records(run_dir.path).metrics.unlink(missing_ok=True)  # rebuilt from the mailboxes
+        group = cls(config, run_dir)
+        group._follow(shape["job_id"], f"nbddp: attached to SLURM job {shape['job_id']}")
+        return group
+
+    def _deliver(self, message: Any) -> None:
+        if not isinstance(message, Disconnected):  # the rank's mailbox still speaks for it
+            self.events.put(message)
+
+    def _follow(self, job_id: str, notice: str) -> None:
+        self.slurm_job_id, self.where, self.notice = job_id, f"SLURM job {job_id}", notice
+        self._follow_launcher(SlurmLauncher(job_id, self.events.put))
+
+    def new_records(self) -> Records:
+        assert self.records is not None
+        return self.records
+
+    def hand_over(self, payload: bytes, records: Records, options: RankOptions,
+                  handover: Handover) -> None:
+        """Write the payload and the ranks' Start into the run folder, and submit."""
+        self.run_dir.write_private(self.run_dir.payload, payload)
+        self.run_dir.write_private(self.run_dir.start,
+                                   encode(self._start_message(records, options, handover)))
+        assert self.options is not None
+        job_id = submit(self.run_dir, self.config, self.options)
+        self._follow(job_id, f"nbddp: submitted SLURM job {job_id}; after a kernel restart, "
+                             f"nbddp.attach({job_id!r}) follows it again")
+
+    def sync(self) -> None:
+        self._mailbox.poll()
+
+    def stop(self, clean: bool = False) -> None:
+        super().stop(clean)
+        self._mailbox.close()  # after a last read of what the ranks wrote

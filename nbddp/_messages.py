@@ -1,0 +1,156 @@
+"""What the kernel and the ranks tell each other, and the one way it is framed.
+
+Every message is a small frozen dataclass. A frame is a 4-byte length and the pickled
+message; the channel's sockets, the mailbox files and the start file all carry the same
+frames. Frames are only decoded from authenticated peers or from private (0600) files.
+
+    rank -> kernel   Hello, Ready, Metrics, Result, Failure (each wrapped in Sequenced)
+    kernel -> rank   Start
+    kernel only      Disconnected (a rank's connection closed)
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_HEADER = struct.Struct("!I")
+HEADER_SIZE = _HEADER.size
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """How a rank runs the user's function."""
+
+    init: bool = True
+    """Initialise (and destroy) the default process group around the function."""
+    backend: str | None = None
+    """The process group's backend; None: NCCL on a GPU rank, gloo otherwise."""
+    all_ranks: bool = False
+    """Every rank sends its return value back, not only rank 0."""
+
+
+# --- rank -> kernel -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A rank is up and connected."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A rank has imported torch (and joined its gloo group, if asked) and waits for Start."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """A rank finished; ``value`` is its pickled return value when the kernel wants it."""
+
+    rank: int
+    value: bytes | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A rank raised. ``exception`` is the pickled exception when it could be pickled."""
+
+    rank: int
+    type_name: str
+    module: str
+    message: str
+    traceback: str
+    exception: bytes | None = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """A batch of one rank's ``nbddp.log`` records and its ``nbddp.progress`` position."""
+
+    rank: int
+    records: list[tuple[int, dict[str, float]]]
+    position: tuple[int, int | None, str | None] | None = None
+
+
+@dataclass(frozen=True)
+class Sequenced:
+    """A rank's message and its place in that rank's stream. A rank may send each
+    message on two links (socket and mailbox file); the kernel keeps the first copy."""
+
+    seq: int
+    message: Any
+
+    @property
+    def rank(self) -> int:
+        return self.message.rank
+
+
+# --- kernel -> rank -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Start:
+    """Run this: the payload file, where the run's records go, and what changed in the
+    notebook since the rank started (working directory, environment)."""
+
+    version: str
+    """The kernel's nbddp version; a rank with another one refuses to run."""
+    records: str
+    """The run's records folder: the rank moves its log there."""
+    payload: str
+    """The payload file (private, in the run dir)."""
+    options: RankOptions
+    cwd: str | None = None
+    """The notebook's working directory, if the rank started in another."""
+    env: dict[str, str | None] = field(default_factory=dict)
+    """Environment changes since the rank started (None: unset)."""
+
+
+# --- kernel-side events ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """A rank's connection closed."""
+
+    rank: int
+
+
+# --- frames ---------------------------------------------------------------------------
+
+
+def encode(message: Any) -> bytes:
+    """One frame: the length, then the pickled message."""
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+def body_size(header: bytes) -> int:
+    """The length a frame's header announces."""
+    return _HEADER.unpack(header)[0]
+
+
+def decode(body: bytes) -> Any:
+    """The message in a frame's body."""
+    return pickle.loads(body)
+
+
+def split_frames(data: bytes) -> tuple[list[bytes], int]:
+    """The bodies of the complete frames at the start of ``data``, and the bytes they use."""
+    bodies, used = [], 0
+    while len(data) - used >= HEADER_SIZE:
+        end = used + HEADER_SIZE + body_size(data[used:used + HEADER_SIZE])
+        if end > len(data):
+            break  # the rest of this frame is still being written
+        bodies.append(data[used + HEADER_SIZE:end])
+        used = end
+    return bodies, used

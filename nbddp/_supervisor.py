@@ -1,0 +1,224 @@
+"""Following one run's messages: what the panel shows, and when and how the run ends.
+
+The supervisor reads the group's events in order, forwards rank 0's output, feeds the
+metrics history and the panel, and decides the ending: every rank returned, a rank
+raised or died (the first one is the root cause), the launcher ended early, a timeout,
+or a cancel. It does not stop anything itself; the ``Job`` does that with the ending.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Any, Literal, TextIO
+
+from ._config import RunConfig
+from ._diagnosis import peer_lost
+from ._display import Panel, PanelState, make_panel
+from ._errors import NbddpError
+from ._group import LauncherExited, RankGroup
+from ._history import History
+from ._messages import Disconnected, Failure, Hello, Metrics, Result, Sequenced
+from ._output import BoundedOutput, LogTail
+from ._payload import loads_value
+from ._records import Records
+from ._slurm import JobStatus
+
+_PUMP_INTERVAL = 0.05
+_REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
+_DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Put on the events so the supervisor notices a cancel at once."""
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What decided a run's end: every rank ``returned``, a rank ``failed`` (the error
+    is built from every report once the group is stopped), or the kernel ``stopped``
+    it (``error`` says why: interrupt, cancel, timeout...)."""
+
+    kind: Literal["returned", "failed", "stopped"]
+    error: BaseException | None = None
+
+
+class Supervisor:
+    """One run's bookkeeping: results, failures, metrics, output, panel."""
+
+    def __init__(self, group: RankGroup, config: RunConfig, records: Records,
+                 stdout: TextIO) -> None:
+        self.group, self.config, self.records = group, config, records
+        self.results: dict[int, Result] = {}
+        self.failures: list[Failure | Disconnected] = []
+        self._next_seq: dict[int, int] = {}  # per rank: the next message number expected
+        self.history = History(config.nprocs, records.metrics)
+        self.state = PanelState(config.nprocs, self.history, str(records.path),
+                                where=group.where)
+        if group.slurm_job_id:
+            self.state.status = "queued"
+        self.panel: Panel = make_panel(stdout)
+        self.output = BoundedOutput(self.panel.write, records.path)
+        self._tails = self._make_tails()
+        if group.notice:
+            self.output.write(group.notice + "\n")
+
+    def _make_tails(self) -> list[LogTail]:
+        if self.config.output == "rank0":
+            return [LogTail(self.records.rank_log(0), self.output)]
+        if self.config.output == "all":
+            return [LogTail(self.records.rank_log(r), self.output, prefix=f"[rank {r}] ")
+                    for r in range(self.config.nprocs)]
+        return []
+
+    # --- events -----------------------------------------------------------------------
+
+    def _next_event(self, timeout: float | None) -> Any:
+        """The next event, or None (nothing came, or a copy of what already came)."""
+        try:
+            event = (self.group.events.get(timeout=timeout) if timeout
+                     else self.group.events.get_nowait())
+        except queue.Empty:
+            return None
+        if isinstance(event, Sequenced):
+            if event.seq < self._next_seq.get(event.rank, 0):
+                return None  # it came through the rank's other link first
+            self._next_seq[event.rank] = event.seq + 1
+            return event.message
+        return event
+
+    def watch(self, deadline: float | None, cancelled: Callable[[], str | None]) -> Ending:
+        """Consume events until the run's ending is known."""
+        refreshed = 0.0
+        while True:
+            event = self._next_event(_PUMP_INTERVAL)
+            self.pump_output()
+            reason = cancelled()
+            if reason:
+                return Ending("stopped", KeyboardInterrupt() if reason == "interrupted" else
+                              CancelledError("the run was cancelled; every rank was stopped"))
+            if deadline is not None and time.monotonic() > deadline:
+                return Ending("stopped", TimeoutError(
+                    f"the run did not finish within {self.config.timeout} s; every rank "
+                    "was stopped"))
+            ending = self._handle(event)
+            if ending is not None:
+                return ending
+            if time.monotonic() - refreshed >= _REFRESH_INTERVAL:  # coalesce redraws
+                self.history.tick()
+                self.panel.refresh(self.state)
+                refreshed = time.monotonic()
+
+    def pump_output(self) -> None:
+        for tail in self._tails:
+            tail.pump()
+
+    def _record(self, event: Any) -> None:
+        """Bookkeeping for a message, whatever the run's state."""
+        if isinstance(event, Metrics):
+            self.history.add(event.rank, event.records)
+            if event.rank == 0 and event.position is not None:
+                self.state.set_position(event.position)
+        elif isinstance(event, Hello):
+            self.state.ranks[event.rank] = "running"
+        elif isinstance(event, Result):
+            self.results[event.rank] = event
+            self.state.ranks[event.rank] = "finished"
+        elif isinstance(event, Failure):
+            self.failures.append(event)
+            self.state.ranks[event.rank] = "failed"
+        elif isinstance(event, Disconnected) and self._vanished(event.rank):
+            self.failures.append(event)  # died without a word: a root-cause candidate
+            self.state.ranks[event.rank] = "failed"
+        elif isinstance(event, JobStatus):
+            self._job_status(event)
+
+    def _job_status(self, status: JobStatus) -> None:
+        """Show a SLURM job's state: queued (and why), then where it runs."""
+        assert self.group.slurm_job_id is not None
+        self.output.write(f"nbddp: {status.describe(self.group.slurm_job_id)}\n")
+        if status.state == "PENDING":
+            self.state.status, self.state.message = "queued", status.reason
+        elif status.state == "RUNNING":
+            self.state.status, self.state.message = "running", f"on {status.nodes}"
+
+    def _handle(self, event: Any) -> Ending | None:
+        """Record ``event``; the run's ending if this event decides it."""
+        vanished = isinstance(event, Disconnected) and self._vanished(event.rank)
+        self._record(event)
+        if vanished or (isinstance(event, Failure) and peer_lost(event)):
+            # A rank died, or one lost its peer (which may be the one that died):
+            # let torchrun say how the ranks ended before everything is stopped.
+            self._await_death_report()
+            return Ending("failed")
+        if isinstance(event, Failure):
+            return Ending("failed")
+        if len(self.results) == self.config.nprocs:
+            return Ending("returned")  # the launcher's own end is not worth waiting for
+        if isinstance(event, LauncherExited):
+            return self._launcher_ended()
+        return None
+
+    def _vanished(self, rank: int) -> bool:
+        """True if ``rank`` disconnected without returning or reporting an exception."""
+        reported = any(getattr(f, "rank", None) == rank for f in self.failures)
+        return rank not in self.results and not reported
+
+    def _await_death_report(self) -> None:
+        """A rank vanished: give torchrun a moment to say how it ended."""
+        deadline = time.monotonic() + _DEATH_REPORT_WAIT
+        while time.monotonic() < deadline:
+            event = self._next_event(_PUMP_INTERVAL)
+            if isinstance(event, LauncherExited):
+                return
+            if event is not None:
+                self._record(event)
+
+    def _launcher_ended(self) -> Ending:
+        """torchrun or the batch job ended before every rank returned."""
+        self.group.sync()  # what the ranks wrote just before it ended
+        self.drain()
+        if len(self.results) == self.config.nprocs:
+            return Ending("returned")  # e.g. gloo aborting at exit after a clean run
+        stopped = self.group.stopped_from_outside()
+        if stopped and not self.failures:
+            return Ending("stopped", NbddpError(
+                f"{stopped} before every rank returned; the ranks' output is in "
+                f"{self.records.path}"))
+        return Ending("failed")
+
+    def drain(self) -> None:
+        """Record every event already queued."""
+        while not self.group.events.empty():
+            event = self._next_event(None)
+            if event is not None:
+                self._record(event)
+
+    def results_value(self) -> Any:
+        """Rank 0's return value, or every rank's with ``all_ranks``."""
+        ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
+        try:
+            values = [loads_value(self.results[r].value or b"") for r in ranks]
+        except Exception as exc:
+            raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
+                             f"the notebook: {type(exc).__name__}: {exc}") from exc
+        return values if self.config.all_ranks else values[0]
+
+    def close_output(self) -> None:
+        """Show the last of the ranks' output; average what is left of the history."""
+        for tail in self._tails:
+            tail.close()
+        self.output.close()
+        self.history.close()
+
+    def note(self, line: str) -> None:
+        """Set the panel's last line (it may already be closed)."""
+        self.state.footer = line
+        self.panel.note(self.state)
+
+    def wake(self) -> None:
+        self.group.events.put(Wake())
