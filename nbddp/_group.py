@@ -112,6 +112,12 @@ class RankGroup:
         if self.launcher is not None:
             self.launcher.stop(clean)
 
+    def retire(self) -> None:
+        """Every rank returned: see the processes off (they are ending by themselves),
+        and close the channel and the run dir."""
+        self.stop(clean=True)
+        self.close()
+
     def close(self) -> None:
         """After ``stop``: close the channel, keep torchrun's log with the run's records,
         remove the run dir. A second caller waits until the first is done."""
@@ -160,6 +166,7 @@ class LocalGroup(RankGroup):
         self.on_change: Callable[[LocalGroup], None] | None = None
         self._start: Start | None = None
         self._lock = threading.Lock()
+        self._stopped = False
         try:
             key = new_key()
             self.run_dir.write_private(self.run_dir.key, key)
@@ -228,11 +235,24 @@ class LocalGroup(RankGroup):
     def stop(self, clean: bool = False) -> None:
         self.on_change = None
         super().stop(clean)
+        self._stopped = True
+        self._forget_when_done()
+
+    def retire(self) -> None:
+        """Close first: nothing needs the channel or the run dir once every rank has
+        returned, and a kernel killed while torchrun exits must leave neither behind."""
+        self.close()
+        self.stop(clean=True)
 
     def close(self) -> None:
         super().close()
-        with _LOCAL_GROUPS_LOCK:
-            _LOCAL_GROUPS.discard(self)
+        self._forget_when_done()
+
+    def _forget_when_done(self) -> None:
+        """Stopped and closed: nothing is left for the exit hook to end."""
+        if self._stopped and self._closed:
+            with _LOCAL_GROUPS_LOCK:
+                _LOCAL_GROUPS.discard(self)
 
 
 class SlurmGroup(RankGroup):

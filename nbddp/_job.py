@@ -167,8 +167,7 @@ class Job(Generic[R]):
         self._end_panel(outcome)
         if self._group.ends_after_result:
             self._publish(outcome)
-        self._group.stop(clean=True)
-        self._group.close()
+        self._group.retire()
         self._publish(outcome)
 
     def _stopped(self, ending: Ending) -> None:

@@ -14,6 +14,7 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -33,6 +34,7 @@ def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event) -> None:
         pass
     lost.set()
     print("nbddp: the notebook kernel went away; stopping torchrun", file=sys.stderr)
+    run_dir.remove()  # first: a torchrun still starting dies of the SIGTERM at once
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
     time.sleep(_GRACE_SECONDS)
     run_dir.remove()
@@ -40,6 +42,8 @@ def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event) -> None:
 
 
 def _write_failures(run_dir: RunDir, error) -> None:
+    """How each failed rank ended, for the kernel's diagnosis (if it still listens: a
+    kernel done with the run may have removed the run dir already)."""
     failures = {
         rank: {"exitcode": f.exitcode, "pid": f.pid, "timestamp": f.timestamp,
                "signal": f.signal_name() if f.exitcode < 0 else None}
@@ -47,8 +51,9 @@ def _write_failures(run_dir: RunDir, error) -> None:
     }
     path = run_dir.failures_file()
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(failures))
-    tmp.replace(path)
+    with contextlib.suppress(FileNotFoundError):
+        tmp.write_text(json.dumps(failures))
+        tmp.replace(path)
 
 
 def main(argv: list[str]) -> int:
