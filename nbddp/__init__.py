@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from ._job import Job
     from ._launch import attach, last_job, launch
     from ._slurm_options import Slurm
+    from ._standby import StandbyState, standby
 
 __all__ = [
     "Job",
     "NbddpError",
     "PayloadError",
     "Slurm",
+    "StandbyState",
     "WorkerError",
     "attach",
     "export",
@@ -32,11 +34,13 @@ __all__ = [
     "launch",
     "log",
     "progress",
+    "standby",
 ]
 
 _ON_FIRST_USE = {
-    "Job": "._job", "Slurm": "._slurm_options", "attach": "._launch", "export": "._export",
-    "last_job": "._launch", "launch": "._launch",
+    "Job": "._job", "Slurm": "._slurm_options", "StandbyState": "._standby",
+    "attach": "._launch", "export": "._export", "last_job": "._launch", "launch": "._launch",
+    "standby": "._standby",
 }
 
 

@@ -21,6 +21,7 @@ from ._rundir import RunDir
 from ._shape import GroupShape, Handover
 from ._slurm import find_run_dir
 from ._slurm_options import Slurm, SlurmOptions
+from ._standby import STANDBY
 
 R = TypeVar("R")
 
@@ -105,6 +106,10 @@ def launch(
     (``output="all"``: every rank's, each line prefixed with its rank; ``"none"``: none).
     ``env`` adds environment variables for the ranks.
 
+    Every run gets fresh processes. After a run, the next run's ranks start in the
+    background and wait (see ``standby``), so the next launch of the same shape starts
+    in a fraction of a second; ``Job.warm`` says whether a run used them.
+
     ``slurm=Slurm(nodes=2, ...)`` (or ``True``) submits the run as a SLURM batch job
     instead, with ``nprocs``/``gpus`` ranks per node, and follows it in the same way:
     queue state, then output, metrics and result. Interrupting stops it (``scancel``).
@@ -130,8 +135,13 @@ def launch(
 
 
 def _start_here(config: RunConfig, payload: bytes, options: RankOptions) -> Job:
-    """On a group of ranks started now on this machine."""
-    return _start(LocalGroup(GroupShape.of(config)), config, payload, options)
+    """On the standby group if it can take the run, else on a group started now; the
+    run's end starts the next standby group."""
+    shape = GroupShape.of(config)
+    taken = STANDBY.take(shape)
+    group, handover = taken if taken is not None else (LocalGroup(shape), Handover())
+    return _start(group, config, payload, options, handover, warm=taken is not None,
+                  after=lambda job: STANDBY.refill(shape, job._note))
 
 
 def _start(group: RankGroup, config: RunConfig, payload: bytes, options: RankOptions,

@@ -24,7 +24,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 @dataclass
 class Output:
-    msg_type: str  # stream | error | execute_result | display_data
+    msg_type: str  # stream | error | execute_result | display_data | update_display_data
     content: dict
     arrived: float  # time.monotonic() when the message was received
 
@@ -62,7 +62,8 @@ class Execution:
         kind = msg["msg_type"]
         if kind == "status" and msg["content"]["execution_state"] == "idle":
             self.idle_at = time.monotonic()
-        elif kind in ("stream", "error", "execute_result", "display_data"):
+        elif kind in ("stream", "error", "execute_result", "display_data",
+                      "update_display_data"):
             self.outputs.append(Output(kind, msg["content"], time.monotonic()))
             return True
         return False

@@ -9,8 +9,9 @@ import nbddp
 
 
 def test_all_is_pinned():
-    assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "Slurm", "WorkerError",
-                             "attach", "export", "last_job", "launch", "log", "progress"]
+    assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "Slurm", "StandbyState",
+                             "WorkerError", "attach", "export", "last_job", "launch", "log",
+                             "progress", "standby"]
     for name in nbddp.__all__:
         assert getattr(nbddp, name).__module__.startswith("nbddp.")
 
