@@ -142,8 +142,7 @@ class Job(Generic[R]):
             with contextlib.suppress(BaseException):
                 self._group.stop()
                 self._group.close()
-            if not self._ended.is_set():
-                self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
+            self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
         finally:
             self._finished.set()
 
@@ -156,7 +155,9 @@ class Job(Generic[R]):
             return Ending("stopped", NbddpError(f"nbddp supervisor failed: {exc!r}"))
 
     def _returned(self) -> None:
-        """Every rank returned: the value now; the exiting processes are seen off after."""
+        """Every rank returned: the panel's last word, the value, then the processes seen
+        off. A local run gives its value first: its processes are ending by themselves,
+        and nothing of them can outlive the kernel."""
         sup = self._supervisor
         sup.drain()
         try:
@@ -196,6 +197,7 @@ class Job(Generic[R]):
                 logger.exception("nbddp: after-run hook failed")
 
     def _publish(self, outcome: Outcome) -> None:
+        """Tell ``result()`` (once: the first outcome stands)."""
         if not self._ended.is_set():
             self._outcome = outcome
             self._ended.set()

@@ -59,3 +59,38 @@ def visible_ids():
 def test_asking_for_more_gpus_than_visible_is_an_error():
     with pytest.raises(ValueError, match="GPU"):
         nbddp.launch(device_and_backend, gpus=GPUS + 1)
+
+
+def cuda_device_holders(pids) -> set[int]:
+    """Those of ``pids`` that have a GPU open (``/dev/nvidiaN``): what a CUDA context needs."""
+    import glob
+    import os
+    import re
+
+    holders = set()
+    for pid in pids:
+        for fd in glob.glob(f"/proc/{pid}/fd/*"):
+            try:
+                if re.fullmatch(r"/dev/nvidia\d+", os.readlink(fd)):
+                    holders.add(pid)
+            except OSError:
+                continue
+    return holders
+
+
+@needs_gpu
+def test_standby_ranks_hold_no_gpu_and_a_warm_nccl_launch_works():
+    from .conftest import wait_until
+
+    nbddp.standby(True)
+    try:
+        nbddp.launch(device_and_backend, gpus=1)
+        state = wait_until(lambda: (s if (s := nbddp.standby()).status == "ready" else None),
+                           timeout=120)
+        assert len(state.pids) == 2  # torchrun and the rank
+        assert not cuda_device_holders(state.pids), "an idle standby rank opened a GPU"
+        job = nbddp.launch(device_and_backend, gpus=1, wait=False)
+        device, backend, tensor = job.result()
+        assert job.warm and (device, backend, tensor.item()) == (0, "nccl", 1.0)
+    finally:
+        nbddp.standby(False)
