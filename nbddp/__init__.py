@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from ._export import export
     from ._job import Job
     from ._launch import attach, last_job, launch
+    from ._session import Session, SessionStatus
     from ._slurm_options import Slurm
     from ._standby import StandbyState, standby
 
@@ -25,6 +26,8 @@ __all__ = [
     "Job",
     "NbddpError",
     "PayloadError",
+    "Session",
+    "SessionStatus",
     "Slurm",
     "StandbyState",
     "WorkerError",
@@ -38,7 +41,8 @@ __all__ = [
 ]
 
 _ON_FIRST_USE = {
-    "Job": "._job", "Slurm": "._slurm_options", "StandbyState": "._standby",
+    "Job": "._job", "Session": "._session", "SessionStatus": "._session",
+    "Slurm": "._slurm_options", "StandbyState": "._standby",
     "attach": "._launch", "export": "._export", "last_job": "._launch", "launch": "._launch",
     "standby": "._standby",
 }

@@ -9,13 +9,13 @@ in order, a trailing expression's value returned, line numbers the cell's own.
 from __future__ import annotations
 
 import ast
-import builtins
 import os
 import sys
-import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from ._scope import Scope
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,16 @@ class Cell:
     def from_notebook(
         cls, source: str, filename: str, user_ns: Mapping[str, Any],
         hidden: Mapping[str, Any] | None = None, outputs: tuple[str, ...] = (),
+        ranks_own: Collection[str] = (),
     ) -> Cell:
-        """Parse ``source`` (a SyntaxError points at the cell's line) and pick its names."""
+        """Parse ``source`` (a SyntaxError points at the cell's line) and pick its names:
+        those it reads, except IPython's own and ``ranks_own`` (a session's names)."""
         __tracebackhide__ = True
         tree = ast.parse(source, filename)
         hidden = hidden or {}
         names = [n for n in sorted(names_read_from_outside(tree))
-                 if n in user_ns and not (n in hidden and hidden[n] is user_ns[n])]
+                 if n in user_ns and n not in ranks_own
+                 and not (n in hidden and hidden[n] is user_ns[n])]
         return cls(source, filename, {n: user_ns[n] for n in names}, outputs)
 
     def __nbddp_captured__(self) -> Iterator[tuple[str, Any]]:
@@ -58,25 +61,31 @@ class Cell:
             yield f"notebook name {name!r}", value
 
     def __call__(self) -> CellResult:
-        scope = _cell_globals(self.namespace)
+        return self.run_in(Scope())
+
+    def run_in(self, scope: Scope) -> CellResult:
+        """Run the cell in ``scope`` (with the notebook names it brought); rank 0's view."""
+        scope.take(self.namespace)
+        namespace = scope.globals
         tree = ast.parse(self.source, self.filename)
         last = tree.body[-1] if tree.body else None
         if isinstance(last, ast.Expr):  # like IPython: the last expression is the result
             tree.body.pop()
         value = None
         try:
-            exec(compile(tree, self.filename, "exec"), scope)
+            exec(compile(tree, self.filename, "exec"), namespace)
             if isinstance(last, ast.Expr):
-                value = eval(compile(ast.Expression(last.value), self.filename, "eval"), scope)
+                value = eval(compile(ast.Expression(last.value), self.filename, "eval"),
+                             namespace)
         except SystemExit as exc:  # sys.exit() / exit() ends the cell, like a script
             if exc.code not in (None, 0):
                 raise
         if int(os.environ.get("RANK", "0")) != 0:
             return CellResult()  # only rank 0's values go back to the notebook
-        missing = [name for name in self.outputs if name not in scope]
+        missing = [name for name in self.outputs if name not in namespace]
         if missing:
             raise NameError(f"--out names not defined by the cell: {', '.join(missing)}")
-        return CellResult(value, {name: for_notebook(scope[name]) for name in self.outputs})
+        return CellResult(value, {name: for_notebook(namespace[name]) for name in self.outputs})
 
 
 def names_read_from_outside(tree: ast.Module) -> set[str]:
@@ -122,26 +131,6 @@ def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str]]:
         for child in ast.iter_child_nodes(node):
             stack.append((child, inside or isinstance(node, scopes)))
     return reads, writes, nested
-
-
-def _cell_globals(namespace: dict[str, Any]) -> dict[str, Any]:
-    """One global scope shared by the cell and the notebook functions it brought along.
-
-    cloudpickle gives every notebook function (and method of a notebook class) of one
-    payload the same globals dict; running the cell in that dict means a name the cell
-    assigns is seen by them.
-    """
-    for value in namespace.values():
-        functions = vars(value).values() if isinstance(value, type) else [value]
-        shared = [f for f in functions
-                  if isinstance(f, types.FunctionType) and f.__module__ == "__main__"]
-        if shared:
-            scope = shared[0].__globals__
-            break
-    else:
-        scope = {"__name__": "__main__", "__builtins__": builtins}
-    scope.update(namespace)
-    return scope
 
 
 def for_notebook(value: Any) -> Any:

@@ -1,7 +1,8 @@
 """Turn what the ranks and torchrun reported into one error that names the root cause.
 
 The root cause is the first rank to fail, in the order the kernel heard of it, skipping
-ranks that only failed because a peer vanished (a broken connection in a collective).
+ranks that only failed because a peer vanished (a broken connection in a collective) or
+because nbddp interrupted them (a session's ranks, after another one failed).
 A rank that died without raising is described by torchrun's record of its exit.
 """
 
@@ -42,7 +43,7 @@ def diagnose(
         candidates = [Disconnected(missing[0])]
         if not any(logs.get(rank) for rank in missing):
             return NbddpError("torchrun failed before the ranks ran:\n" + _launcher_tail(run_dir))
-    root = next((c for c in candidates if not peer_lost(c)), candidates[0])
+    root = next((c for c in candidates if not _secondary(c)), candidates[0])
     if isinstance(root, Failure):
         error = _raised(root, logs)
     else:
@@ -55,6 +56,13 @@ def peer_lost(report: Failure | Disconnected) -> bool:
     return isinstance(report, Failure) and any(
         marker in f"{report.type_name}: {report.message}" for marker in _PEER_LOST
     )
+
+
+def _secondary(report: Failure | Disconnected) -> bool:
+    """A failure caused by another one: a peer lost, or the interrupt nbddp sent to a
+    session's ranks still running after another rank failed."""
+    return peer_lost(report) or (isinstance(report, Failure)
+                                 and report.type_name == "KeyboardInterrupt")
 
 
 def _raised(failure: Failure, logs: dict[int, str]) -> WorkerError:

@@ -155,17 +155,60 @@ class TextPanel:
 # --- widgets -------------------------------------------------------------------------
 
 
+SHOW_AFTER = 0.25
+"""Seconds before a run with nothing to show yet gets its panel: a quick cell (a
+session's, a warm launch's) shows its output and summary line, not a panel's flash."""
+
+
 class WidgetPanel:
-    """ipywidgets under the cell: header, progress bar, metrics, charts, ranks."""
+    """ipywidgets under the cell: header, progress bar, metrics, charts, ranks. They are
+    made once the run has progress or metrics to show, or has lasted ``SHOW_AFTER``."""
 
     def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+        self._widgets: _Widgets | None = None
+        self._closed = False
+
+    def _shown(self, state: PanelState) -> _Widgets | None:
+        if self._widgets is None and (state.position is not None or state.history.latest
+                                      or state.elapsed >= SHOW_AFTER):
+            self._widgets = _Widgets()
+        return self._widgets
+
+    def refresh(self, state: PanelState) -> None:
+        widgets = self._shown(state)
+        if widgets is not None:
+            widgets.refresh(state)
+
+    def write(self, text: str) -> None:
+        self._stream.write(text)
+        self._stream.flush()
+
+    def close(self, state: PanelState) -> None:
+        self.refresh(state)
+        self._closed = True
+        self.note(state)
+        self._stream.write(state.summary() + "\n")
+        if self._widgets is None and state.footer:
+            self._stream.write(f"nbddp: {state.footer}\n")
+        self._stream.flush()
+
+    def note(self, state: PanelState) -> None:
+        """The last line, live: standby ranks starting, ready, stopped."""
+        if self._widgets is not None:
+            self._widgets.note(state, closed=self._closed)
+
+
+class _Widgets:
+    """The panel's widgets, displayed under the cell when made."""
+
+    def __init__(self) -> None:
         try:
             import ipywidgets as w
         except ImportError as exc:  # pragma: no cover - a dependency, but say what to do
             raise ImportError("the live panel needs ipywidgets: pip install ipywidgets") from exc
         from IPython.display import display
 
-        self._stream = stream
         self.header = w.HTML()
         self.bar = w.IntProgress(value=0, min=0, max=1, bar_style="info",
                                  layout=w.Layout(width="60%"))
@@ -175,8 +218,7 @@ class WidgetPanel:
         self.footer = w.HTML()
         self.box = w.VBox([self.header, w.HBox([self.bar, self.speed]), self.metrics,
                            self.charts, self.footer])
-        self._handle = display(self._bundle("nbddp: starting"), raw=True, display_id=True)
-        self._closed = False
+        self._handle = display(self._bundle("nbddp: running"), raw=True, display_id=True)
 
     def _bundle(self, text: str) -> dict[str, Any]:
         """The widget, with the panel as text for places that cannot render widgets
@@ -197,22 +239,10 @@ class WidgetPanel:
         self.charts.value = "".join(svg_chart(name, points)
                                     for name, points in state.history.series.items())
 
-    def write(self, text: str) -> None:
-        self._stream.write(text)
-        self._stream.flush()
-
-    def close(self, state: PanelState) -> None:
-        self.refresh(state)
-        self._closed = True
-        self.note(state)
-        self._stream.write(state.summary() + "\n")
-        self._stream.flush()
-
-    def note(self, state: PanelState) -> None:
-        """The last line, live: standby ranks starting, ready, stopped."""
+    def note(self, state: PanelState, closed: bool) -> None:
         self.footer.value = (f'<small style="color:#666">nbddp: {html.escape(state.footer)}'
                              "</small>" if state.footer else "")
-        if self._closed and self._handle is not None:
+        if closed and self._handle is not None:  # what a notebook saved headless keeps
             self._handle.update(self._bundle(text_view(state)), raw=True)
 
 

@@ -48,6 +48,7 @@ class WorkerError(NbddpError):
         signal: str | None = None,
         logs: dict[int, str] | None = None,
         log_dir: str | None = None,
+        note: str | None = None,
     ) -> None:
         super().__init__(f"rank {rank} {summary}")
         self.rank = rank
@@ -57,10 +58,12 @@ class WorkerError(NbddpError):
         self.signal = signal
         self.logs: dict[int, str] = dict(logs or {})
         self.log_dir = log_dir
+        self.note = note
+        """What became of a session's ranks (their state kept, or restarted)."""
 
     def __reduce__(self):
         kwargs = dict(traceback=self.traceback, exitcode=self.exitcode,
-                      signal=self.signal, logs=self.logs, log_dir=self.log_dir)
+                      signal=self.signal, logs=self.logs, log_dir=self.log_dir, note=self.note)
         return _rebuild_worker_error, (self.rank, self.summary, kwargs)
 
     @property
@@ -81,6 +84,8 @@ class WorkerError(NbddpError):
             parts.append(f"\n(every rank's full output: .logs[rank], and {self.log_dir})")
         elif self.logs:
             parts.append(f"\n(every rank's full output: .logs[rank], ranks {sorted(self.logs)})")
+        if self.note:
+            parts.append(f"({self.note})")
         return "\n".join(parts)
 
     def _render_traceback_(self) -> list[str]:

@@ -70,6 +70,8 @@ class RankGroup:
     ends_after_result = False
     """After every rank returned, the run's value may be given before the launcher has
     ended: true where the kernel owns the processes (and sees them off regardless)."""
+    reusable = False
+    """A session's group: its ranks go back to rest after each run, for the next."""
 
     def __init__(self, nprocs: int, run_dir: RunDir) -> None:
         self.nprocs, self.run_dir = nprocs, run_dir
@@ -91,11 +93,14 @@ class RankGroup:
     def _start_message(self, records: Records, options: RankOptions, handover: Handover
                        ) -> Start:
         return Start(_version.__version__, str(records.path), str(self.run_dir.payload), options,
-                     handover.cwd, dict(handover.env))
+                     handover.cwd, dict(handover.env), session=self.reusable)
 
     def new_records(self) -> Records:
         """The records folder for the run this group is about to be given."""
         return Records.create()
+
+    def interrupt(self, ranks: set[int]) -> None:
+        """Interrupt the user's code on ``ranks`` (a session's; others are stopped)."""
 
     def hand_over(self, payload: bytes, records: Records, options: RankOptions,
                   handover: Handover) -> None:
@@ -159,13 +164,14 @@ class LocalGroup(RankGroup):
         with _LOCAL_GROUPS_LOCK:
             _LOCAL_GROUPS.add(self)
         self.shape = shape
-        self._connected: set[int] = set()  # ranks that said hello
+        self._pids: dict[int, int] = {}  # rank -> PID, for those that said hello
         self.ready: set[int] = set()
         self.broken = False
         """A rank or torchrun ended before the group was handed a run."""
         self.on_change: Callable[[LocalGroup], None] | None = None
         self._start: Start | None = None
         self._lock = threading.Lock()
+        self._settled = threading.Event()  # every rank is ready, or the group broke
         self._stopped = False
         try:
             key = new_key()
@@ -187,9 +193,28 @@ class LocalGroup(RankGroup):
     def handed_over(self) -> bool:
         return self._start is not None
 
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until every rank waits for its Start; False if the group broke first
+        or ``timeout`` passed."""
+        self._settled.wait(timeout)
+        return self.is_ready
+
+    def launcher_tail(self, lines: int = 30) -> str:
+        """The end of torchrun's output (why a group broke)."""
+        try:
+            text = self.run_dir.launcher_log.read_text(errors="replace")
+        except OSError:
+            return "(nothing)"
+        return "\n".join(text.splitlines()[-lines:])
+
     def pids(self) -> list[int]:
         """torchrun's and the live ranks' process ids."""
         return self._torchrun.pids()
+
+    def rank_pids(self) -> dict[int, int]:
+        """Each rank's process id (once it has said hello)."""
+        with self._lock:
+            return dict(self._pids)
 
     def _deliver(self, message: Any) -> None:
         """Keep track of the ranks (the channel's threads call this), then queue it."""
@@ -197,7 +222,7 @@ class LocalGroup(RankGroup):
         with self._lock:
             if isinstance(inner, Hello):
                 self._torchrun.add_rank(inner.pid)
-                self._connected.add(inner.rank)
+                self._pids[inner.rank] = inner.pid
                 if self._start is not None and self._server is not None:
                     self._server.send(inner.rank, self._start)
             elif isinstance(inner, Ready):
@@ -215,6 +240,8 @@ class LocalGroup(RankGroup):
         self._changed()
 
     def _changed(self) -> None:
+        if self.is_ready or self.broken:
+            self._settled.set()
         notify = self.on_change
         if notify is not None:
             notify(self)
@@ -222,15 +249,20 @@ class LocalGroup(RankGroup):
     def hand_over(self, payload: bytes, records: Records, options: RankOptions,
                   handover: Handover) -> None:
         """Write the payload, then send every rank its Start (a rank that has not said
-        hello yet gets it when it does)."""
+        hello yet gets it when it does). A session's group is handed one run after
+        another: each replaces the last one's payload."""
+        self.run_dir.payload.unlink(missing_ok=True)
         self.run_dir.write_private(self.run_dir.payload, payload)
         self.records = records
         start = self._start_message(records, options, handover)
         with self._lock:
             self._start = start
             assert self._server is not None
-            for rank in self._connected:
+            for rank in self._pids:
                 self._server.send(rank, start)
+
+    def interrupt(self, ranks: set[int]) -> None:
+        self._torchrun.interrupt([self._pids[r] for r in ranks if r in self._pids])
 
     def stop(self, clean: bool = False) -> None:
         self.on_change = None

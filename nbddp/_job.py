@@ -25,7 +25,7 @@ from typing import Any, Generic, TextIO, TypeVar
 from ._config import RunConfig
 from ._diagnosis import diagnose
 from ._display import PanelState
-from ._errors import NbddpError
+from ._errors import NbddpError, WorkerError
 from ._group import RankGroup
 from ._history import read_history
 from ._records import Records
@@ -33,6 +33,27 @@ from ._supervisor import Ending, Supervisor
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
+
+SETTLE_SECONDS = 10.0
+"""How long a session's ranks may take to come back to rest after a failure, an
+interrupt or a timeout before they are restarted (a rank stuck in a collective whose
+peer left never comes back by itself)."""
+KEPT = "the session's ranks are back at rest, with their state"
+LOST = "the session was restarted: variables defined in earlier cells are gone"
+
+
+def with_session_note(error: BaseException, kept: bool) -> BaseException:
+    """``error``, saying whether the session's state was kept."""
+    note = KEPT if kept else LOST
+    if isinstance(error, WorkerError):
+        error.note = note
+        return error
+    if isinstance(error, KeyboardInterrupt):
+        return KeyboardInterrupt(f"every rank was interrupted; {note}")
+    message = str(error).replace("; every rank was stopped", "")
+    renamed = type(error)(f"{message}; {note}") if message else type(error)(note)
+    renamed.__cause__ = error.__cause__
+    return renamed
 
 
 @dataclass(frozen=True)
@@ -50,6 +71,15 @@ class Job(Generic[R]):
     """The SLURM job id of a run submitted with ``slurm=``; None for a local run."""
     warm: bool = False
     """True if the run was handed to standby ranks that were already waiting for it."""
+    state_kept: bool | None = None
+    """For a run on a session: whether its ranks kept their state (None until it ended,
+    and for other runs)."""
+    ended_by: str | None = None
+    """``"returned"``, ``"failed"`` (a rank raised or died) or ``"stopped"`` (interrupt,
+    cancel, timeout) once the run has ended."""
+    session_names: tuple[str, ...] | None = None
+    """For a run on a session: the names its ranks' code has bound, after the run."""
+    _latest: Job | None = None  # what last_job() returns
 
     def __init__(self, group: RankGroup, config: RunConfig, records: Records, *,
                  stdout: TextIO | None = None, warm: bool = False,
@@ -65,6 +95,7 @@ class Job(Generic[R]):
         self._started = time.monotonic()
         self._context = contextvars.copy_context()
         self._supervisor = Supervisor(group, config, records, stdout or sys.stdout)
+        Job._latest = self
         # The caller's context goes along, so a notebook routes the output to the cell
         # that launched the run even while other cells execute (ipykernel >= 7).
         threading.Thread(target=self._context.copy().run, args=(self._supervise,),
@@ -101,6 +132,8 @@ class Job(Generic[R]):
         except KeyboardInterrupt:
             self._cancel_reason = "interrupted"
             self.cancel()
+            if self._outcome is not None and isinstance(self._outcome.error, KeyboardInterrupt):
+                raise self._outcome.error from None  # it may say what became of a session
             raise
         assert self._outcome is not None
         if self._outcome.error is not None:
@@ -133,7 +166,10 @@ class Job(Generic[R]):
     def _supervise(self) -> None:
         try:
             ending = self._watch()
-            if ending.kind == "returned":
+            self.ended_by = ending.kind
+            if self._group.reusable:
+                self._end_on_session(ending)
+            elif ending.kind == "returned":
                 self._returned()
             else:
                 self._stopped(ending)
@@ -142,6 +178,9 @@ class Job(Generic[R]):
             with contextlib.suppress(BaseException):
                 self._group.stop()
                 self._group.close()
+            if self._group.reusable and self.state_kept is None:
+                self.state_kept = False
+                self._call_after()  # the session starts fresh ranks
             self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
         finally:
             self._finished.set()
@@ -188,6 +227,39 @@ class Job(Generic[R]):
             self._call_after()
         self._end_panel(outcome)
         self._publish(outcome)
+
+    def _end_on_session(self, ending: Ending) -> None:
+        """A session's run: its ranks stay for the next run if every one is back at rest
+        (interrupted if need be, within ``SETTLE_SECONDS``); if not, they are stopped
+        and the session starts fresh ones (``after``)."""
+        sup = self._supervisor
+        kept = ending.kind == "returned" or self._bring_back()
+        if not kept:
+            self._group.stop()
+        sup.drain()
+        if ending.kind == "returned":
+            try:
+                outcome = Outcome(sup.results_value())
+            except NbddpError as exc:
+                outcome = Outcome(error=exc)
+        else:
+            error = ending.error or diagnose(sup.failures, sup.results, self._group.run_dir,
+                                             self._records, self.config.nprocs, self.logs)
+            outcome = Outcome(error=with_session_note(error, kept))
+        if not kept:
+            self._group.close()
+        self.state_kept, self.session_names = kept, sup.assigned
+        self._call_after()
+        self._end_panel(outcome)
+        self._publish(outcome)
+
+    def _bring_back(self) -> bool:
+        """Interrupt the ranks still in the run; True once every rank is back at rest."""
+        sup = self._supervisor
+        if sup.lost:
+            return False
+        self._group.interrupt(set(range(self.config.nprocs)) - sup.reported)
+        return sup.wait_reports(SETTLE_SECONDS)
 
     def _call_after(self) -> None:
         if self._after is not None:

@@ -175,8 +175,6 @@ def _cluster_run(nprocs: int | None, gpus: Any, slurm: Slurm,
 
 def _follow(job: Job, wait: bool) -> Any:
     __tracebackhide__ = True
-    global _last_job
-    _last_job = job
     return job if not wait else job.result()
 
 
@@ -198,10 +196,7 @@ def attach(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:
     return _follow(job, wait=False)
 
 
-_last_job: Job | None = None
-
-
 def last_job() -> Job | None:
-    """The ``Job`` of the latest ``launch`` (or ``%%ddp`` cell) in this process, if any:
-    its ``history`` of rank-averaged metrics, ``logs`` and ``records`` folder."""
-    return _last_job
+    """The ``Job`` of the latest ``launch``, ``%%ddp`` cell or session run in this
+    process, if any: its ``history`` of rank-averaged metrics, ``logs`` and ``records``."""
+    return Job._latest

@@ -1,7 +1,9 @@
-"""``%%ddp``: run a notebook cell on every rank; a thin adapter over ``launch``.
+"""``%%ddp`` and ``%ddp_session``: thin adapters over ``launch`` and ``Session``.
 
-It parses the options, turns the cell into a ``Cell`` (the notebook names it reads go
-along), calls ``launch`` and binds the ``--out`` names in the notebook afterwards.
+``%%ddp`` parses the options, turns the cell into a ``Cell`` (the notebook names it
+reads go along), runs it (on the open session's ranks, or a fresh group through
+``launch``) and binds the ``--out`` names in the notebook afterwards. ``%ddp_session``
+starts, stops, restarts and describes the kernel's one session.
 """
 
 from __future__ import annotations
@@ -9,7 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class, output_can_be_silenced
+from IPython.core.magic import (
+    Magics,
+    line_cell_magic,
+    line_magic,
+    magics_class,
+    output_can_be_silenced,
+)
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ._cell import Cell, CellResult
@@ -17,6 +25,7 @@ from ._devices import visible_gpu_count
 from ._errors import NbddpError
 from ._export import export
 from ._launch import launch
+from ._session import Session
 from ._slurm_options import Slurm
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
@@ -50,9 +59,25 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _session_conflicts(args: Any, gpus: int | list[int] | None, session: Session) -> list[str]:
+    """The ``%%ddp`` options that ask for ranks other than the open session's."""
+    config = session.config
+    wanted = {
+        "--nprocs": args.nprocs is not None and args.nprocs != config.nprocs,
+        "--gpus": gpus is not None,
+        "--backend": args.backend is not None and args.backend != config.backend,
+        "--no-init": args.no_init and config.init,
+        "--slurm": args.slurm,
+    }
+    return [option for option, conflicts in wanted.items() if conflicts]
+
+
 @magics_class
 class DDPMagics(Magics):
-    """The ``%%ddp`` cell magic."""
+    """The ``%%ddp`` cell magic and the ``%ddp_session`` line magic."""
+
+    session: Session | None = None
+    """The session ``%%ddp`` cells run on while it is open."""
 
     @magic_arguments()
     @argument("-h", "--help", action="store_true", help="show this help")
@@ -116,13 +141,27 @@ class DDPMagics(Magics):
         if args.export and args.slurm:
             raise UsageError("--export writes the job's files and --slurm submits it: "
                              "choose one")
+        session = self.session if self.session and not self.session.closed else None
+        if session is not None and not args.export:
+            conflicts = _session_conflicts(args, gpus, session)
+            if conflicts:
+                raise UsageError(
+                    f"{', '.join(conflicts)} would need other ranks than the open session's "
+                    f"({session.config.nprocs} ranks): run the cell without them, or "
+                    "%ddp_session stop first")
         try:
-            code = self._cell(cell, _parse_names(args.out))
+            code = self._cell(cell, _parse_names(args.out),
+                              session.names if session is not None else ())
         except SyntaxError as exc:  # shown at the cell's line, before anything starts
             raise exc.with_traceback(None) from None
         if args.export:
             return _export_cell(code, args, gpus)
-        result = self._launch(code, args, gpus)
+        if session is not None:
+            job = session.submit(code, timeout=args.timeout,
+                                 output="all" if args.all_ranks else None)
+            result = job.result()
+        else:
+            result = self._launch(code, args, gpus)
         self._shell.user_ns.update(result.outputs)
         return result.value
 
@@ -145,13 +184,65 @@ class DDPMagics(Magics):
         assert self.shell is not None, "the magic runs inside IPython"
         return self.shell
 
-    def _cell(self, body: str, outputs: tuple[str, ...]) -> Cell:
+    def _cell(self, body: str, outputs: tuple[str, ...], ranks_own: Any = ()) -> Cell:
         """The cell as the ranks run it: line 1 is the ``%%ddp`` line, as in the notebook."""
         __tracebackhide__ = True
         source = "\n" + body
         filename = self._shell.compile.cache(source, self._shell.execution_count)
         return Cell.from_notebook(source, filename, self._shell.user_ns,
-                                  self._shell.user_ns_hidden, outputs)
+                                  self._shell.user_ns_hidden, outputs, ranks_own)
+
+    @magic_arguments()
+    @argument("action", nargs="?", default="status",
+              choices=["start", "stop", "restart", "status"],
+              help="start ranks that keep their state from cell to cell, stop or restart "
+                   "them, or say what runs (the default)")
+    @argument("--nprocs", type=int, metavar="N", help="N ranks (as %%ddp --nprocs)")
+    @argument("--gpus", metavar="N|I,J", help="one rank per GPU (as %%ddp --gpus)")
+    @argument("--backend", help="process-group backend (default: nccl on GPU, gloo on CPU)")
+    @argument("--no-init", action="store_true",
+              help="do not initialise the default process group (your cells do)")
+    @argument("--timeout", type=float, metavar="SECONDS",
+              help="default time limit of each cell (%%ddp --timeout overrides it)")
+    @line_magic
+    def ddp_session(self, line: str) -> Any:
+        """Ranks that keep their state between ``%%ddp`` cells.
+
+        ``%ddp_session start --nprocs 2`` starts them; from then on every ``%%ddp`` cell
+        runs on them, and the names a cell assigns stay on the ranks for the next cells
+        (other names come from the notebook, as always). ``%ddp_session stop`` ends the
+        session, ``restart`` starts fresh ranks, and ``%ddp_session`` says what runs
+        (its value is a ``SessionStatus``).
+        """
+        args = parse_argstring(self.ddp_session, line)
+        open_session = self.session if self.session and not self.session.closed else None
+        if args.action == "start":
+            if open_session is not None:
+                raise UsageError("a session is already open (%ddp_session stop, or restart)")
+            self.session = open_session = _start_session(args)
+        elif open_session is None:
+            print("no session is open; start one with %ddp_session start --nprocs N")
+            return None
+        elif args.action == "stop":
+            open_session.close()
+            print("nbddp session: stopped; its ranks are gone")
+            return None
+        elif args.action == "restart":
+            open_session.restart()
+        return open_session.status()
+
+
+def _start_session(args: Any) -> Session:
+    gpus = _parse_gpus(args.gpus)
+    if gpus is not None:
+        _check_gpus(gpus, args.gpus)
+    try:
+        return Session(args.nprocs, gpus=gpus, backend=args.backend, init=not args.no_init,
+                       timeout=args.timeout)
+    except (ValueError, TypeError) as exc:
+        if isinstance(exc, NbddpError):
+            raise
+        raise UsageError(str(exc)) from None
 
 
 def _per_node(gpus: int | list[int] | None) -> int | None:

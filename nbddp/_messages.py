@@ -4,7 +4,7 @@ Every message is a small frozen dataclass. A frame is a 4-byte length and the pi
 message; the channel's sockets, the mailbox files and the start file all carry the same
 frames. Frames are only decoded from authenticated peers or from private (0600) files.
 
-    rank -> kernel   Hello, Ready, Metrics, Result, Failure (each wrapped in Sequenced)
+    rank -> kernel   Hello, Ready, Metrics, Assigned, Result, Failure (each Sequenced)
     kernel -> rank   Start
     kernel only      Disconnected (a rank's connection closed)
 """
@@ -49,6 +49,15 @@ class Ready:
     """A rank has imported torch (and joined its gloo group, if asked) and waits for Start."""
 
     rank: int
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """A session's rank 0, after each run: the names its session code has bound, which
+    the notebook therefore no longer sends."""
+
+    rank: int
+    names: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,8 @@ class Start:
     """The notebook's working directory, if the rank started in another."""
     env: dict[str, str | None] = field(default_factory=dict)
     """Environment changes since the rank started (None: unset)."""
+    session: bool = False
+    """Keep the namespace and the process group, and wait for the next Start after this."""
 
 
 # --- kernel-side events ---------------------------------------------------------------

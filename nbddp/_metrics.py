@@ -55,3 +55,11 @@ def start_reporting(rank: int, send: Callable[[Metrics], None]) -> Reporter:
     global _reporter
     _reporter = Reporter(rank, send)
     return _reporter
+
+
+def stop_reporting() -> None:
+    """Called by the worker after a run: send what is left; ``log`` reports no more."""
+    global _reporter
+    if _reporter is not None:
+        _reporter.close()
+    _reporter = None

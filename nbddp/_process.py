@@ -71,6 +71,12 @@ class LocalLauncher:
         """torchrun's PID and the live ranks' PIDs."""
         return [self.process.pid, *self._alive_ranks()]
 
+    def interrupt(self, pids: list[int]) -> None:
+        """SIGINT to those of ``pids`` that are this launcher's live ranks."""
+        for pid in set(pids) & set(self._alive_ranks()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+
     def _alive_ranks(self) -> list[int]:
         return [pid for pid, start in list(self._ranks.items()) if _start_time(pid) == start]
 

@@ -30,13 +30,14 @@ class KernelLink:
         self._channel, self._mailbox, self._run_dir = channel, mailbox, run_dir
         self._seq = 0
         self._lock = threading.Lock()
-        self._starts: queue.Queue[Start] = queue.Queue()
-        self.finished = threading.Event()
-        """Set once the rank is done: from then on the kernel may close the link."""
+        self._starts: queue.Queue[Start | None] = queue.Queue()
+        self.busy = threading.Event()
+        """Set while the rank runs a Start: the kernel closing the link then means it
+        is gone (the rank stops); at rest it means the rank is no longer wanted."""
 
     @classmethod
     def local(cls, run_dir: RunDir) -> KernelLink:
-        """Connect to the kernel; if it goes away before the rank is done, stop the rank."""
+        """Connect to the kernel; if it goes away while the rank is busy, stop the rank."""
         link = cls(ChannelClient(run_dir.socket, run_dir.key.read_bytes()), None, run_dir)
         threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
         return link
@@ -61,8 +62,9 @@ class KernelLink:
                         raise
                     self._channel = None  # the kernel went; the mailbox carries on
 
-    def wait_start(self) -> Start:
-        """Block until the kernel says what to run (a SLURM rank reads it from its file)."""
+    def wait_start(self) -> Start | None:
+        """Block until the kernel says what to run (a SLURM rank reads it from its file);
+        None once the kernel has closed the link."""
         if self._mailbox is not None:
             bodies, _ = split_frames(self._run_dir.start.read_bytes())
             return decode(bodies[0])
@@ -77,9 +79,10 @@ class KernelLink:
                     self._starts.put(message)
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
-        if not self.finished.is_set():
+        if self.busy.is_set():
             print("nbddp: the notebook kernel went away; stopping this rank", file=sys.stderr)
             os._exit(1)
+        self._starts.put(None)
 
     def close(self) -> None:
         for end in (self._channel, self._mailbox):

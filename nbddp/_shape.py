@@ -99,8 +99,14 @@ class GroupShape:
         fixed = ("python", "nprocs", "cuda_visible_devices", "gpus", "backend", "init")
         if any(getattr(self, name) != getattr(wanted, name) for name in fixed):
             return None
+        handover, left_out = self.take_up(wanted)
+        return None if left_out else handover
+
+    def take_up(self, wanted: GroupShape) -> tuple[Handover, list[str]]:
+        """What ranks started for this shape can take up of ``wanted``'s directory and
+        environment (a session's ranks run on), and the variables they cannot."""
         changed = {name: wanted.env.get(name) for name in self.env.keys() | wanted.env.keys()
                    if self.env.get(name) != wanted.env.get(name)}
-        if any(read_at_start(name) for name in changed):
-            return None
-        return Handover(wanted.cwd if wanted.cwd != self.cwd else None, changed)
+        left_out = sorted(name for name in changed if read_at_start(name))
+        env = {name: value for name, value in changed.items() if name not in left_out}
+        return Handover(wanted.cwd if wanted.cwd != self.cwd else None, env), left_out

@@ -21,7 +21,7 @@ from ._display import Panel, PanelState, make_panel
 from ._errors import NbddpError
 from ._group import LauncherExited, RankGroup
 from ._history import History
-from ._messages import Disconnected, Failure, Hello, Metrics, Result, Sequenced
+from ._messages import Assigned, Disconnected, Failure, Hello, Metrics, Result, Sequenced
 from ._output import BoundedOutput, LogTail
 from ._payload import loads_value
 from ._records import Records
@@ -55,6 +55,9 @@ class Supervisor:
         self.group, self.config, self.records = group, config, records
         self.results: dict[int, Result] = {}
         self.failures: list[Failure | Disconnected] = []
+        self.assigned: tuple[str, ...] | None = None
+        """A session's names after this run (rank 0's ``Assigned``)."""
+        self.launcher_exited = False
         self._next_seq: dict[int, int] = {}  # per rank: the next message number expected
         self.history = History(config.nprocs, records.metrics)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
@@ -136,6 +139,10 @@ class Supervisor:
             self.state.ranks[event.rank] = "failed"
         elif isinstance(event, JobStatus):
             self._job_status(event)
+        elif isinstance(event, Assigned):
+            self.assigned = event.names
+        elif isinstance(event, LauncherExited):
+            self.launcher_exited = True
 
     def _job_status(self, status: JobStatus) -> None:
         """Show a SLURM job's state: queued (and why), then where it runs."""
@@ -190,6 +197,37 @@ class Supervisor:
                 f"{stopped} before every rank returned; the ranks' output is in "
                 f"{self.records.path}"))
         return Ending("failed")
+
+    @property
+    def reported(self) -> set[int]:
+        """Ranks that returned or raised in this run (and so are done with it)."""
+        return set(self.results) | {f.rank for f in self.failures if isinstance(f, Failure)}
+
+    @property
+    def lost(self) -> bool:
+        """A rank died, or the launcher ended: the group cannot run again."""
+        return self.launcher_exited or any(isinstance(f, Disconnected) for f in self.failures)
+
+    def wait_reports(self, seconds: float) -> bool:
+        """Follow events until every rank has reported (True), or ``seconds`` passed or
+        the group was lost (False)."""
+        deadline = time.monotonic() + seconds
+        everyone = set(range(self.config.nprocs))
+        while self.reported != everyone and not self.lost and time.monotonic() < deadline:
+            event = self._next_event(_PUMP_INTERVAL)
+            self.pump_output()
+            if event is not None:
+                self._record(event)
+        if self.reported == everyone and self.assigned is None and not self.lost:
+            self._await_assigned(deadline)
+        return self.reported == everyone and not self.lost
+
+    def _await_assigned(self, deadline: float) -> None:
+        """Rank 0 sends a session's names right after its report."""
+        while self.assigned is None and time.monotonic() < deadline:
+            event = self._next_event(_PUMP_INTERVAL)
+            if event is not None:
+                self._record(event)
 
     def drain(self) -> None:
         """Record every event already queued."""

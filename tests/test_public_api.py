@@ -9,9 +9,9 @@ import nbddp
 
 
 def test_all_is_pinned():
-    assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "Slurm", "StandbyState",
-                             "WorkerError", "attach", "export", "last_job", "launch", "log",
-                             "progress", "standby"]
+    assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "Session", "SessionStatus",
+                             "Slurm", "StandbyState", "WorkerError", "attach", "export",
+                             "last_job", "launch", "log", "progress", "standby"]
     for name in nbddp.__all__:
         assert getattr(nbddp, name).__module__.startswith("nbddp.")
 
@@ -41,8 +41,8 @@ def test_worker_error_pickles_and_keeps_its_details():
 
 
 KERNEL_SIDE = {"_cell", "_config", "_devices", "_diagnosis", "_display", "_export", "_group",
-               "_history", "_job", "_launch", "_magic", "_output", "_process", "_shape",
-               "_slurm", "_slurm_options", "_source", "_standby", "_supervisor"}
+               "_history", "_job", "_launch", "_magic", "_output", "_process", "_session",
+               "_shape", "_slurm", "_slurm_options", "_source", "_standby", "_supervisor"}
 
 
 def loaded_nbddp_modules():

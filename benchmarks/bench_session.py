@@ -1,0 +1,125 @@
+"""Benchmark a session's round trip: a trivial cell on ranks that keep their state.
+
+Measures, on 2 CPU ranks (gloo), the wall time of a trivial run on an open session:
+(1) ``Session.run`` from Python, and (2) a ``%%ddp`` cell through a real Jupyter kernel,
+timed by the client from the execute request to the kernel going idle, as a person sees
+it, with a plain Python cell's round trip in the same kernel for reference. Both are
+alternated with a trivial all-reduce cell, which adds one collective. Medians are
+printed (``--json`` saves every figure).
+Run: ``python benchmarks/bench_session.py [--repeats N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
+os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
+
+import nbddp  # noqa: E402
+
+TARGET = 0.020  # seconds, median round trip of a trivial cell: at most
+NPROCS = 2
+
+
+def noop() -> None:
+    """The trivial run."""
+
+
+def allreduce_once() -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return float(value.item())
+
+
+def python_round_trips(repeats: int) -> dict[str, list[float]]:
+    """``Session.run`` of a no-op and of one all-reduce, alternated, after a warm-up."""
+    times: dict[str, list[float]] = {"noop": [], "allreduce": []}
+    with nbddp.Session(NPROCS, output="none") as session:
+        for _ in range(5):
+            session.run(noop)
+        for _ in range(repeats):
+            for name, fn in (("noop", noop), ("allreduce", allreduce_once)):
+                start = time.perf_counter()
+                session.run(fn)
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def kernel_round_trips(repeats: int) -> dict[str, list[float]]:
+    """A ``%%ddp`` cell on a session, and a plain cell, timed by a Jupyter client."""
+    from jupyter_client.manager import start_new_kernel
+
+    cells = {"plain cell": "1 + 1",
+             "%%ddp noop": "%%ddp\nNone",
+             "%%ddp all_reduce": "%%ddp\nimport torch, torch.distributed as dist\n"
+                                 "t = torch.ones(1); dist.all_reduce(t); float(t)"}
+    times: dict[str, list[float]] = {name: [] for name in cells}
+    with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as cwd:
+        manager, client = start_new_kernel(kernel_name="python3", cwd=cwd)
+        try:
+            _run(client, "%load_ext nbddp\n%ddp_session start --nprocs 2", 120)
+            for _ in range(5):
+                for code in cells.values():
+                    _run(client, code)
+            for _ in range(repeats):
+                for name, code in cells.items():
+                    start = time.perf_counter()
+                    _run(client, code)
+                    times[name].append(time.perf_counter() - start)
+            _run(client, "%ddp_session stop")
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=False)
+    return times
+
+
+def _run(client: Any, code: str, timeout: float = 60) -> None:
+    reply = client.execute_interactive(code, timeout=timeout, output_hook=lambda msg: None)
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"the cell failed: {reply['content']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=100, help="round trips each")
+    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    opts = parser.parse_args()
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
+        os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")  # keep the user's records
+        print(f"Session.run: {opts.repeats} round trips each", flush=True)
+        python = python_round_trips(opts.repeats)
+        print(f"%%ddp cells through a kernel: {opts.repeats} round trips each", flush=True)
+        kernel = kernel_round_trips(opts.repeats)
+    medians = {name: statistics.median(v) for name, v in {**python, **kernel}.items()}
+    result = {"nprocs": NPROCS, "repeats": opts.repeats, "python": platform.python_version(),
+              "cpus": os.cpu_count(), "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
+              "target_s": TARGET, "session_run_s": python, "kernel_cell_s": kernel,
+              "medians_s": medians, "met": medians["%%ddp noop"] <= TARGET}
+    print(f"\nsession round trips, {NPROCS} CPU ranks (gloo), median of {opts.repeats}; "
+          f"{os.cpu_count()} CPUs, load {load:.2f} -> {os.getloadavg()[0]:.2f}")
+    for name, value in medians.items():
+        print(f"  {name:28}{value * 1000:8.1f} ms")
+    print(f"trivial %%ddp cell: {medians['%%ddp noop'] * 1000:.1f} ms, target <= "
+          f"{TARGET * 1000:.0f} ms: {'met' if result['met'] else 'MISSED'}")
+    if opts.json is not None:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {opts.json}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

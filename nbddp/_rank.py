@@ -1,0 +1,186 @@
+"""What a rank does with each ``Start``: take up the run, run the user's code, report.
+
+A one-off run ends the rank. A session's rank goes back to rest after each run and
+keeps what its code built: one ``Scope`` for the notebook code it runs, and the default
+process group, set up for the first run and kept. The kernel interrupts a session's run
+with SIGINT, which raises ``KeyboardInterrupt`` in the user's code (never in nbddp's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol, runtime_checkable
+
+from ._messages import Assigned, Failure, RankOptions, Result, Start
+from ._metrics import start_reporting, stop_reporting
+from ._payload import Payload, dumps_value
+from ._scope import Scope
+from ._version import __version__
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@runtime_checkable
+class RunsInScope(Protocol):
+    """Notebook code that runs in a rank's scope itself (a cell)."""
+
+    def run_in(self, scope: Scope) -> Any: ...
+
+
+class Interrupts:
+    """SIGINT raises ``KeyboardInterrupt`` while the user's code runs, and only then."""
+
+    def __init__(self) -> None:
+        self._armed = False
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._armed:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+
+class Rank:
+    """One rank's state across the runs it is given."""
+
+    def __init__(self, rank: int, log: Path, prepared: str | None,
+                 move_log: Callable[[Path, Path], None]) -> None:
+        self.rank, self.log, self.prepared = rank, log, prepared
+        self._move_log = move_log
+        self._group_ready = False
+        self.scope = Scope()
+        self.interrupts = Interrupts()
+
+    def run(self, start: Start, send: Callable[[Any], None]) -> Result | Failure:
+        """Take up ``start``'s run, run it, and say how it went (never raises)."""
+        reporter = None
+        try:
+            self._adopt(start)
+            reporter = start_reporting(self.rank, send)
+            payload = Payload.unpack(Path(start.payload).read_bytes())
+            scope = self.scope if start.session else Scope()
+            with scope.tracking():
+                value = self._call(payload, start, scope)
+            wanted = self.rank == 0 or start.options.all_ranks
+            return Result(self.rank, _dumps_result(value) if wanted else None)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
+            if isinstance(exc, SystemExit) and exc.code in (None, 0):
+                return Result(self.rank, dumps_value(None) if self.rank == 0 else None)
+            return failure(self.rank, exc)
+        finally:
+            if reporter is not None:
+                stop_reporting()  # what is still buffered goes before the report
+            if start.session and self.rank == 0:
+                send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
+
+    def _adopt(self, start: Start) -> None:
+        """Take up the run: the notebook's nbddp, its records, directory and environment."""
+        if start.version != __version__:
+            raise RuntimeError(
+                f"this rank runs nbddp {__version__} ({sys.executable}), but the notebook "
+                f"sent its code with nbddp {start.version}: install the same nbddp where "
+                "the ranks run")
+        log = Path(start.records) / self.log.name
+        if log != self.log:
+            self._move_log(self.log, log)
+            self.log = log
+        if start.cwd is not None and start.cwd != os.getcwd():
+            started_in = os.getcwd()
+            os.chdir(start.cwd)
+            if sys.path and sys.path[0] == started_in:  # `python -m` put the old one first
+                sys.path[0] = start.cwd
+        for name, value in start.env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        importlib.invalidate_caches()  # modules written in the notebook since the last run
+
+    def _call(self, payload: Payload, start: Start, scope: Scope) -> Any:
+        """The user's code, in the process group it expects."""
+        if not self._group_ready:
+            _process_group(start.options, self.prepared)
+            self._group_ready = start.session  # a session keeps it; a one-off run ends it
+        fn = payload.fn
+        with self.interrupts.armed():
+            if isinstance(fn, RunsInScope):
+                value = fn.run_in(scope)
+            elif start.session:
+                value = scope.bind(fn)(*payload.args, **payload.kwargs)
+            else:
+                value = fn(*payload.args, **payload.kwargs)
+        if start.options.init and not start.session:  # (after success only: a rank
+            import torch.distributed as dist  # that failed reports at once)
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return value
+
+
+def prepare(backend: str | None) -> str | None:
+    """Import torch, and join the default process group if the kernel expects gloo."""
+    import torch.distributed as dist
+
+    if backend != "gloo":
+        return None  # NCCL waits for Start: no CUDA context, no communicator while idle
+    dist.init_process_group("gloo")
+    return "gloo"
+
+
+def _process_group(options: RankOptions, prepared: str | None) -> None:
+    """The default process group the user's function expects, reusing a prepared one."""
+    import torch
+    import torch.distributed as dist
+
+    if not options.init:
+        if prepared:
+            dist.destroy_process_group()
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = (options.backend != "gloo" and torch.cuda.is_available()
+              and local_rank < torch.cuda.device_count())
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+    backend = options.backend or ("nccl" if on_gpu else "gloo")
+    if prepared == backend:
+        return
+    if prepared:
+        dist.destroy_process_group()
+    dist.init_process_group(backend)
+
+
+def failure(rank: int, exc: BaseException) -> Failure:
+    """Describe ``exc`` with a traceback that starts in the user's code, not in nbddp."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        pickled = dumps_value(exc)
+    except Exception:
+        pickled = None
+    kind = type(exc)
+    return Failure(rank, kind.__qualname__, kind.__module__, str(exc), text, pickled)
+
+
+def _dumps_result(value: Any) -> bytes:
+    try:
+        return dumps_value(value)
+    except Exception as exc:
+        raise TypeError(f"the function's return value cannot be sent back to the notebook: "
+                        f"{type(exc).__name__}: {exc}") from exc

@@ -1,0 +1,245 @@
+"""Sessions: ranks that keep their state from one run to the next.
+
+A session is one rank group whose ranks go back to rest after each run instead of
+exiting. Each rank keeps one namespace for the notebook code it runs (see ``_scope``),
+and its process group. Runs are handed to the group one at a time; each is a ``Job``
+with its own records, panel and history. A run that ends early (a rank raised, an
+interrupt, a timeout) keeps the ranks if every one comes back to rest; otherwise, and
+when a rank dies, the ranks are stopped, fresh ones start, and the error says that the
+state is gone. An idle session waits as long as it is open.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TextIO, TypeVar
+
+from ._config import RunConfig
+from ._errors import NbddpError
+from ._group import LocalGroup
+from ._job import Job
+from ._messages import RankOptions
+from ._payload import Payload
+from ._shape import GroupShape
+from ._standby import STANDBY, START_TIMEOUT
+
+R = TypeVar("R")
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """What a session is running: its ranks, their PIDs and memory, its age."""
+
+    open: bool
+    nprocs: int
+    backend: str
+    uptime: float
+    """Seconds since the current ranks started."""
+    runs: int
+    """Runs (cells) the session has run."""
+    restarts: int
+    """Times its ranks were replaced by fresh ones (state lost)."""
+    pids: dict[int, int]
+    """Each rank's process id."""
+    rss_mib: dict[int, float]
+    """Each rank's resident memory, in MiB."""
+
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        printer.text(str(self))
+
+    def __str__(self) -> str:
+        if not self.open:
+            return "nbddp session: closed"
+        minutes, seconds = divmod(int(self.uptime), 60)
+        hours, minutes = divmod(minutes, 60)
+        lines = [f"nbddp session: {self.nprocs} ranks ({self.backend}), up "
+                 f"{hours}:{minutes:02d}:{seconds:02d}, {self.runs} runs, "
+                 f"{self.restarts} restarts"]
+        for rank in range(self.nprocs):
+            pid = self.pids.get(rank)
+            rss = self.rss_mib.get(rank)
+            lines.append(f"  rank {rank}: pid {pid if pid else '(starting)'}"
+                         + (f", {rss:.0f} MiB resident" if rss is not None else ""))
+        return "\n".join(lines)
+
+
+class Session:
+    """Ranks that keep their state between runs: variables, models, data loaders, the
+    process group.
+
+    ``Session(nprocs=2)`` starts the ranks (as ``launch`` would: ``gpus``, ``backend``,
+    ``init``, ``env``); ``run(fn, *args, **kwargs)`` runs ``fn`` on every rank and
+    returns rank 0's value, ``run_all`` every rank's. Globals that session code assigns
+    (``global model; model = ...``, or a ``%%ddp`` cell's names) stay on the ranks for
+    the next run. ``timeout`` bounds each run. A failing rank raises ``WorkerError``;
+    the error says whether the ranks kept their state or were restarted. ``close()``
+    (or leaving a ``with`` block) stops them; so does the kernel's end.
+    """
+
+    def __init__(self, nprocs: int | None = None, *, gpus: int | Sequence[int] | None = None,
+                 backend: str | None = None, init: bool = True, timeout: float | None = None,
+                 env: Mapping[str, str] | None = None,
+                 output: Literal["rank0", "all", "none"] = "rank0") -> None:
+        self.config = RunConfig.resolve(nprocs, gpus, backend=backend, timeout=timeout,
+                                        init=init, env=dict(env or {}), output=output)
+        self._lock = threading.Lock()
+        self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
+        self._running: Job | None = None
+        self._closed = False
+        self.runs = 0
+        self.restarts = 0
+        self.names: frozenset[str] = frozenset()
+        """The names the session's code has bound on the ranks (rank 0's): a cell that
+        reads one of them gets the ranks' value, not the notebook's."""
+        self._group = self._new_group()
+        self._wait_ready()
+
+    def _new_group(self) -> LocalGroup:
+        shape = GroupShape.of(self.config)
+        taken = STANDBY.take(shape)  # ranks already waiting become the session's
+        group = taken[0] if taken is not None else LocalGroup(shape)
+        group.reusable, group.where = True, "session"
+        self._started = time.monotonic()
+        return group
+
+    def _wait_ready(self) -> None:
+        """Block until every rank waits for its first run (Ctrl-C stops them)."""
+        group = self._group
+        try:
+            ready = group.wait_ready(START_TIMEOUT)
+        except KeyboardInterrupt:
+            self.close()
+            raise
+        if not ready:
+            self.close()
+            problem = "stopped" if group.broken else f"were not ready after {START_TIMEOUT} s"
+            raise NbddpError(f"the session's ranks {problem} before their first run; "
+                             f"torchrun said:\n{group.launcher_tail()}")
+
+    # --- runs -----------------------------------------------------------------------
+
+    def run(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+        """``fn(*args, **kwargs)`` on every rank, in the session's namespace; rank 0's
+        value. Interrupting the wait interrupts the ranks."""
+        __tracebackhide__ = True
+        return self.submit(fn, args, kwargs).result()
+
+    def run_all(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> list[R]:
+        """Like ``run``, with every rank's value, in rank order."""
+        __tracebackhide__ = True
+        return self.submit(fn, args, kwargs, all_ranks=True).result()
+
+    def submit(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+               kwargs: Mapping[str, Any] | None = None, *, all_ranks: bool = False,
+               timeout: float | None = None, output: str | None = None,
+               stdout: TextIO | None = None) -> Job:
+        """Hand one run to the ranks and return its ``Job`` at once (``%%ddp`` uses this).
+        ``timeout`` and ``output`` default to the session's."""
+        __tracebackhide__ = True
+        config = dataclasses.replace(self.config, all_ranks=all_ranks,
+                                     output=output or self.config.output,
+                                     timeout=timeout or self.config.timeout)
+        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
+        with self._lock:
+            self._check_idle()
+            self._busy = True
+            try:
+                group = self._group
+                handover, _ = group.shape.take_up(GroupShape.of(config))
+                records = group.new_records()
+                group.hand_over(payload, records, RankOptions(config.init, config.backend,
+                                                              all_ranks), handover)
+                job: Job = Job(group, config, records, stdout=stdout, warm=True,
+                               after=self._after_run)
+            except BaseException:
+                self._busy = False
+                raise
+            self._running = job
+            return job
+
+    def _check_idle(self) -> None:
+        if self._closed:
+            raise NbddpError("this session is closed; start another one")
+        if self._busy:
+            raise NbddpError("the session's ranks are still running the last run; wait "
+                             "for it (job.result()) or cancel it first")
+
+    def _after_run(self, job: Job) -> None:
+        """A run ended: keep the ranks' names, or start fresh ranks if they were lost."""
+        self._busy = False
+        self.runs += 1
+        if job.state_kept:
+            if job.session_names is not None:
+                self.names = frozenset(job.session_names)
+            return
+        self.names = frozenset()
+        if not self._closed:
+            self.restarts += 1
+            self._group = self._new_group()
+            job._note("session: restarted with fresh ranks; what earlier runs defined is gone")
+
+    # --- the session's life ---------------------------------------------------------
+
+    def restart(self) -> None:
+        """Stop the ranks and start fresh ones: everything the session defined is gone."""
+        with self._lock:
+            self._check_idle()
+            self._stop_group()
+            self.names = frozenset()
+            self.restarts += 1
+            self._group = self._new_group()
+        self._wait_ready()
+
+    def close(self) -> None:
+        """Stop the ranks; nothing of the session is left running or on disk."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            running = self._running if self._busy else None
+        if running is not None:
+            running.cancel()
+        with self._lock:
+            self._stop_group()
+
+    def _stop_group(self) -> None:
+        self._group.stop()
+        self._group.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def status(self) -> SessionStatus:
+        """The ranks, their PIDs and memory, and the session's age."""
+        pids = {} if self._closed else self._group.rank_pids()
+        backend = self.config.backend or ("gloo" if self._group.shape.prepare else "nccl")
+        return SessionStatus(not self._closed, self.config.nprocs,
+                             backend if self.config.init else "no process group",
+                             time.monotonic() - self._started, self.runs, self.restarts,
+                             pids, {rank: rss for rank, pid in pids.items()
+                                    if (rss := _rss_mib(pid)) is not None})
+
+    def __repr__(self) -> str:
+        return str(self.status())
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None

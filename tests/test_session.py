@@ -1,0 +1,333 @@
+"""Sessions: ranks that keep their state from cell to cell, through a real kernel.
+
+Every line of the sessions issue has a test here: ``%ddp_session`` and ``nbddp.Session``,
+which names live on the ranks and which come from the notebook, per-cell options, the
+panel and history, and each way a cell can fail (the session keeps its state when every
+rank is back at rest, and says so; it restarts and says so when not).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from .conftest import descendants, run_dirs, wait_until
+from .kernel_driver import Kernel
+from .test_kernel import _alive, _snapshot
+
+START = """
+%load_ext nbddp
+import os, nbddp
+%ddp_session start --nprocs 2
+"""
+
+PIDS = """%%ddp
+import os
+import torch.distributed as dist
+(dist.get_rank(), os.getpid())
+"""
+
+
+def session_pids(kernel: Kernel) -> dict[int, int]:
+    """The session's rank PIDs, as ``%ddp_session`` reports them."""
+    run = kernel.run("_status = %ddp_session\n_status.pids").assert_ok()
+    return eval(run.result())  # noqa: S307 - our own repr
+
+
+def start_session(kernel: Kernel) -> dict[int, str]:
+    kernel.run(START, timeout=120).assert_ok()
+    return _snapshot(session_pids(kernel).values())
+
+
+@pytest.fixture(scope="module")
+def skernel(tmp_path_factory):
+    """One kernel with an open session, for the tests that keep it whole."""
+    kernel = Kernel(tmp_path_factory.mktemp("session"))
+    try:
+        start_session(kernel)
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+@pytest.fixture
+def fresh_session(tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        start_session(kernel)
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+def cell(kernel: Kernel, body: str, options: str = "", timeout: float = 60):
+    return kernel.run(f"%%ddp {options}\n{body}", timeout=timeout)
+
+
+# --- names and cells ----------------------------------------------------------------
+
+
+def test_cells_run_on_the_same_ranks_and_keep_their_names(skernel):
+    first = cell(skernel, "import os\nsteps = 0\nos.getpid()").assert_ok()
+    for expected in (1, 2):
+        run = cell(skernel, "steps += 1\n(steps, os.getpid())").assert_ok()
+        assert eval(run.result()) == (expected, int(first.result()))  # noqa: S307
+    assert skernel.run("'steps' in dir()").result() == "False"  # it lives on the ranks
+
+
+def test_a_session_cells_assignment_wins_over_the_notebooks_name(skernel):
+    skernel.run("learning_rate = 0.1\nshared = 'from the notebook'").assert_ok()
+    cell(skernel, "shared = 'from the ranks'").assert_ok()
+    run = cell(skernel, "(learning_rate, shared)").assert_ok()
+    assert run.result() == "(0.1, 'from the ranks')"
+    skernel.run("learning_rate = 0.5\nshared = 'changed in the notebook'").assert_ok()
+    run = cell(skernel, "(learning_rate, shared)").assert_ok()
+    assert run.result() == "(0.5, 'from the ranks')"  # the new notebook value, the ranks' own
+
+
+def test_notebook_functions_see_the_ranks_names(skernel):
+    skernel.run("""
+        def scaled(x):
+            return factor * x          # factor: a name the session assigns
+
+        class Counter:
+            def bump(self):
+                return factor + 1
+    """).assert_ok()
+    cell(skernel, "factor = 3").assert_ok()
+    assert cell(skernel, "(scaled(2), Counter().bump())").assert_ok().result() == "(6, 4)"
+
+
+def test_models_and_the_process_group_persist(skernel):
+    cell(skernel, """
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+net = DDP(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(net.parameters(), lr=0.01)
+""").assert_ok()
+    train = """
+x = torch.ones(8, 4) * (dist.get_rank() + 1)
+loss = net(x).pow(2).mean()
+opt.zero_grad(); loss.backward(); opt.step()
+float(loss)
+"""
+    losses = [float(cell(skernel, train).assert_ok().result()) for _ in range(3)]
+    assert losses[0] > losses[1] > losses[2], losses  # the same model, trained on
+
+
+def test_per_cell_options_output_out_all_ranks_and_trailing_expression(skernel):
+    run = cell(skernel, "import torch.distributed as dist\n"
+                        "print('hello from rank', dist.get_rank(), flush=True)\n"
+                        "mine = dist.get_rank() * 10\nmine + 1", "--out mine --all-ranks")
+    run.assert_ok()
+    assert run.result() == "1"
+    assert skernel.run("mine").result() == "0"
+    text = run.stream_text()
+    assert "[rank 0] hello from rank 0" in text and "[rank 1] hello from rank 1" in text
+    quiet = cell(skernel, "print('rank 0 only', flush=True)\nNone").assert_ok()
+    assert "rank 0 only" in quiet.stream_text() and "[rank" not in quiet.stream_text()
+
+
+def test_each_cell_has_its_panel_history_and_last_job(skernel):
+    run = cell(skernel, """
+import nbddp
+for step in nbddp.progress(range(5)):
+    nbddp.log(step=step, loss=float(step + dist.get_rank()))
+""").assert_ok()
+    assert any(o.msg_type in ("display_data", "update_display_data") for o in run.outputs)
+    history = eval(skernel.run("nbddp.last_job().history").result())  # noqa: S307
+    assert [row["loss"] for row in history] == [0.5, 1.5, 2.5, 3.5, 4.5]
+    cell(skernel, "None").assert_ok()
+    assert skernel.run("nbddp.last_job().history").result() == "[]"  # the last cell's
+
+
+def test_status_names_ranks_pids_memory_and_uptime(skernel):
+    text = skernel.run("%ddp_session").assert_ok().result()
+    assert text.startswith("nbddp session: 2 ranks (gloo), up 0:"), text
+    pids = session_pids(skernel)
+    for rank, pid in pids.items():
+        assert f"rank {rank}: pid {pid}, " in text and " MiB resident" in text, text
+
+
+def test_options_that_change_the_shape_are_refused_naming_the_session(skernel):
+    for options in ("--nprocs 3", "--backend nccl", "--no-init", "--slurm"):
+        err = cell(skernel, "1", options).assert_ok().stream_text("stderr")  # IPython prints
+        assert f"UsageError: {options.split()[0]} would need other ranks than the open " \
+               "session's (2 ranks)" in err, err
+    assert cell(skernel, "1", "--nprocs 2").assert_ok().result() == "1"
+
+
+def test_starting_a_second_session_is_refused(skernel):
+    err = skernel.run("%ddp_session start --nprocs 2").assert_ok().stream_text("stderr")
+    assert "UsageError: a session is already open" in err, err
+
+
+# --- failures -----------------------------------------------------------------------
+
+
+def test_a_rank_that_raises_at_rest_keeps_the_state(skernel):
+    cell(skernel, "kept = 'still here'").assert_ok()
+    run = cell(skernel, """
+import torch.distributed as dist
+if dist.get_rank() == 1:
+    raise ValueError("rank one is unhappy")
+""")
+    assert run.error()["ename"] == "WorkerError", run.describe()
+    text = run.error_text()
+    assert "rank 1 raised ValueError: rank one is unhappy" in text, text
+    assert 'raise ValueError("rank one is unhappy")' in text, text  # the cell's line
+    assert "the session's ranks are back at rest, with their state" in text, text
+    assert cell(skernel, "kept").assert_ok().result() == "'still here'"
+
+
+def test_a_rank_that_raises_while_its_peer_waits_restarts_the_session(fresh_session):
+    before = _snapshot(session_pids(fresh_session).values())
+    cell(fresh_session, "lost = 'soon gone'").assert_ok()
+    started = time.monotonic()
+    run = cell(fresh_session, """
+import torch, torch.distributed as dist
+if dist.get_rank() == 1:
+    raise ValueError("rank one fails")
+dist.all_reduce(torch.ones(1))   # rank 0 waits here for good
+""")
+    assert run.error()["ename"] == "WorkerError", run.describe()
+    assert run.idle_at - started < 30  # freed in about 10 s, not gloo's 30 minutes
+    text = run.error_text()
+    assert "rank 1 raised ValueError: rank one fails" in text, text
+    assert "the session was restarted: variables defined in earlier cells are gone" in text
+    assert not _alive(before)
+    assert cell(fresh_session, "'lost' in dir()").assert_ok().result() == "False"
+    assert cell(fresh_session, "import torch.distributed as dist\ndist.get_world_size()"
+                ).assert_ok().result() == "2"
+
+
+def test_an_interrupt_reaches_the_ranks_code_and_keeps_the_state(fresh_session):
+    cell(fresh_session, "kept = 41").assert_ok()
+    run = fresh_session.submit("""%%ddp
+import time
+try:
+    print("working", flush=True)
+    while True:
+        time.sleep(0.01)
+except KeyboardInterrupt:
+    kept += 1          # the ranks' code saw the interrupt
+    raise
+""")
+    run.wait_for_output("working")
+    fresh_session.km.interrupt_kernel()
+    run.finish(timeout=30)
+    assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
+    assert "the session's ranks are back at rest, with their state" in run.error_text()
+    assert cell(fresh_session, "kept").assert_ok().result() == "42"
+
+
+def test_a_cell_timeout_interrupts_the_ranks_and_keeps_the_state(skernel):
+    cell(skernel, "ticks = 0").assert_ok()
+    run = cell(skernel, "import time\nwhile True:\n    ticks += 1\n    time.sleep(0.01)",
+               "--timeout 2")
+    assert run.error()["ename"] == "TimeoutError", run.describe()
+    assert "did not finish within 2" in run.error_text()
+    assert "with their state" in run.error_text()
+    assert int(cell(skernel, "ticks").assert_ok().result()) > 10
+
+
+def test_a_rank_that_dies_restarts_the_session_and_says_so(fresh_session):
+    cell(fresh_session, "lost = True").assert_ok()
+    run = cell(fresh_session, """
+import os, time
+import torch.distributed as dist
+if dist.get_rank() == 1:
+    os._exit(3)
+time.sleep(30)
+""")
+    assert run.error()["ename"] == "WorkerError", run.describe()
+    text = run.error_text()
+    assert "rank 1 exited with code 3" in text, text
+    assert "the session was restarted" in text, text
+    assert cell(fresh_session, "'lost' in dir()").assert_ok().result() == "False"
+
+
+SETTLE_AND_MORE = 12  # longer than the 10 s a failed cell's ranks get, and standby's 1 s
+
+
+def test_an_idle_session_waits_beyond_any_idle_timeout(skernel):
+    skernel.run("nbddp.standby(idle_timeout=1)").assert_ok()  # standby's, not ours
+    try:
+        cell(skernel, "patience = 'intact'").assert_ok()
+        time.sleep(SETTLE_AND_MORE)
+        assert cell(skernel, "patience").assert_ok().result() == "'intact'"
+    finally:
+        skernel.run("nbddp.standby(idle_timeout=600)").assert_ok()
+
+
+# --- the end --------------------------------------------------------------------------
+
+
+def test_stop_and_restart(fresh_session):
+    first = _snapshot(session_pids(fresh_session).values())
+    cell(fresh_session, "forgotten = 1").assert_ok()
+    fresh_session.run("%ddp_session restart").assert_ok()
+    assert not _alive(first)
+    assert cell(fresh_session, "'forgotten' in dir()").assert_ok().result() == "False"
+    second = _snapshot(session_pids(fresh_session).values())
+    text = fresh_session.run("%ddp_session stop").assert_ok().stream_text()
+    assert "stopped" in text
+    assert not _alive(second) and not descendants(fresh_session.pid)
+    again = fresh_session.run("%%ddp --nprocs 3\nimport torch.distributed as dist\n"
+                              "dist.get_world_size()").assert_ok()
+    assert again.result() == "3"  # a one-off run again
+
+
+@pytest.mark.parametrize("how", ["killed", "shut down"])
+def test_a_kernel_that_goes_leaves_nothing_of_its_session(tmp_path, how):
+    kernel = Kernel(tmp_path)
+    before = run_dirs()
+    try:
+        ranks = start_session(kernel)
+        cell(kernel, "x = 1").assert_ok()
+        procs = {**ranks, **_snapshot(descendants(kernel.pid))}
+        if how == "killed":
+            os.kill(kernel.pid, signal.SIGKILL)
+        else:
+            kernel.kc.stop_channels()
+            kernel.km.shutdown_kernel(now=False)
+        wait_until(lambda: not _alive(procs), timeout=15)
+        wait_until(lambda: not (run_dirs() - before), timeout=15)
+    finally:
+        if how == "killed" or kernel.km.is_alive():
+            kernel.shutdown()
+
+
+# --- in Python ----------------------------------------------------------------------
+
+
+def test_the_python_session_api(kernel):
+    run = kernel.run("""
+        def setup(n):
+            global weights
+            import torch
+            weights = torch.arange(float(n))
+            return "ready"
+
+        def total(extra=0):
+            import torch.distributed as dist
+            t = weights.sum() + extra
+            dist.all_reduce(t)
+            return t.item()
+
+        with nbddp.Session(nprocs=2) as session:
+            ready = session.run(setup, 4)
+            each = session.run_all(total, extra=1)
+            session.restart()
+            try:
+                session.run(total)
+            except nbddp.WorkerError as error:
+                after_restart = type(error.__cause__).__name__
+        (ready, each, after_restart, session.closed)
+    """, timeout=120).assert_ok()
+    assert run.result() == "('ready', [14.0, 14.0], 'NameError', True)"
