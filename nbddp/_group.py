@@ -4,7 +4,8 @@ A group can exist before any payload. A local group starts torchrun at once; its
 connect, import torch, join their gloo group if the run will use one, and wait for their
 ``Start`` (this is what standby ranks are). ``hand_over`` gives a group its run: the
 payload, the records folder, the rank options and what changed in the notebook since
-the ranks started. A SLURM group has no standby: handing it over submits the batch job.
+the ranks started. A session's group (``reusable``) is handed one run after another.
+A SLURM group has no standby: handing it over submits the batch job.
 
 The run (``Job``) reads a group's ``events``, and ends it with ``stop`` (every process)
 and ``close`` (channel, run dir). Whatever started the ranks, torchrun here or a batch

@@ -197,12 +197,8 @@ class Job(Generic[R]):
         """Every rank returned: the panel's last word, the value, then the processes seen
         off. A local run gives its value first: its processes are ending by themselves,
         and nothing of them can outlive the kernel."""
-        sup = self._supervisor
-        sup.drain()
-        try:
-            outcome = Outcome(sup.results_value())
-        except NbddpError as exc:
-            outcome = Outcome(error=exc)
+        self._supervisor.drain()
+        outcome = self._value()
         self._call_after()
         self._end_panel(outcome)
         if self._group.ends_after_result:
@@ -238,10 +234,7 @@ class Job(Generic[R]):
             self._group.stop()
         sup.drain()
         if ending.kind == "returned":
-            try:
-                outcome = Outcome(sup.results_value())
-            except NbddpError as exc:
-                outcome = Outcome(error=exc)
+            outcome = self._value()
         else:
             error = ending.error or diagnose(sup.failures, sup.results, self._group.run_dir,
                                              self._records, self.config.nprocs, self.logs)
@@ -252,6 +245,13 @@ class Job(Generic[R]):
         self._call_after()
         self._end_panel(outcome)
         self._publish(outcome)
+
+    def _value(self) -> Outcome:
+        """Every rank returned: the value the caller gets (an error if it cannot be read)."""
+        try:
+            return Outcome(self._supervisor.results_value())
+        except NbddpError as exc:
+            return Outcome(error=exc)
 
     def _bring_back(self) -> bool:
         """Interrupt the ranks still in the run; True once every rank is back at rest."""

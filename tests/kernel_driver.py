@@ -6,7 +6,9 @@ the time each arrived, so tests can check what a user would see under each cell.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import textwrap
 import time
 from dataclasses import dataclass, field
@@ -141,8 +143,19 @@ class Kernel:
     def run(self, code: str, timeout: float = CELL_TIMEOUT) -> Execution:
         return self.submit(code).finish(timeout)
 
+    def end(self, how: str) -> None:
+        """End the kernel as a user's might end: ``"killed"`` (SIGKILL) or ``"shut down"``
+        (a shutdown request, as a front end's Shut Down sends)."""
+        if how == "killed":
+            os.kill(self.pid, signal.SIGKILL)
+        else:
+            self.kc.stop_channels()
+            self.km.shutdown_kernel(now=False)
+
     def shutdown(self) -> None:
+        """Stop the client and the kernel (if it is not gone already)."""
         try:
             self.kc.stop_channels()
         finally:
-            self.km.shutdown_kernel(now=True)
+            if self.km.has_kernel:
+                self.km.shutdown_kernel(now=True)

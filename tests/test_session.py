@@ -8,8 +8,6 @@ rank is back at rest, and says so; it restarts and says so when not).
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
@@ -17,6 +15,8 @@ import pytest
 from .conftest import descendants, run_dirs, wait_until
 from .kernel_driver import Kernel
 from .test_kernel import _alive, _snapshot
+
+pytestmark = pytest.mark.slow  # kernels and rank groups, several seconds each
 
 START = """
 %load_ext nbddp
@@ -291,16 +291,11 @@ def test_a_kernel_that_goes_leaves_nothing_of_its_session(tmp_path, how):
         ranks = start_session(kernel)
         cell(kernel, "x = 1").assert_ok()
         procs = {**ranks, **_snapshot(descendants(kernel.pid))}
-        if how == "killed":
-            os.kill(kernel.pid, signal.SIGKILL)
-        else:
-            kernel.kc.stop_channels()
-            kernel.km.shutdown_kernel(now=False)
+        kernel.end(how)
         wait_until(lambda: not _alive(procs), timeout=15)
         wait_until(lambda: not (run_dirs() - before), timeout=15)
     finally:
-        if how == "killed" or kernel.km.is_alive():
-            kernel.shutdown()
+        kernel.shutdown()
 
 
 # --- in Python ----------------------------------------------------------------------

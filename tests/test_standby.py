@@ -8,8 +8,6 @@ results, PIDs, timings of the cell, the panel's last line, and what is left runn
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -21,6 +19,7 @@ from .conftest import descendants, run_dirs, wait_until
 from .kernel_driver import Kernel
 from .test_kernel import _alive, _cmdline, _snapshot
 
+pytestmark = pytest.mark.slow  # kernels and rank groups, several seconds each
 READY_TIMEOUT = 90.0  # torchrun and two ranks importing torch on a busy 2-core machine
 
 
@@ -283,16 +282,11 @@ def test_a_kernel_that_goes_leaves_no_standby_ranks(tmp_path, how):
         waiting = _snapshot(wait_ready(kernel))
         standby_dirs = run_dirs() - before
         assert len(standby_dirs) == 1, standby_dirs
-        if how == "killed":
-            os.kill(kernel.pid, signal.SIGKILL)
-        else:
-            kernel.kc.stop_channels()
-            kernel.km.shutdown_kernel(now=False)
+        kernel.end(how)
         wait_until(lambda: not _alive(waiting), timeout=15)
         wait_until(lambda: not (run_dirs() & standby_dirs), timeout=15)
     finally:
-        if how == "killed" or kernel.km.is_alive():
-            kernel.shutdown()
+        kernel.shutdown()
 
 
 def test_two_kernels_each_have_their_own_standby_ranks(tmp_path):
