@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,7 @@ class Session:
                                         init=init, env=dict(env or {}), output=output)
         self._lock = threading.Lock()
         self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
+        self._warned: set[str] = set()
         self._running: Job | None = None
         self._closed = False
         self.runs = 0
@@ -150,7 +152,8 @@ class Session:
             self._busy = True
             try:
                 group = self._group
-                handover, _ = group.shape.take_up(GroupShape.of(config))
+                handover, left_out = group.shape.take_up(GroupShape.of(config))
+                self._warn_left_out(left_out)
                 records = group.new_records()
                 group.hand_over(payload, records, RankOptions(config.init, config.backend,
                                                               all_ranks), handover)
@@ -161,6 +164,15 @@ class Session:
                 raise
             self._running = job
             return job
+
+    def _warn_left_out(self, names: list[str]) -> None:
+        """Once per variable: a notebook change the running ranks cannot take up."""
+        new = [name for name in names if name not in self._warned]
+        if new:
+            self._warned.update(new)
+            warnings.warn(f"{', '.join(new)} changed in the notebook, but the session's ranks "
+                          "read them when they started: restart the session "
+                          "(%ddp_session restart) for the new values", stacklevel=3)
 
     def _check_idle(self) -> None:
         if self._closed:
@@ -178,6 +190,7 @@ class Session:
                 self.names = frozenset(job.session_names)
             return
         self.names = frozenset()
+        self._warned.clear()
         if not self._closed:
             self.restarts += 1
             self._group = self._new_group()
@@ -191,6 +204,7 @@ class Session:
             self._check_idle()
             self._stop_group()
             self.names = frozenset()
+            self._warned.clear()
             self.restarts += 1
             self._group = self._new_group()
         self._wait_ready()

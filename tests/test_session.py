@@ -101,6 +101,20 @@ def test_notebook_functions_see_the_ranks_names(skernel):
     assert cell(skernel, "(scaled(2), Counter().bump())").assert_ok().result() == "(6, 4)"
 
 
+def test_notebook_environment_and_directory_reach_the_ranks(skernel, tmp_path):
+    skernel.run(f"""
+        import warnings
+        os.environ["NBDDP_SESSION_SETTING"] = "set between cells"
+        os.environ["OMP_NUM_THREADS"] = "3"      # read when a rank starts: a warning
+        os.chdir({str(tmp_path)!r})
+    """).assert_ok()
+    run = cell(skernel, "(os.environ.get('NBDDP_SESSION_SETTING'), os.getcwd(), "
+                        "os.environ.get('OMP_NUM_THREADS'))").assert_ok()
+    assert eval(run.result()) == ("set between cells", str(tmp_path), "1")  # noqa: S307
+    assert "OMP_NUM_THREADS changed in the notebook" in run.stream_text("stderr")
+    skernel.run("del os.environ['OMP_NUM_THREADS']").assert_ok()
+
+
 def test_models_and_the_process_group_persist(skernel):
     cell(skernel, """
 import torch
