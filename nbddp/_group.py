@@ -22,11 +22,14 @@ import shutil
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
+from . import _dataplane as dataplane
 from . import _version
 from ._channel import ChannelServer, new_key
 from ._config import RunConfig
+from ._dataplane import Packed
 from ._mailbox import MailboxReader
 from ._messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start, encode
 from ._process import LocalLauncher
@@ -91,10 +94,12 @@ class RankGroup:
     def _wait_launcher(self, launcher: Launcher) -> None:
         self.events.put(LauncherExited(launcher.wait()))
 
-    def _start_message(self, records: Records, options: RankOptions, handover: Handover
-                       ) -> Start:
-        return Start(_version.__version__, str(records.path), str(self.run_dir.payload), options,
-                     handover.cwd, dict(handover.env), session=self.reusable)
+    def _start_message(self, payload: Path, records: Records, options: RankOptions,
+                       handover: Handover) -> Start:
+        twin = self.run_dir.twin
+        return Start(_version.__version__, str(records.path), str(payload), options,
+                     handover.cwd, dict(handover.env), session=self.reusable,
+                     data=str(twin) if twin is not None else None)
 
     def new_records(self) -> Records:
         """The records folder for the run this group is about to be given."""
@@ -103,7 +108,7 @@ class RankGroup:
     def interrupt(self, ranks: set[int]) -> None:
         """Interrupt the user's code on ``ranks`` (a session's; others are stopped)."""
 
-    def hand_over(self, payload: bytes, records: Records, options: RankOptions,
+    def hand_over(self, payload: Packed, records: Records, options: RankOptions,
                   handover: Handover) -> None:
         raise NotImplementedError
 
@@ -173,6 +178,7 @@ class LocalGroup(RankGroup):
         self._start: Start | None = None
         self._lock = threading.Lock()
         self._settled = threading.Event()  # every rank is ready, or the group broke
+        self._payload_file: Path | None = None
         self._stopped = False
         try:
             key = new_key()
@@ -247,15 +253,19 @@ class LocalGroup(RankGroup):
         if notify is not None:
             notify(self)
 
-    def hand_over(self, payload: bytes, records: Records, options: RankOptions,
+    def hand_over(self, payload: Packed, records: Records, options: RankOptions,
                   handover: Handover) -> None:
-        """Write the payload, then send every rank its Start (a rank that has not said
-        hello yet gets it when it does). A session's group is handed one run after
-        another: each replaces the last one's payload."""
-        self.run_dir.payload.unlink(missing_ok=True)
-        self.run_dir.write_private(self.run_dir.payload, payload)
+        """Write the payload (into shared memory if it fits), then send every rank its
+        Start (a rank that has not said hello yet gets it when it does). A session's
+        group is handed one run after another: each replaces the last one's payload."""
+        if self._payload_file is not None:
+            self._payload_file.unlink(missing_ok=True)
+        size = len(payload.data) + payload.buffer_bytes
+        folder = dataplane.place(size, self.run_dir.path, self.run_dir.twin)
+        self._payload_file = folder / self.run_dir.payload.name
+        dataplane.write(self._payload_file, payload)
         self.records = records
-        start = self._start_message(records, options, handover)
+        start = self._start_message(self._payload_file, records, options, handover)
         with self._lock:
             self._start = start
             assert self._server is not None
@@ -339,12 +349,12 @@ class SlurmGroup(RankGroup):
         assert self.records is not None
         return self.records
 
-    def hand_over(self, payload: bytes, records: Records, options: RankOptions,
+    def hand_over(self, payload: Packed, records: Records, options: RankOptions,
                   handover: Handover) -> None:
         """Write the payload and the ranks' Start into the run folder, and submit."""
-        self.run_dir.write_private(self.run_dir.payload, payload)
-        self.run_dir.write_private(self.run_dir.start,
-                                   encode(self._start_message(records, options, handover)))
+        dataplane.write(self.run_dir.payload, payload)
+        self.run_dir.write_private(self.run_dir.start, encode(
+            self._start_message(self.run_dir.payload, records, options, handover)))
         assert self.options is not None
         job_id = submit(self.run_dir, self.config, self.options)
         self._follow(job_id, f"nbddp: submitted SLURM job {job_id}; after a kernel restart, "

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
 from ._config import RunConfig
+from ._dataplane import Packed
 from ._group import LocalGroup, RankGroup, SlurmGroup
 from ._job import Job
 from ._messages import RankOptions
@@ -134,7 +135,7 @@ def launch(
     return _follow(job, wait)
 
 
-def _start_here(config: RunConfig, payload: bytes, options: RankOptions) -> Job:
+def _start_here(config: RunConfig, payload: Packed, options: RankOptions) -> Job:
     """On the standby group if it can take the run, else on a group started now; the
     run's end starts the next standby group."""
     shape = GroupShape.of(config)
@@ -144,7 +145,7 @@ def _start_here(config: RunConfig, payload: bytes, options: RankOptions) -> Job:
                   after=lambda job: STANDBY.refill(shape, job._note))
 
 
-def _start(group: RankGroup, config: RunConfig, payload: bytes, options: RankOptions,
+def _start(group: RankGroup, config: RunConfig, payload: Packed, options: RankOptions,
            handover: Handover | None = None, warm: bool = False,
            after: Callable[[Job], None] | None = None) -> Job:
     """Hand ``group`` the run and follow it; if that fails, stop the group."""

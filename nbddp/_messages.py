@@ -3,6 +3,8 @@
 Every message is a small frozen dataclass. A frame is a 4-byte length and the pickled
 message; the channel's sockets, the mailbox files and the start file all carry the same
 frames. Frames are only decoded from authenticated peers or from private (0600) files.
+Tensor and array bytes do not travel in messages: they are in data files (``_dataplane``)
+that a message names.
 
     rank -> kernel   Hello, Ready, Metrics, Assigned, Result, Failure (each Sequenced)
     kernel -> rank   Start
@@ -17,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-_HEADER = struct.Struct("!I")
+_HEADER = struct.Struct("!Q")  # any length
 HEADER_SIZE = _HEADER.size
 
 
@@ -62,10 +64,12 @@ class Assigned:
 
 @dataclass(frozen=True)
 class Result:
-    """A rank finished; ``value`` is its pickled return value when the kernel wants it."""
+    """A rank finished; its return value when the kernel wants it: pickled in ``value``,
+    or, with tensor or array bytes, in the data file ``file``."""
 
     rank: int
     value: bytes | None = None
+    file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,7 @@ class Start:
     records: str
     """The run's records folder: the rank moves its log there."""
     payload: str
-    """The payload file (private, in the run dir)."""
+    """The payload's data file (private: in the run dir, or its twin in shared memory)."""
     options: RankOptions
     cwd: str | None = None
     """The notebook's working directory, if the rank started in another."""
@@ -124,6 +128,8 @@ class Start:
     """Environment changes since the rank started (None: unset)."""
     session: bool = False
     """Keep the namespace and the process group, and wait for the next Start after this."""
+    data: str | None = None
+    """The run dir's twin in shared memory, where a result's data file goes if it fits."""
 
 
 # --- kernel-side events ---------------------------------------------------------------

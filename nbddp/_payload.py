@@ -7,7 +7,6 @@ names it and says why, before any process starts.
 
 from __future__ import annotations
 
-import io
 import linecache
 import os
 import pickle
@@ -20,9 +19,11 @@ from typing import Any
 
 import cloudpickle
 
+from ._dataplane import Packed, pack
 from ._errors import PayloadError
 
-#: A payload larger than this still ships, with a warning naming what made it large.
+#: A payload whose pickle (tensor and array bytes aside, which travel out of band) is
+#: larger than this still ships, with a warning naming what made it large.
 LARGE_PAYLOAD_BYTES = 100 * 2**20
 
 
@@ -54,29 +55,31 @@ class Payload:
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
         return cls(fn, tuple(args), dict(kwargs), _import_path(), _notebook_sources())
 
-    def dumps(self) -> bytes:
-        """Pickle for the ranks; name the culprit if it fails, warn if it is huge.
+    def dumps(self) -> Packed:
+        """Pickle for the ranks, tensor and array bytes out of band; name the culprit if
+        it fails, warn if the pickle itself (the pure-Python part) is huge.
 
         The user's objects are pickled apart from the import path, so a rank can put
         the kernel's path in place before it unpickles them.
         """
         try:
-            body = cloudpickle.dumps((self.fn, self.args, self.kwargs))
+            body = pack((self.fn, self.args, self.kwargs))
         except Exception as exc:
             raise _explain_pickling_failure(self, exc) from exc
-        if len(body) > LARGE_PAYLOAD_BYTES:
-            warnings.warn(_large_payload_message(self, len(body)), LargePayloadWarning,
+        if len(body.data) > LARGE_PAYLOAD_BYTES:
+            warnings.warn(_large_payload_message(self, len(body.data)), LargePayloadWarning,
                           stacklevel=3)
-        return pickle.dumps((body, self.sys_path, self.sources))
+        return Packed(pickle.dumps((body.data, self.sys_path, self.sources)), body.buffers,
+                      body.owners)
 
     @classmethod
-    def unpack(cls, data: bytes) -> Payload:
+    def unpack(cls, packed: Packed) -> Payload:
         """Install the kernel's import path and cell sources here, then unpickle the rest."""
-        body, sys_path, sources = pickle.loads(data)
+        body, sys_path, sources = pickle.loads(packed.data)
         sys.path.extend(p for p in sys_path if p not in sys.path)
         for filename, lines in sources.items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
-        fn, args, kwargs = cloudpickle.loads(body)
+        fn, args, kwargs = Packed(body, packed.buffers).load()
         return cls(fn, args, kwargs, sys_path, sources)
 
 
@@ -152,37 +155,22 @@ def _large_payload_message(payload: Payload, size: int) -> str:
     sizes = []
     for name, value in _captured(payload):
         try:
-            sizes.append((len(cloudpickle.dumps(value)), name))
+            sizes.append((len(pack(value).data), name))
         except Exception:
             continue
     largest = ", ".join(f"{name} ({n / 2**20:.0f} MB)" for n, name in sorted(sizes)[::-1][:3])
-    return (f"nbddp payload is {size / 2**20:.0f} MB, which slows every launch; largest parts: "
-            f"{largest}. A model or dataset captured by accident is the usual cause: build or "
-            "load it inside the function instead.")
+    return (f"nbddp payload is {size / 2**20:.0f} MB of pickled Python objects, which slows "
+            f"every launch; largest parts: {largest}. Tensors and NumPy arrays cost nothing "
+            "here (their bytes are shared, not pickled): keep large data in them, or load it "
+            "inside the function.")
 
 
 def dumps_value(value: Any) -> bytes:
-    """Pickle a value for the kernel, with tensors moved to the CPU (the kernel has no GPU)."""
-    buffer = io.BytesIO()
-    _CpuPickler(buffer).dump(value)
-    return buffer.getvalue()
+    """Pickle a value for the kernel in one piece (an exception, a small result), with
+    tensors moved to the CPU (the kernel has no GPU)."""
+    packed = pack(value, to_cpu=True, out_of_band=False)
+    return packed.data
 
 
 def loads_value(data: bytes) -> Any:
     return cloudpickle.loads(data)
-
-
-def _identity(value: Any) -> Any:
-    return value
-
-
-class _CpuPickler(cloudpickle.Pickler):
-    """A cloudpickle pickler that writes device tensors as CPU tensors."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type not in (
-            "cpu", "meta"
-        ):
-            return _identity, (obj.cpu(),)
-        return super().reducer_override(obj)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import secrets
 import signal
 import sys
 import traceback
@@ -19,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
+from . import _dataplane as dataplane
 from ._messages import Assigned, Failure, RankOptions, Result, Start
 from ._metrics import start_reporting, stop_reporting
 from ._payload import Payload, dumps_value
@@ -58,9 +60,9 @@ class Interrupts:
 class Rank:
     """One rank's state across the runs it is given."""
 
-    def __init__(self, rank: int, log: Path, prepared: str | None,
+    def __init__(self, rank: int, run_dir: Path, log: Path, prepared: str | None,
                  move_log: Callable[[Path, Path], None]) -> None:
-        self.rank, self.log, self.prepared = rank, log, prepared
+        self.rank, self.run_dir, self.log, self.prepared = rank, run_dir, log, prepared
         self._move_log = move_log
         self._group_ready = False
         self.scope = Scope()
@@ -72,12 +74,12 @@ class Rank:
         try:
             self._adopt(start)
             reporter = start_reporting(self.rank, send)
-            payload = Payload.unpack(Path(start.payload).read_bytes())
+            payload = Payload.unpack(dataplane.read(Path(start.payload)))
             scope = self.scope if start.session else Scope()
             with scope.tracking():
                 value = self._call(payload, start, scope)
             wanted = self.rank == 0 or start.options.all_ranks
-            return Result(self.rank, _dumps_result(value) if wanted else None)
+            return self._result(value, start) if wanted else Result(self.rank)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
             if isinstance(exc, SystemExit) and exc.code in (None, 0):
                 return Result(self.rank, dumps_value(None) if self.rank == 0 else None)
@@ -87,6 +89,22 @@ class Rank:
                 stop_reporting()  # what is still buffered goes before the report
             if start.session and self.rank == 0:
                 send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
+
+    def _result(self, value: Any, start: Start) -> Result:
+        """The report of a value: in the message, or its tensor and array bytes in a
+        data file (in shared memory if it fits), which the kernel maps and removes."""
+        try:
+            packed = dataplane.pack(value, to_cpu=True)
+        except Exception as exc:
+            raise TypeError(f"the function's return value cannot be sent back to the "
+                            f"notebook: {type(exc).__name__}: {exc}") from exc
+        if not packed.buffers:
+            return Result(self.rank, packed.data)
+        size = len(packed.data) + packed.buffer_bytes
+        folder = dataplane.place(size, self.run_dir, Path(start.data) if start.data else None)
+        path = folder / f"result-{self.rank}-{secrets.token_hex(4)}.data"
+        dataplane.write(path, packed)
+        return Result(self.rank, file=str(path))
 
     def _adopt(self, start: Start) -> None:
         """Take up the run: the notebook's nbddp, its records, directory and environment."""
@@ -176,11 +194,3 @@ def failure(rank: int, exc: BaseException) -> Failure:
         pickled = None
     kind = type(exc)
     return Failure(rank, kind.__qualname__, kind.__module__, str(exc), text, pickled)
-
-
-def _dumps_result(value: Any) -> bytes:
-    try:
-        return dumps_value(value)
-    except Exception as exc:
-        raise TypeError(f"the function's return value cannot be sent back to the notebook: "
-                        f"{type(exc).__name__}: {exc}") from exc

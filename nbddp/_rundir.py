@@ -1,5 +1,8 @@
 """A rank group's private directory: key, channel socket, payload, start file, logs.
 
+A local group's run dir has a twin in shared memory (``/dev/shm``), of the same name
+and as private, for data files: the payload's and results' tensor and array bytes.
+
 The directory is 0700 and every file in it 0600, so only the user who launched the
 ranks can read the payload or reach the channel. A local group's directory is temporary
 and removed when the group ends; a rank writes its output here until its ``Start``
@@ -15,6 +18,7 @@ import socket
 import tempfile
 from pathlib import Path
 
+from ._dataplane import shm_root
 from ._records import Records
 
 _MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
@@ -23,10 +27,12 @@ _MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
 class RunDir:
     """Paths of one rank group's files; a run dir made by ``create`` is private to the user."""
 
-    def __init__(self, path: Path, shared: bool = False) -> None:
+    def __init__(self, path: Path, shared: bool = False, twin: Path | None = None) -> None:
         self.path = path
         self.shared = shared
         """A SLURM job's run dir: it is the records folder, and outlives the run."""
+        self.twin = twin
+        """Its twin in shared memory, for data files (tensors, arrays), if there is one."""
         self.payload = path / "payload.pkl"
         self.key = path / "key"
         self.socket = path / "channel.sock"
@@ -37,11 +43,27 @@ class RunDir:
 
     @classmethod
     def create(cls) -> RunDir:
+        """A new private run dir, and its twin in shared memory where there is one."""
         path = Path(tempfile.mkdtemp(prefix="nbddp-"))  # mode 0700
         if len(str(path / "channel.sock")) > _MAX_SOCKET_PATH:
             path.rmdir()
             path = Path(tempfile.mkdtemp(prefix="nbddp-", dir="/tmp"))
-        return cls(path)
+        root = shm_root()
+        twin = None if root is None else root / path.name
+        if twin is not None:
+            try:
+                twin.mkdir(mode=0o700)
+            except OSError:
+                twin = None
+        return cls(path, twin=twin)
+
+    @classmethod
+    def existing(cls, path: Path) -> RunDir:
+        """A local run dir made by ``create`` (in a process started with the same
+        environment: its twin is found the same way)."""
+        root = shm_root()
+        twin = None if root is None else root / path.name
+        return cls(path, twin=twin if twin is not None and twin.is_dir() else None)
 
     @classmethod
     def create_shared(cls) -> RunDir:
@@ -80,6 +102,8 @@ class RunDir:
                 secret.unlink(missing_ok=True)
         else:
             shutil.rmtree(self.path, ignore_errors=True)
+        if self.twin is not None:
+            shutil.rmtree(self.twin, ignore_errors=True)
 
 
 def _this_torchrun() -> str:

@@ -13,8 +13,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from . import _dataplane as dataplane
 from ._config import RunConfig
 from ._diagnosis import peer_lost
 from ._display import Panel, PanelState, make_panel
@@ -240,7 +242,7 @@ class Supervisor:
         """Rank 0's return value, or every rank's with ``all_ranks``."""
         ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
         try:
-            values = [loads_value(self.results[r].value or b"") for r in ranks]
+            values = [_value_of(self.results[r]) for r in ranks]
         except Exception as exc:
             raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
                              f"the notebook: {type(exc).__name__}: {exc}") from exc
@@ -260,3 +262,14 @@ class Supervisor:
 
     def wake(self) -> None:
         self.group.events.put(Wake())
+
+
+def _value_of(result: Result) -> Any:
+    """A rank's return value; its data file is mapped, then removed (the mapping stays)."""
+    if result.file is None:
+        return loads_value(result.value or b"")
+    path = Path(result.file)
+    try:
+        return dataplane.read(path).load()
+    finally:
+        path.unlink(missing_ok=True)

@@ -57,7 +57,7 @@ def _write_failures(run_dir: RunDir, error) -> None:
 
 
 def main(argv: list[str]) -> int:
-    run_dir, lost = RunDir(Path(argv[0])), threading.Event()
+    run_dir, lost = RunDir.existing(Path(argv[0])), threading.Event()
     if argv[1] != "-":
         threading.Thread(target=_watch_lifeline, args=(int(argv[1]), run_dir, lost),
                          daemon=True).start()

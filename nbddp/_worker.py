@@ -91,7 +91,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         link.send(failure(rank, exc))
         return 1
     link.send(Ready(rank))
-    me = Rank(rank, run_dir.rank_log(rank), prepared, _output_mover(run_dir))
+    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir))
     while (start := link.wait_start()) is not None:
         link.busy.set()
         report = me.run(start, link.send)

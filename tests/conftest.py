@@ -74,10 +74,21 @@ def descendants(root: int | None = None) -> set[int]:
     return found - zombies
 
 
+SHM = "/dev/shm"
+
+
 def run_dirs() -> set[str]:
-    """nbddp run dirs, and torchrun's own log dirs, in this session's temp dir."""
-    return {path for pattern in ("nbddp-*", "torchelastic_*")
-            for path in glob.glob(os.path.join(tempfile.gettempdir(), pattern))}
+    """nbddp run dirs, and torchrun's own log dirs, in this session's temp dir; and the
+    run dirs' twins in shared memory (data files)."""
+    return {path for folder, pattern in ((tempfile.gettempdir(), "nbddp-*"),
+                                         (tempfile.gettempdir(), "torchelastic_*"),
+                                         (SHM, "nbddp-*"))
+            for path in glob.glob(os.path.join(folder, pattern))}
+
+
+def local_run_dirs() -> set[str]:
+    """The run dirs themselves (in this session's temp dir), without their twins."""
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "nbddp-*")))
 
 
 def socket_fds() -> set[str]:

@@ -15,7 +15,7 @@ import nbddp
 from nbddp._channel import KEY_BYTES, ChannelClient, ChannelServer, new_key
 from nbddp._messages import Hello
 
-from .conftest import run_dirs, wait_until
+from .conftest import SHM, local_run_dirs, wait_until
 
 
 def mode(path) -> int:
@@ -31,9 +31,15 @@ def test_run_dir_is_private_while_the_run_is_going(tmp_path):
 
     job = nbddp.launch(fn, 2, args=(str(go),), wait=False, init=False)
     try:
-        (run_dir,) = wait_until(run_dirs)
+        (run_dir,) = wait_until(local_run_dirs)
         assert mode(run_dir) == 0o700
-        for name in ("payload.pkl", "key", "channel.sock"):
+        twin = Path(SHM, Path(run_dir).name)  # data files in shared memory, where it has room
+        if twin.exists():
+            assert mode(twin) == 0o700
+        payload = wait_until(lambda: [p for p in (twin / "payload.pkl",
+                                                  Path(run_dir, "payload.pkl")) if p.exists()])
+        assert [mode(p) for p in payload] == [0o600]
+        for name in ("key", "channel.sock"):
             wait_until(lambda n=name: os.path.exists(os.path.join(run_dir, n)))
             assert mode(os.path.join(run_dir, name)) == 0o600, name
         records = job.records
@@ -54,7 +60,7 @@ def test_a_connection_without_the_key_is_refused_and_changes_nothing(tmp_path):
         return "finished"
 
     job = nbddp.launch(fn, 2, args=(str(go),), wait=False, init=False)
-    (run_dir,) = wait_until(run_dirs)
+    (run_dir,) = wait_until(local_run_dirs)
     address = Path(run_dir, "channel.sock")
     wait_until(address.exists)
     try:

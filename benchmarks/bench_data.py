@@ -1,0 +1,165 @@
+"""Benchmark the data plane: tensors to the ranks and back, out of band, mapped.
+
+On 2 CPU ranks, launches on standby ranks (so that start-up does not hide the data's
+cost), each after the standby group is ready:
+
+- the time a captured tensor of 64 MiB, 1 GiB and 5 GiB adds to a launch, against the
+  same launch without it, and the same for a result of that size: effective GB/s both
+  ways;
+- each rank's memory after reading a captured 1 GiB tensor: resident, proportional
+  (PSS: shared pages counted once) and private;
+- the kernel's peak memory growth while it receives a 1 GiB result (in a fresh process
+  of its own, so the peak is that launch's).
+
+Run: ``python benchmarks/bench_data.py [--repeats N] [--sizes MiB,...] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
+
+import torch  # noqa: E402
+
+import nbddp  # noqa: E402
+
+MIB = 2**20
+CAPTURE_TARGET = 0.3  # seconds a 1 GiB captured tensor may add to a launch
+RESULT_TARGET = 0.5  # seconds a 1 GiB result may add
+PEAK_TARGET = 1.1  # GiB the kernel's memory may grow by while receiving a 1 GiB result
+
+
+def reads(data: torch.Tensor | None) -> float:
+    """Touch every page of ``data`` (a sum of one element per page)."""
+    return 0.0 if data is None else float(data[:: 4096 // data.element_size()].sum())
+
+
+def holds(data: torch.Tensor | None) -> int:
+    """On a rank: take the captured tensor without reading it."""
+    return 0 if data is None else len(data)
+
+
+def returns(nbytes: int, send: bool = True) -> torch.Tensor | None:
+    """On a rank: make ``nbytes`` of data, and return it if ``send``."""
+    made = torch.ones(nbytes, dtype=torch.uint8)
+    return made if send else None
+
+
+def memory_after_reading(data: torch.Tensor) -> dict[str, float]:
+    """On a rank: its memory in MiB once it has read every page of ``data``."""
+    reads(data)
+    fields = {}
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in ("Rss", "Pss", "Private_Clean", "Private_Dirty"):
+            fields[name] = int(rest.split()[0]) / 1024
+    return {"rss": fields["Rss"], "pss": fields["Pss"],
+            "private": fields["Private_Clean"] + fields["Private_Dirty"]}
+
+
+def warm_launch(fn, *args) -> tuple[float, object]:
+    """Wall time and value of a launch on ready standby ranks."""
+    while nbddp.standby().status != "ready":
+        time.sleep(0.1)
+    time.sleep(0.5)
+    start = time.perf_counter()
+    job = nbddp.launch(fn, 2, args=args, wait=False, backend="gloo")
+    value = job.result()
+    elapsed = time.perf_counter() - start
+    if not job.warm:
+        raise RuntimeError("the launch did not go to standby ranks")
+    return elapsed, value
+
+
+def timed(repeats: int, fn, *args) -> float:
+    return statistics.median(warm_launch(fn, *args)[0] for _ in range(repeats))
+
+
+def throughput(sizes_mib: list[int], repeats: int) -> dict:
+    """Added seconds and GB/s of a captured tensor and of a result, per size."""
+    base = timed(repeats, holds, None)
+    rows = {}
+    for size in sizes_mib:
+        nbytes = size * MIB
+        data = torch.ones(nbytes, dtype=torch.uint8)
+        capture = timed(repeats, holds, data) - base
+        read = timed(repeats, reads, data) - base
+        del data
+        result = timed(repeats, returns, nbytes) - timed(repeats, returns, nbytes, False)
+        rows[size] = {"capture_added_s": capture, "to_ranks_gb_s": nbytes / 1e9 / capture,
+                      "capture_and_read_added_s": read,
+                      "result_added_s": result, "from_ranks_gb_s": nbytes / 1e9 / result}
+        print(f"  {size:6} MiB: +{capture:.3f} s captured ({rows[size]['to_ranks_gb_s']:.2f} "
+              f"GB/s; +{read:.3f} s if every rank reads every page), +{result:.3f} s "
+              f"returned ({rows[size]['from_ranks_gb_s']:.2f} GB/s)", flush=True)
+    return {"base_launch_s": base, "sizes": rows}
+
+
+def rank_memory() -> list[dict[str, float]]:
+    data = torch.ones(1024 * MIB, dtype=torch.uint8)
+    return nbddp.launch(memory_after_reading, 2, args=(data,), all_ranks=True)
+
+
+def kernel_peak() -> float:
+    """GiB the kernel grows by, at its peak, receiving a 1 GiB result (own process)."""
+    code = ("import resource, sys, nbddp; sys.path.insert(0, sys.argv[1]); "
+            "import bench_data as b; before = resource.getrusage(resource.RUSAGE_SELF)"
+            ".ru_maxrss; value = nbddp.launch(b.returns, 2, args=(2**30,), backend='gloo');"
+            " b.reads(value); print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss"
+            " - before) / 2**20)")
+    done = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)],
+                          capture_output=True, text=True, check=True,
+                          env={**os.environ, "NBDDP_STANDBY": "0", "NBDDP_DISPLAY": "text"})
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="launches per figure")
+    parser.add_argument("--sizes", default="64,1024,5120", help="MiB, comma-separated")
+    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    opts = parser.parse_args()
+    sizes = [int(s) for s in opts.sizes.split(",")]
+    with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
+        os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")
+        os.environ["NBDDP_DISPLAY"] = "text"
+        nbddp.standby(True)
+        try:
+            nbddp.launch(holds, 2, args=(None,), backend="gloo")  # starts standby ranks
+            print("captured tensors and results, added to a warm launch:", flush=True)
+            moved = throughput(sizes, opts.repeats)
+            memory = rank_memory()
+        finally:
+            nbddp.standby(False)
+        peak = kernel_peak()
+    gib = moved["sizes"].get(1024, {})
+    result = {"repeats": opts.repeats, "cpus": os.cpu_count(), "torch": torch.__version__,
+              "throughput": moved, "rank_memory_mib_after_reading_1gib": memory,
+              "kernel_peak_growth_gib_for_1gib_result": peak,
+              "targets": {"capture_1gib_s": CAPTURE_TARGET, "result_1gib_s": RESULT_TARGET,
+                          "kernel_peak_gib": PEAK_TARGET}}
+    print("\neach rank after reading a captured 1 GiB tensor: " + "; ".join(
+        f"rank {r}: RSS {m['rss']:.0f} MiB, PSS {m['pss']:.0f} MiB, private "
+        f"{m['private']:.0f} MiB" for r, m in enumerate(memory)))
+    print(f"kernel peak growth receiving a 1 GiB result: {peak:.2f} GiB "
+          f"(target <= {PEAK_TARGET})")
+    if gib:
+        print(f"1 GiB captured: +{gib['capture_added_s']:.3f} s (target <= {CAPTURE_TARGET}); "
+              f"1 GiB result: +{gib['result_added_s']:.3f} s (target <= {RESULT_TARGET})")
+    if opts.json is not None:
+        opts.json.parent.mkdir(parents=True, exist_ok=True)
+        opts.json.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {opts.json}")
+
+
+if __name__ == "__main__":
+    main()

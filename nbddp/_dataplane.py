@@ -1,0 +1,219 @@
+"""Tensor and array bytes out of band: written once to a file, mapped by the receiver.
+
+What crosses between the kernel and the ranks is pickled with protocol 5. The bytes of
+CPU tensors (``torch``) and NumPy arrays leave the pickle as out-of-band buffers; a
+``Packed`` object is the pickle and those buffers. ``write`` puts both in one file,
+each buffer page-aligned; ``read`` maps that file copy-on-write (``MAP_PRIVATE``), so
+the receiver's tensors and arrays use its pages without a copy, are writable, and a
+write changes the writer's copy only. The mapping stays valid after the file is gone.
+
+Files go to shared memory (``/dev/shm``) when it has room, and to the run directory
+otherwise (Docker's 64 MB ``/dev/shm``); ``NBDDP_SHM_DIR`` names another place, or
+``""`` for none. Tensors share storages as they did: views come back as views.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import mmap
+import os
+import pickle
+import shutil
+import struct
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+
+OUT_OF_BAND_MIN = 64 * 1024
+"""Buffers smaller than this stay in the pickle (a file is not worth it)."""
+SHM_MARGIN = 256 * 2**20
+"""Room left free in shared memory after a file is written there."""
+_PAGE = mmap.PAGESIZE
+_MAGIC = b"NBDDP-1\0"
+_HEAD = struct.Struct("<8sQQ")  # magic, pickle length, buffer count
+_SPAN = struct.Struct("<QQ")  # a buffer's offset and length
+_CHUNK = 1 << 30  # bytes per write call (Linux writes at most about 2 GiB at once)
+
+
+@dataclass
+class Packed:
+    """A pickle, and the buffers it left out of band."""
+
+    data: bytes
+    buffers: list[Any] = field(default_factory=list)
+    owners: list[Any] = field(default_factory=list, repr=False)
+    """What the buffers' memory belongs to (tensor storages), kept alive with them."""
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(memoryview(b).nbytes for b in self.buffers)
+
+    def load(self) -> Any:
+        return pickle.loads(self.data, buffers=self.buffers)
+
+
+def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True) -> Packed:
+    """Pickle ``value`` (cloudpickle, protocol 5), tensor and array bytes out of band
+    (unless ``out_of_band`` is false); ``to_cpu`` moves device tensors to the CPU first
+    (for the kernel, which has no GPU)."""
+    buffers: list[Any] = []
+
+    def keep(buffer: pickle.PickleBuffer) -> bool:
+        if not out_of_band or buffer.raw().nbytes < OUT_OF_BAND_MIN:
+            return True  # in band
+        buffers.append(buffer)
+        return False
+
+    stream = io.BytesIO()
+    pickler = _Pickler(stream, to_cpu, keep)
+    pickler.dump(value)
+    return Packed(stream.getvalue(), buffers, list(pickler.storages.values()))
+
+
+# --- files ----------------------------------------------------------------------------
+
+
+def write(path: Path, packed: Packed) -> None:
+    """One private (0600) file: a header, the pickle, then each buffer page-aligned."""
+    raws = [memoryview(b).cast("B") if not isinstance(b, pickle.PickleBuffer)
+            else b.raw() for b in packed.buffers]
+    start = _HEAD.size + _SPAN.size * len(raws) + len(packed.data)
+    spans = []
+    for raw in raws:
+        start = -(-start // _PAGE) * _PAGE
+        spans.append((start, raw.nbytes))
+        start += raw.nbytes
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, start)
+        header = _HEAD.pack(_MAGIC, len(packed.data), len(raws)) + b"".join(
+            _SPAN.pack(*span) for span in spans)
+        _write_all(fd, memoryview(header + packed.data), 0)
+        for raw, (offset, _) in zip(raws, spans, strict=True):
+            _write_all(fd, raw, offset)
+    except BaseException:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < data.nbytes:
+        done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)
+
+
+def read(path: Path) -> Packed:
+    """The packed object in ``path``, its buffers mapped copy-on-write from the file."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) if size else None
+    if mapped is None:
+        raise ValueError(f"{path} is empty")
+    view = memoryview(mapped)
+    magic, length, count = _HEAD.unpack_from(view, 0)
+    if magic != _MAGIC:
+        raise ValueError(f"{path} is not an nbddp data file")
+    spans = [_SPAN.unpack_from(view, _HEAD.size + i * _SPAN.size) for i in range(count)]
+    start = _HEAD.size + _SPAN.size * count
+    data = bytes(view[start:start + length])
+    return Packed(data, [view[offset:offset + n] for offset, n in spans])
+
+
+def place(size: int, fallback: Path, shm: Path | None) -> Path:
+    """Where a file of ``size`` bytes goes: ``shm`` if it has room, else ``fallback``."""
+    if shm is not None:
+        try:
+            if shutil.disk_usage(shm).free >= size + SHM_MARGIN:
+                return shm
+        except OSError:
+            pass
+    return fallback
+
+
+def shm_root() -> Path | None:
+    """The shared-memory directory to use, if any (``NBDDP_SHM_DIR`` overrides)."""
+    configured = os.environ.get("NBDDP_SHM_DIR")
+    root = Path(configured) if configured else Path("/dev/shm") if configured is None else None
+    if root is None or not (root.is_dir() and os.access(root, os.W_OK | os.X_OK)):
+        return None
+    return root
+
+
+# --- pickling tensors -----------------------------------------------------------------
+
+
+class _StorageBox:
+    """One tensor storage: pickled once however many tensors share it, as a buffer."""
+
+    def __init__(self, storage: Any) -> None:
+        self.storage = storage
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        size = self.storage.nbytes()
+        if size == 0:
+            return _storage_from_buffer, (b"",)
+        raw = (ctypes.c_ubyte * size).from_address(self.storage.data_ptr())
+        return _storage_from_buffer, (pickle.PickleBuffer(memoryview(raw).cast("B")),)
+
+
+def _storage_from_buffer(buffer: Any) -> Any:
+    import torch
+
+    if not len(memoryview(buffer)):
+        return torch.UntypedStorage(0)
+    return torch.frombuffer(buffer, dtype=torch.uint8).untyped_storage()
+
+
+def _tensor(storage: Any, dtype: Any, size: Sequence[int], stride: Sequence[int],
+            offset: int, requires_grad: bool) -> Any:
+    import torch
+
+    tensor = torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _plain(tensor: Any) -> bool:
+    """A dense CPU tensor whose bytes are all there is to it."""
+    import torch
+
+    return (type(tensor) is torch.Tensor  # a Parameter pickles its .data, which is plain
+            and tensor.layout == torch.strided and tensor.device.type == "cpu"
+            and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
+            and not (tensor.requires_grad and tensor.grad_fn is not None))
+
+
+class _Pickler(cloudpickle.Pickler):
+    """cloudpickle, protocol 5, with tensors as their storage's bytes out of band."""
+
+    def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any) -> None:
+        super().__init__(stream, protocol=5, buffer_callback=keep)
+        self._to_cpu = to_cpu
+        self.storages: dict[tuple[int, int], _StorageBox] = {}
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor):
+            if self._to_cpu and obj.device.type not in ("cpu", "meta"):
+                return _identity, (obj.cpu(),)
+            if _plain(obj):
+                return _tensor, (self._box(obj.untyped_storage()), obj.dtype,
+                                 tuple(obj.size()), obj.stride(), obj.storage_offset(),
+                                 obj.requires_grad)
+        return super().reducer_override(obj)
+
+    def _box(self, storage: Any) -> _StorageBox:
+        key = (storage.data_ptr(), storage.nbytes())
+        if key not in self.storages:
+            self.storages[key] = _StorageBox(storage)
+        return self.storages[key]
