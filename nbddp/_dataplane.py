@@ -10,6 +10,9 @@ write changes the writer's copy only. The mapping stays valid after the file is 
 Files go to shared memory (``/dev/shm``) when it has room, and to the run directory
 otherwise (Docker's 64 MB ``/dev/shm``); ``NBDDP_SHM_DIR`` names another place, or
 ``""`` for none. Tensors share storages as they did: views come back as views.
+
+Writing into fresh shared memory costs the kernel's allocation of every page as much as
+the copy itself; a ``Room`` allocates the next payload's pages ahead, while nothing waits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import pickle
 import shutil
 import struct
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,8 +82,10 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True) -> Packed:
 # --- files ----------------------------------------------------------------------------
 
 
-def write(path: Path, packed: Packed) -> None:
-    """One private (0600) file: a header, the pickle, then each buffer page-aligned."""
+def write(path: Path, packed: Packed, room: Path | None = None) -> None:
+    """One private (0600) file: a header, the pickle, then each buffer page-aligned.
+    ``room`` (a file allocated ahead, of any size), if it is still there, becomes that
+    file: its pages are reused and it is cut or grown to size."""
     raws = [memoryview(b).cast("B") if not isinstance(b, pickle.PickleBuffer)
             else b.raw() for b in packed.buffers]
     start = _HEAD.size + _SPAN.size * len(raws) + len(packed.data)
@@ -88,7 +94,9 @@ def write(path: Path, packed: Packed) -> None:
         start = -(-start // _PAGE) * _PAGE
         spans.append((start, raw.nbytes))
         start += raw.nbytes
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = _take_room(room, path) if room is not None else None
+    if fd is None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, start)
         header = _HEAD.pack(_MAGIC, len(packed.data), len(raws)) + b"".join(
@@ -103,10 +111,24 @@ def write(path: Path, packed: Packed) -> None:
     os.close(fd)
 
 
+def _take_room(room: Path, path: Path) -> int | None:
+    """``room`` renamed to ``path`` and opened, or None if it is not there (any more)."""
+    try:
+        os.rename(room, path)
+    except FileNotFoundError:
+        return None
+    return os.open(path, os.O_WRONLY)
+
+
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < data.nbytes:
         done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)
+
+
+def size_of(packed: Packed) -> int:
+    """About the size of ``packed``'s file (for choosing where it goes)."""
+    return len(packed.data) + packed.buffer_bytes + _PAGE * (len(packed.buffers) + 1)
 
 
 def read(path: Path) -> Packed:
@@ -128,13 +150,15 @@ def read(path: Path) -> Packed:
 
 def place(size: int, fallback: Path, shm: Path | None) -> Path:
     """Where a file of ``size`` bytes goes: ``shm`` if it has room, else ``fallback``."""
-    if shm is not None:
-        try:
-            if shutil.disk_usage(shm).free >= size + SHM_MARGIN:
-                return shm
-        except OSError:
-            pass
-    return fallback
+    return shm if shm is not None and fits(size, shm) else fallback
+
+
+def fits(size: int, folder: Path) -> bool:
+    """``folder`` has room for ``size`` more bytes, and the margin beside them."""
+    try:
+        return shutil.disk_usage(folder).free >= size + SHM_MARGIN
+    except OSError:
+        return False
 
 
 def shm_root() -> Path | None:
@@ -144,6 +168,53 @@ def shm_root() -> Path | None:
     if root is None or not (root.is_dir() and os.access(root, os.W_OK | os.X_OK)):
         return None
     return root
+
+
+PAYLOAD_ROOM = "room-payload"
+"""The name of the room for a group's next payload, in its run dir's shared-memory twin."""
+RESULT_ROOM = "room-result"
+"""The name of the room for the next result; the first rank to return takes it."""
+
+
+class Room:
+    """Shared memory allocated ahead, in the background, for the next file of about
+    ``nbytes`` (only where it fits): it appears at ``path`` once allocated, and ``write``
+    takes it over."""
+
+    MIN = 16 * 2**20
+    """Smaller files are written fast enough without."""
+
+    def __init__(self, path: Path, nbytes: int) -> None:
+        self.path = path
+        self._thread = threading.Thread(target=self._allocate, args=(nbytes,), daemon=True,
+                                        name="nbddp-room")
+        self._thread.start()
+
+    def _allocate(self, nbytes: int) -> None:
+        if not fits(nbytes, self.path.parent):
+            return
+        part = self.path.with_name(self.path.name + ".part")
+        try:
+            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:  # the folder is gone: its group ended first
+            return
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+            os.rename(part, self.path)  # whole, or not there
+        except OSError:
+            part.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+    def take(self) -> Path | None:
+        """The allocated file, once allocation has finished; None where it was not made
+        (or another process took it)."""
+        self._thread.join()
+        return self.path if self.path.exists() else None
+
+    def discard(self) -> None:
+        self._thread.join()
+        self.path.unlink(missing_ok=True)
 
 
 # --- pickling tensors -----------------------------------------------------------------

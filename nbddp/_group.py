@@ -29,7 +29,7 @@ from . import _dataplane as dataplane
 from . import _version
 from ._channel import ChannelServer, new_key
 from ._config import RunConfig
-from ._dataplane import Packed
+from ._dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
 from ._mailbox import MailboxReader
 from ._messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start, encode
 from ._process import LocalLauncher
@@ -179,6 +179,8 @@ class LocalGroup(RankGroup):
         self._lock = threading.Lock()
         self._settled = threading.Event()  # every rank is ready, or the group broke
         self._payload_file: Path | None = None
+        self._rooms: dict[str, Room] = {}
+        self._rooms_closed = False
         self._stopped = False
         try:
             key = new_key()
@@ -260,10 +262,12 @@ class LocalGroup(RankGroup):
         group is handed one run after another: each replaces the last one's payload."""
         if self._payload_file is not None:
             self._payload_file.unlink(missing_ok=True)
-        size = len(payload.data) + payload.buffer_bytes
-        folder = dataplane.place(size, self.run_dir.path, self.run_dir.twin)
+        size = dataplane.size_of(payload)
+        room = self._take_room(size)
+        folder = dataplane.place(size, self.run_dir.path, self.run_dir.twin) \
+            if room is None else room.parent
         self._payload_file = folder / self.run_dir.payload.name
-        dataplane.write(self._payload_file, payload)
+        dataplane.write(self._payload_file, payload, room)
         self.records = records
         start = self._start_message(self._payload_file, records, options, handover)
         with self._lock:
@@ -271,6 +275,38 @@ class LocalGroup(RankGroup):
             assert self._server is not None
             for rank in self._pids:
                 self._server.send(rank, start)
+
+    def make_room(self, payload: int, result: int = 0) -> None:
+        """Allocate shared memory in the background for the next payload and result
+        (about the last ones' sizes), so that each is one copy into ready pages."""
+        self._discard_rooms()
+        twin = self.run_dir.twin
+        if twin is None:
+            return
+        with self._lock:  # a group being closed makes none: nothing would remove them
+            if not self._rooms_closed:
+                self._rooms = {name: Room(twin / name, nbytes) for name, nbytes in
+                               ((PAYLOAD_ROOM, payload), (RESULT_ROOM, result))
+                               if nbytes >= Room.MIN}
+
+    def _discard_rooms(self) -> None:
+        with self._lock:
+            rooms, self._rooms = self._rooms, {}
+        for room in rooms.values():
+            room.discard()
+
+    def _take_room(self, size: int) -> Path | None:
+        """The payload's room allocated ahead, if the payload (``size`` bytes) can go
+        there."""
+        with self._lock:
+            room = self._rooms.pop(PAYLOAD_ROOM, None)
+        if room is None or self.run_dir.twin is None or (path := room.take()) is None:
+            return None
+        have = path.stat().st_size
+        if size > have and not dataplane.fits(size - have, self.run_dir.twin):
+            path.unlink(missing_ok=True)
+            return None
+        return path
 
     def interrupt(self, ranks: set[int]) -> None:
         self._torchrun.interrupt([self._pids[r] for r in ranks if r in self._pids])
@@ -288,6 +324,9 @@ class LocalGroup(RankGroup):
         self.stop(clean=True)
 
     def close(self) -> None:
+        with self._lock:
+            self._rooms_closed = True
+        self._discard_rooms()
         super().close()
         self._forget_when_done()
 

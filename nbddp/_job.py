@@ -161,6 +161,11 @@ class Job(Generic[R]):
         each metric (read from the run's records, so complete however long the run)."""
         return read_history(self._records.metrics)
 
+    @property
+    def _result_bytes(self) -> int:
+        """The size of rank 0's result data file (0 without one)."""
+        return self._supervisor.result_bytes
+
     # --- ending ---------------------------------------------------------------------
 
     def _supervise(self) -> None:

@@ -141,8 +141,9 @@ def _start_here(config: RunConfig, payload: Packed, options: RankOptions) -> Job
     shape = GroupShape.of(config)
     taken = STANDBY.take(shape)
     group, handover = taken if taken is not None else (LocalGroup(shape), Handover())
+    sent = payload.buffer_bytes  # the next launch likely sends and gets as much again
     return _start(group, config, payload, options, handover, warm=taken is not None,
-                  after=lambda job: STANDBY.refill(shape, job._note))
+                  after=lambda job: STANDBY.refill(shape, job._note, sent, job._result_bytes))
 
 
 def _start(group: RankGroup, config: RunConfig, payload: Packed, options: RankOptions,

@@ -1,6 +1,6 @@
 """What the kernel and the ranks tell each other, and the one way it is framed.
 
-Every message is a small frozen dataclass. A frame is a 4-byte length and the pickled
+Every message is a small frozen dataclass. A frame is an 8-byte length and the pickled
 message; the channel's sockets, the mailbox files and the start file all carry the same
 frames. Frames are only decoded from authenticated peers or from private (0600) files.
 Tensor and array bytes do not travel in messages: they are in data files (``_dataplane``)

@@ -100,10 +100,11 @@ class Rank:
                             f"notebook: {type(exc).__name__}: {exc}") from exc
         if not packed.buffers:
             return Result(self.rank, packed.data)
-        size = len(packed.data) + packed.buffer_bytes
-        folder = dataplane.place(size, self.run_dir, Path(start.data) if start.data else None)
+        shm = Path(start.data) if start.data else None
+        folder = dataplane.place(dataplane.size_of(packed), self.run_dir, shm)
         path = folder / f"result-{self.rank}-{secrets.token_hex(4)}.data"
-        dataplane.write(path, packed)
+        room = folder / dataplane.RESULT_ROOM if folder == shm and self.rank == 0 else None
+        dataplane.write(path, packed, room)  # into the room the kernel allocated, if any
         return Result(self.rank, file=str(path))
 
     def _adopt(self, start: Start) -> None:

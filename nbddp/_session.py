@@ -95,6 +95,7 @@ class Session:
         self._closed = False
         self.runs = 0
         self.restarts = 0
+        self._room = 0  # bytes of data the last run sent, allocated ahead for the next
         self.names: frozenset[str] = frozenset()
         """The names the session's code has bound on the ranks (rank 0's): a cell that
         reads one of them gets the ranks' value, not the notebook's."""
@@ -150,6 +151,7 @@ class Session:
         with self._lock:
             self._check_idle()
             self._busy = True
+            self._room = payload.buffer_bytes  # the next cell likely sends as much again
             try:
                 group = self._group
                 handover, left_out = group.shape.take_up(GroupShape.of(config))
@@ -183,18 +185,23 @@ class Session:
 
     def _after_run(self, job: Job) -> None:
         """A run ended: keep the ranks' names, or start fresh ranks if they were lost."""
-        self._busy = False
         self.runs += 1
-        if job.state_kept:
-            if job.session_names is not None:
-                self.names = frozenset(job.session_names)
-            return
-        self.names = frozenset()
-        self._warned.clear()
-        if not self._closed:
-            self.restarts += 1
-            self._group = self._new_group()
-            job._note("session: restarted with fresh ranks; what earlier runs defined is gone")
+        try:
+            if job.state_kept:
+                if job.session_names is not None:
+                    self.names = frozenset(job.session_names)
+            else:
+                self.names = frozenset()
+                self._warned.clear()
+                if not self._closed:
+                    self.restarts += 1
+                    self._group = self._new_group()
+                    job._note("session: restarted with fresh ranks; what earlier runs "
+                              "defined is gone")
+            if not self._closed:
+                self._group.make_room(self._room, job._result_bytes)
+        finally:
+            self._busy = False
 
     # --- the session's life ---------------------------------------------------------
 

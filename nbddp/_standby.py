@@ -82,11 +82,13 @@ class Standby:
             return None
         return group, handover
 
-    def refill(self, shape: GroupShape, note: Note) -> None:
-        """Start the group for the next launch; ``note`` shows its state to the user."""
+    def refill(self, shape: GroupShape, note: Note, payload: int = 0, result: int = 0) -> None:
+        """Start the group for the next launch, with shared memory allocated ahead for a
+        payload and a result of the last sizes; ``note`` shows its state to the user."""
         if not self.enabled:
             return
         group = LocalGroup(shape)
+        group.make_room(payload, result)
         with self._lock:
             old, self._group, self._note = self._group, group, note
             self._started, self._announced = time.monotonic(), False

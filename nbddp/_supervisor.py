@@ -8,6 +8,7 @@ or a cancel. It does not stop anything itself; the ``Job`` does that with the en
 
 from __future__ import annotations
 
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -56,6 +57,8 @@ class Supervisor:
                  stdout: TextIO) -> None:
         self.group, self.config, self.records = group, config, records
         self.results: dict[int, Result] = {}
+        self.result_bytes = 0
+        """The size of rank 0's result data file, once read (what the next may need)."""
         self.failures: list[Failure | Disconnected] = []
         self.assigned: tuple[str, ...] | None = None
         """A session's names after this run (rank 0's ``Assigned``)."""
@@ -241,6 +244,7 @@ class Supervisor:
     def results_value(self) -> Any:
         """Rank 0's return value, or every rank's with ``all_ranks``."""
         ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
+        self.result_bytes = _file_size(self.results[0])
         try:
             values = [_value_of(self.results[r]) for r in ranks]
         except Exception as exc:
@@ -262,6 +266,14 @@ class Supervisor:
 
     def wake(self) -> None:
         self.group.events.put(Wake())
+
+
+def _file_size(result: Result) -> int:
+    """The size of a result's data file (0 without one)."""
+    try:
+        return os.stat(result.file).st_size if result.file is not None else 0
+    except OSError:
+        return 0
 
 
 def _value_of(result: Result) -> Any:

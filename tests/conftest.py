@@ -137,6 +137,18 @@ def no_leftovers():
     assert not socks, f"sockets left open: {len(socks)}"
 
 
+@pytest.fixture
+def standby_on():
+    """Standby ranks in this process, stopped again (and checked gone) after the test."""
+    import nbddp
+
+    nbddp.standby(True)
+    try:
+        yield
+    finally:
+        nbddp.standby(False)
+
+
 def wait_until(condition, timeout: float = 30.0, interval: float = 0.05):
     """Poll ``condition`` until it returns something truthy; fail after ``timeout``."""
     deadline = time.monotonic() + timeout

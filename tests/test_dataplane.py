@@ -24,7 +24,7 @@ import nbddp
 from nbddp import _dataplane as dataplane
 from nbddp._messages import HEADER_SIZE, Hello, body_size, encode
 
-from .conftest import SHM
+from .conftest import SHM, wait_until
 
 MIB = 2**20
 
@@ -120,6 +120,26 @@ def test_shared_memory_without_room_falls_back(tmp_path):
     assert dataplane.place(MIB, tmp_path, None) == tmp_path  # none at all
 
 
+def test_a_room_allocated_ahead_becomes_the_file(tmp_path):
+    room = dataplane.Room(tmp_path / "room", 4 * MIB)
+    path = room.take()
+    assert path == tmp_path / "room" and os.stat(path).st_size == 4 * MIB
+    assert os.stat(path).st_blocks * 512 >= 4 * MIB  # allocated, not a hole
+    inode = os.stat(path).st_ino
+    sent = {"small": torch.arange(10), "big": torch.randn(3 * MIB // 4)}
+    dataplane.write(tmp_path / "value.data", dataplane.pack(sent), room=path)
+    assert not path.exists() and os.stat(tmp_path / "value.data").st_ino == inode
+    assert same(dataplane.read(tmp_path / "value.data").load(), sent)  # cut to its size
+    dataplane.write(tmp_path / "again.data", dataplane.pack(sent), room=path)  # taken: fresh
+    assert same(dataplane.read(tmp_path / "again.data").load(), sent)
+
+
+def test_a_room_where_it_does_not_fit_is_not_made(tmp_path):
+    room = dataplane.Room(Path(SHM) / f"nbddp-test-room-{os.getpid()}", 2**62)
+    assert room.take() is None
+    room.discard()
+
+
 # --- through launches ---------------------------------------------------------------
 
 
@@ -172,6 +192,39 @@ def test_without_shared_memory_data_goes_through_the_run_dir(monkeypatch):
     s, doubled = nbddp.launch(total, 2, args=(sent,))
     assert torch.equal(doubled, sent * 2) and s == sent.sum()
     assert set(os.listdir(SHM)) == before
+
+
+def mapped_inode(tensor) -> int:
+    """The inode of the file this process maps ``tensor``'s memory from (0: none)."""
+    address = tensor.untyped_storage().data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _, _, _, inode, *_ = line.split()
+        low, high = (int(end, 16) for end in span.split("-"))
+        if low <= address < high:
+            return int(inode)
+    return 0
+
+
+def inode_and_doubled(data):
+    return mapped_inode(data), data * 2
+
+
+def test_standby_ranks_get_and_give_data_through_memory_allocated_ahead(standby_on):
+    data = torch.randn(8 * MIB)  # 32 MiB each way
+    nbddp.launch(inode_and_doubled, 2, args=(data,))
+
+    def rooms() -> dict[str, int] | None:  # the next group's, once both are allocated
+        found = {Path(p).name: os.stat(p).st_ino for p in glob.glob(f"{SHM}/nbddp-*/room-*")}
+        return found if set(found) == {"room-payload", "room-result"} else None
+
+    ahead = wait_until(rooms, timeout=120)
+    wait_until(lambda: nbddp.standby().status == "ready", timeout=120)
+    job = nbddp.launch(inode_and_doubled, 2, args=(data,), wait=False)
+    inode, doubled = job.result()
+    assert job.warm
+    assert inode == ahead["room-payload"]  # the ranks mapped the room the payload went to
+    assert mapped_inode(doubled) == ahead["room-result"]  # and rank 0 wrote into its room
+    assert torch.equal(doubled, data * 2)
 
 
 def test_large_tensors_no_longer_warn_but_large_python_objects_do():

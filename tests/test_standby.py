@@ -63,16 +63,6 @@ def skernel(tmp_path):
         kernel.shutdown()
 
 
-@pytest.fixture
-def standby_on():
-    """Standby ranks in this process, stopped again (and checked gone) after the test."""
-    nbddp.standby(True)
-    try:
-        yield
-    finally:
-        nbddp.standby(False)
-
-
 def launch_in(kernel: Kernel, call: str) -> tuple[object, bool]:
     """``nbddp.launch(call)`` in the kernel: (its result, whether it ran warm)."""
     run = kernel.run(f"""
