@@ -101,6 +101,9 @@ class Sequenced:
 
     seq: int
     message: Any
+    attempt: int = 0
+    """Which of torchrun's attempts sent it (``TORCHELASTIC_RESTART_COUNT``): after a
+    restart, what the failed attempt still sends is stale."""
 
     @property
     def rank(self) -> int:
@@ -140,6 +143,7 @@ class Disconnected:
     """A rank's connection closed."""
 
     rank: int
+    attempt: int = 0
 
 
 # --- frames ---------------------------------------------------------------------------

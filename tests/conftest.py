@@ -74,7 +74,8 @@ def descendants(root: int | None = None) -> set[int]:
     return found - zombies
 
 
-SHM = "/dev/shm"
+SHM = os.environ.get("NBDDP_SHM_DIR") or "/dev/shm"
+"""Where data files go (and are checked for leftovers): ``NBDDP_SHM_DIR`` moves both."""
 
 
 def run_dirs() -> set[str]:
