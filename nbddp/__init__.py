@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import NbddpError, PayloadError, WorkerError
 from ._metrics import log, progress
+from ._restarts import restart_count
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ __all__ = [
     "launch",
     "log",
     "progress",
+    "restart_count",
     "standby",
 ]
 

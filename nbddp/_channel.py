@@ -119,6 +119,7 @@ class ChannelServer:
                 return
             self._connections.add(sock)
         rank = None
+        attempt = 0
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
             _authenticate(sock, self._key)
@@ -127,13 +128,14 @@ class ChannelServer:
                 message = recv_message(sock)
                 if rank is None and hasattr(message, "rank"):
                     rank = self._register(message.rank, sock)
+                    attempt = getattr(message, "attempt", 0)
                 self._deliver(message)
         except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
             logger.debug("channel connection ended: %r", exc)
         finally:
             self._forget(sock, rank)
             if rank is not None:
-                self._deliver(Disconnected(rank))
+                self._deliver(Disconnected(rank, attempt))
 
     def _register(self, rank: int, sock: socket.socket) -> int:
         with self._lock:

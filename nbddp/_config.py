@@ -36,6 +36,8 @@ class RunConfig:
     """Extra environment variables for every rank."""
     output: str = "rank0"
     """Whose output is shown live: ``"rank0"``, ``"all"`` (each line prefixed), ``"none"``."""
+    max_restarts: int = 0
+    """How many times torchrun restarts every rank after one fails (``--max-restarts``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int):
@@ -49,6 +51,7 @@ class RunConfig:
             isinstance(self.timeout, (int, float)) and self.timeout > 0
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
+        check_max_restarts(self.max_restarts)
         if self.output not in OUTPUT_CHOICES:
             raise ValueError(f"output must be one of {OUTPUT_CHOICES}, got {self.output!r}")
         bad_env = [k for k, v in self.env.items()
@@ -82,6 +85,14 @@ class RunConfig:
                 f"nprocs={nprocs} asks for one GPU per rank, but only {available} GPU(s) are "
                 "visible; lower nprocs, or pass backend='gloo' for CPU ranks")
         return cls(nprocs=nprocs, **options)
+
+
+def check_max_restarts(value: object) -> None:
+    """``max_restarts`` is a count: an int, 0 or more."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_restarts must be an int, got {value!r}")
+    if value < 0:
+        raise ValueError(f"max_restarts must be 0 or more, got {value}")
 
 
 def _select_gpus(gpus: int | Sequence[int], available: int) -> list[str]:

@@ -43,13 +43,26 @@ def diagnose(
         candidates = [Disconnected(missing[0])]
         if not any(logs.get(rank) for rank in missing):
             return NbddpError("torchrun failed before the ranks ran:\n" + _launcher_tail(run_dir))
-    root = next((c for c in candidates if not _secondary(c)), candidates[0])
+    root = first_cause(candidates)
     if isinstance(root, Failure):
         error = _raised(root, logs)
     else:
         error = _died(root.rank, exits.get(root.rank), logs)
     error.log_dir = str(records.path)
     return error
+
+
+def first_cause(reports: Sequence[Failure | Disconnected]) -> Failure | Disconnected:
+    """The first report that is not only a consequence of another one (``reports`` in the
+    order the kernel heard of them; not empty)."""
+    return next((r for r in reports if not _secondary(r)), reports[0])
+
+
+def describe(report: Failure | Disconnected) -> str:
+    """One line for a failure: which rank, and what it raised or that it died."""
+    if isinstance(report, Failure):
+        return f"rank {report.rank} raised {report.type_name}: {report.message}"
+    return f"rank {report.rank} exited without raising an exception"
 
 
 def peer_lost(report: Failure | Disconnected) -> bool:

@@ -49,6 +49,8 @@ class WorkerError(NbddpError):
         logs: dict[int, str] | None = None,
         log_dir: str | None = None,
         note: str | None = None,
+        attempts: int = 1,
+        earlier: list[str] | None = None,
     ) -> None:
         super().__init__(f"rank {rank} {summary}")
         self.rank = rank
@@ -60,10 +62,16 @@ class WorkerError(NbddpError):
         self.log_dir = log_dir
         self.note = note
         """What became of a session's ranks (their state kept, or restarted)."""
+        self.attempts = attempts
+        """How many times the ranks ran (1, or more with ``max_restarts``): this error
+        is the last attempt's."""
+        self.earlier: list[str] = list(earlier or [])
+        """Why each earlier attempt failed, one line each."""
 
     def __reduce__(self):
         kwargs = dict(traceback=self.traceback, exitcode=self.exitcode,
-                      signal=self.signal, logs=self.logs, log_dir=self.log_dir, note=self.note)
+                      signal=self.signal, logs=self.logs, log_dir=self.log_dir, note=self.note,
+                      attempts=self.attempts, earlier=self.earlier)
         return _rebuild_worker_error, (self.rank, self.summary, kwargs)
 
     @property
@@ -74,6 +82,10 @@ class WorkerError(NbddpError):
 
     def __str__(self) -> str:
         parts = [super().__str__()]
+        if self.attempts > 1:
+            parts.append(f"(on the last of {self.attempts} attempts: torchrun restarted every "
+                         f"rank {self.attempts - 1} time(s) and no restart is left; earlier: "
+                         + "; ".join(self.earlier) + ")")
         if self.traceback:
             parts.append(f"\n--- traceback from rank {self.rank} (root cause) ---\n"
                          + self.traceback.rstrip())

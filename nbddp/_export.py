@@ -18,6 +18,8 @@ from typing import Any
 import cloudpickle
 
 from ._cell import Cell
+from ._config import check_max_restarts
+from ._restarts import torchrun_environment
 from ._slurm_options import SlurmOptions
 from ._source import Standalone, is_literal, standalone, standalone_names
 
@@ -142,8 +144,10 @@ def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
         "",
         "# The first node of the allocation hosts the rendezvous.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        *_restart_exports(options.max_restarts),
         "",
         f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {options.nprocs_per_node} \\",
+        *([f"    --max-restarts {options.max_restarts} \\"] if options.max_restarts else []),
         "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" \\",
         f"    --rdzv-endpoint \"$head:{options.port}\" {script}",
     ]
@@ -161,14 +165,21 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
         "# folder and report to the kernel, or to files here when they cannot reach it.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "port=$((20000 + SLURM_JOB_ID % 20000))",
+        *_restart_exports(options.max_restarts),
         "",
         f"srun --kill-on-bad-exit=1 {python} -m nbddp._torchrun {folder} - \\",
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.nprocs_per_node} "
-        "--max-restarts 0 \\",
+        f"--max-restarts {options.max_restarts} \\",
         "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" --rdzv-endpoint \"$head:$port\" \\",
         f"    -m nbddp._worker {folder} --mailbox",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _restart_exports(max_restarts: int) -> list[str]:
+    """Shell lines for torchrun's environment when it may restart the ranks."""
+    return [f"export {name}={value}  # restarted ranks get a store of their own"
+            for name, value in torchrun_environment(max_restarts).items()]
 
 
 def _call(name: str, args: tuple, kwargs: dict[str, Any], data: dict[str, Any]) -> str:
@@ -200,6 +211,7 @@ def export(
     partition: str | None = None,
     cpus_per_task: int | None = None,
     sbatch: Sequence[str] = (),
+    max_restarts: int = 0,
 ) -> list[Path]:
     """Write ``path`` (a script that runs ``fn(*args, **kwargs)`` on every rank), a
     ``.sbatch`` file beside it, and a ``.payload.pkl`` for objects without source.
@@ -207,13 +219,15 @@ def export(
     ``fn`` is a function defined in the notebook (``%%ddp --export`` passes a cell).
     ``nprocs`` is ranks per node (default: ``gpus``, or 1 on CPU nodes);
     ``cpus_per_task`` is the CPUs of each node's torchrun and its ranks; ``sbatch`` adds
-    ``#SBATCH`` lines. Returns the paths written.
+    ``#SBATCH`` lines; ``max_restarts`` is torchrun's ``--max-restarts`` in the sbatch
+    file. Returns the paths written.
     """
     if not isinstance(fn, (types.FunctionType, Cell)):
         raise TypeError(f"export takes a function defined in the notebook, got {fn!r}")
     if nodes < 1 or (nprocs is not None and nprocs < 1) or gpus < 0 or (
             cpus_per_task is not None and cpus_per_task < 1):
         raise ValueError("nodes, nprocs and cpus_per_task must be at least 1, gpus at least 0")
+    check_max_restarts(max_restarts)
     script = Path(path)
     if isinstance(fn, Cell):
         needs = standalone_names(fn.namespace)
@@ -226,7 +240,7 @@ def export(
     text = script_text(subject, script.name, needs, main, payload.name if needs.data else None)
     options = SlurmOptions(nodes=nodes, nprocs_per_node=nprocs or gpus or 1, gpus_per_node=gpus,
                            cpus_per_task=cpus_per_task, time=time, partition=partition,
-                           extra=tuple(sbatch))
+                           extra=tuple(sbatch), max_restarts=max_restarts)
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(text)
     written = [script, script.with_suffix(".sbatch")]

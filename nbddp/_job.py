@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Generic, TextIO, TypeVar
 
 from ._config import RunConfig
-from ._diagnosis import diagnose
+from ._diagnosis import describe, diagnose
 from ._display import PanelState
 from ._errors import NbddpError, WorkerError
 from ._group import RankGroup
@@ -162,6 +162,11 @@ class Job(Generic[R]):
         return read_history(self._records.metrics)
 
     @property
+    def restarts(self) -> int:
+        """How many times torchrun has restarted every rank in this run (``max_restarts``)."""
+        return self._supervisor.attempt
+
+    @property
     def _result_bytes(self) -> int:
         """The size of rank 0's result data file (0 without one)."""
         return self._supervisor.result_bytes
@@ -221,6 +226,9 @@ class Job(Generic[R]):
             if error is None:
                 error = diagnose(sup.failures, sup.results, self._group.run_dir,
                                  self._records, self.config.nprocs, self.logs)
+                if isinstance(error, WorkerError) and sup.attempt:
+                    error.attempts = sup.attempt + 1
+                    error.earlier = [describe(cause) for cause in sup.causes]
         finally:
             self._group.close()
         outcome = Outcome(error=error)

@@ -7,6 +7,7 @@ the group is handed the payload and a ``Job`` follows the run.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -42,6 +43,7 @@ def launch(
     wait: Literal[False],
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
+    max_restarts: int = ...,
     slurm: bool | Slurm = ...,
 ) -> Job[R]: ...
 @overload
@@ -59,6 +61,7 @@ def launch(
     wait: Literal[True] = ...,
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
+    max_restarts: int = ...,
     slurm: bool | Slurm = ...,
 ) -> list[R]: ...
 @overload
@@ -76,6 +79,7 @@ def launch(
     wait: Literal[True] = ...,
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
+    max_restarts: int = ...,
     slurm: bool | Slurm = ...,
 ) -> R: ...
 
@@ -94,6 +98,7 @@ def launch(
     wait: bool = True,
     env: Mapping[str, str] | None = None,
     output: Literal["rank0", "all", "none"] = "rank0",
+    max_restarts: int = 0,
     slurm: bool | Slurm = False,
 ) -> R | list[R] | Job[R]:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh DDP process group.
@@ -105,7 +110,9 @@ def launch(
     ``wait=False``. ``nprocs=None`` runs one rank per visible GPU (or the ``gpus``
     chosen), and 2 CPU ranks on a machine without GPUs. Rank 0's output is shown live
     (``output="all"``: every rank's, each line prefixed with its rank; ``"none"``: none).
-    ``env`` adds environment variables for the ranks.
+    ``env`` adds environment variables for the ranks. ``max_restarts=N``: when a rank
+    fails, torchrun stops every rank and starts them all again, up to N times (each
+    attempt runs ``fn`` from the start; ``nbddp.restart_count()`` says which attempt).
 
     Every run gets fresh processes. After a run, the next run's ranks start in the
     background and wait (see ``standby``), so the next launch of the same shape starts
@@ -120,7 +127,8 @@ def launch(
     """
     __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
     settings: dict[str, Any] = dict(backend=backend, timeout=timeout, init=init,
-                                    all_ranks=all_ranks, env=dict(env or {}), output=output)
+                                    all_ranks=all_ranks, env=dict(env or {}), output=output,
+                                    max_restarts=max_restarts)
     options = RankOptions(init=init, backend=backend, all_ranks=all_ranks)
     if slurm is not False:
         config, cluster = _cluster_run(nprocs, gpus, Slurm() if slurm is True else slurm,
@@ -171,8 +179,13 @@ def _cluster_run(nprocs: int | None, gpus: Any, slurm: Slurm,
     if nprocs is not None and gpus is not None and nprocs != gpus:
         raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
     per_node = nprocs or gpus or 1
-    config = RunConfig(nprocs=per_node * slurm.nodes, **settings)
-    return config, slurm.options(per_node, gpus or 0)
+    restarts = settings["max_restarts"]
+    if slurm.max_restarts and restarts and slurm.max_restarts != restarts:
+        raise ValueError(f"max_restarts={restarts} disagrees with Slurm(max_restarts="
+                         f"{slurm.max_restarts}); give one or the other")
+    restarts = slurm.max_restarts or restarts
+    config = RunConfig(nprocs=per_node * slurm.nodes, **{**settings, "max_restarts": restarts})
+    return config, dataclasses.replace(slurm, max_restarts=restarts).options(per_node, gpus or 0)
 
 
 def _follow(job: Job, wait: bool) -> Any:

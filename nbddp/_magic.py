@@ -68,6 +68,7 @@ def _session_conflicts(args: Any, gpus: int | list[int] | None, session: Session
         "--backend": args.backend is not None and args.backend != config.backend,
         "--no-init": args.no_init and config.init,
         "--slurm": args.slurm,
+        "--max-restarts": args.max_restarts != 0,
     }
     return [option for option, conflicts in wanted.items() if conflicts]
 
@@ -91,6 +92,9 @@ class DDPMagics(Magics):
               help="stop every rank and raise TimeoutError after this many seconds")
     @argument("--no-init", action="store_true",
               help="do not initialise the default process group (your code does)")
+    @argument("--max-restarts", type=int, default=0, metavar="N",
+              help="when a rank fails, torchrun restarts every rank, up to N times (the "
+                   "cell runs again from its start)")
     @argument("--out", default="", metavar="NAMES",
               help="comma-separated names whose rank-0 values are bound in the notebook "
                    "after the run (a DDP model comes back as its module; tensors on CPU)")
@@ -173,7 +177,8 @@ class DDPMagics(Magics):
                                          cpus_per_task=args.cpus_per_task)
             return launch(code, args.nprocs, gpus=_per_node(gpus) if args.slurm else gpus,
                           backend=args.backend, timeout=args.timeout, init=not args.no_init,
-                          output="all" if args.all_ranks else "rank0", slurm=slurm)
+                          output="all" if args.all_ranks else "rank0",
+                          max_restarts=args.max_restarts, slurm=slurm)
         except (ValueError, TypeError) as exc:
             if isinstance(exc, NbddpError):
                 raise
@@ -256,7 +261,8 @@ def _export_cell(code: Cell, args: Any, gpus: int | list[int] | None) -> None:
     try:
         written = export(code, args.export, nodes=args.nodes, nprocs=args.nprocs,
                          gpus=gpu_count, time=args.time, partition=args.partition,
-                         cpus_per_task=args.cpus_per_task, sbatch=args.sbatch)
+                         cpus_per_task=args.cpus_per_task, sbatch=args.sbatch,
+                         max_restarts=args.max_restarts)
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     script = written[0]

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+from ._restarts import torchrun_environment
 from ._rundir import RunDir
 from ._shape import GroupShape
 
@@ -33,7 +34,7 @@ def torchrun_command(run_dir: RunDir, shape: GroupShape, lifeline: int) -> list[
     return [
         shape.python, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline),
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(shape.nprocs),
-        "--max-restarts", "0", *worker,
+        "--max-restarts", str(shape.max_restarts), *worker,
     ]
 
 
@@ -45,7 +46,8 @@ class LocalLauncher:
         log = os.open(run_dir.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self.process = subprocess.Popen(
-                torchrun_command(run_dir, shape, read_end), env=dict(shape.env),
+                torchrun_command(run_dir, shape, read_end),
+                env={**shape.env, **torchrun_environment(shape.max_restarts)},
                 cwd=shape.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 pass_fds=(read_end,), start_new_session=True,
             )

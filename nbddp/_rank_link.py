@@ -19,7 +19,11 @@ from typing import Any
 from ._channel import ChannelClient
 from ._mailbox import MailboxWriter, mailbox_path
 from ._messages import Sequenced, Start, decode, split_frames
+from ._restarts import restart_count
 from ._rundir import RunDir
+
+ATTEMPT = restart_count()
+"""Which of torchrun's attempts this rank belongs to (0, or the restarts before it)."""
 
 
 class KernelLink:
@@ -50,7 +54,7 @@ class KernelLink:
 
     def send(self, message: Any) -> None:
         with self._lock:
-            numbered = Sequenced(self._seq, message)
+            numbered = Sequenced(self._seq, message, ATTEMPT)
             self._seq += 1
             if self._mailbox is not None:
                 self._mailbox.send(numbered)

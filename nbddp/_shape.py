@@ -41,9 +41,27 @@ def read_at_start(name: str) -> bool:
     return name in _READ_AT_START_NAMES or name.startswith(_READ_AT_START_PREFIXES)
 
 
+ALLOCATION_PREFIXES = ("SLURM_", "SBATCH_", "SRUN_", "PMI", "PMIX_")
+"""Variables a kernel inherits when it runs inside a SLURM allocation (a Jupyter server
+on a compute node). Passed on, they describe that allocation, not the new job or the
+local ranks: sbatch refuses contradictions (``SLURM_MEM_PER_CPU`` beside ``--mem``),
+srun binds to the old CPUs (``SLURM_CPU_BIND``), and frameworks that look for SLURM
+(Lightning, on ``SLURM_NTASKS``) take local ranks for a SLURM job."""
+KEPT = ("SLURM_CONF",)
+"""Where the cluster's configuration is: the same for every job."""
+
+
+def without_allocation(env: dict[str, str]) -> dict[str, str]:
+    """``env`` without the enclosing SLURM allocation's variables (see
+    ``ALLOCATION_PREFIXES``)."""
+    return {name: value for name, value in env.items()
+            if name in KEPT or not name.startswith(ALLOCATION_PREFIXES)}
+
+
 def rank_environment(config: RunConfig) -> dict[str, str]:
-    """The kernel's environment, made right for ranks that are not a notebook."""
-    env = dict(os.environ)
+    """The kernel's environment, made right for ranks that are not a notebook (and not
+    part of the allocation the kernel may run in); ``config.env`` has the last word."""
+    env = without_allocation(dict(os.environ))
     if env.get("MPLBACKEND", "").startswith("module://matplotlib_inline"):
         del env["MPLBACKEND"]  # ipykernel's inline backend has no kernel in a rank
     path = env.get("PYTHONPATH")
@@ -77,6 +95,7 @@ class GroupShape:
     init: bool
     env: Mapping[str, str]
     cwd: str
+    max_restarts: int = 0
 
     @classmethod
     def of(cls, config: RunConfig) -> GroupShape:
@@ -84,7 +103,7 @@ class GroupShape:
         env = rank_environment(config)
         return cls(sys.executable, config.nprocs, config.cuda_visible_devices,
                    visible_gpu_count(env.get("CUDA_VISIBLE_DEVICES")), config.backend,
-                   config.init, env, os.getcwd())
+                   config.init, env, os.getcwd(), config.max_restarts)
 
     @property
     def prepare(self) -> str | None:
@@ -96,7 +115,8 @@ class GroupShape:
     def handover(self, wanted: GroupShape) -> Handover | None:
         """How ranks started for this shape become ranks for ``wanted``; None if only
         new ranks can be that (a cold start)."""
-        fixed = ("python", "nprocs", "cuda_visible_devices", "gpus", "backend", "init")
+        fixed = ("python", "nprocs", "cuda_visible_devices", "gpus", "backend", "init",
+                 "max_restarts")
         if any(getattr(self, name) != getattr(wanted, name) for name in fixed):
             return None
         handover, left_out = self.take_up(wanted)

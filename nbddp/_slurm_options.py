@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from ._config import check_max_restarts
+
 
 @dataclass(frozen=True)
 class SlurmOptions:
@@ -31,6 +33,8 @@ class SlurmOptions:
     """More ``#SBATCH`` lines, without the prefix, e.g. ``("--account=proj",)``."""
     port: int = 29500
     """The c10d rendezvous port on the first node."""
+    max_restarts: int = 0
+    """torchrun's restarts of every rank after one fails (``--max-restarts``)."""
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,11 @@ class Slurm:
     """CPUs for each machine's torchrun and its ranks."""
     sbatch: Sequence[str] = field(default=())
     """More ``#SBATCH`` options, each one line without the prefix."""
+    max_restarts: int = 0
+    """torchrun's restarts of every rank after one fails (as ``launch(max_restarts=)``)."""
 
     def __post_init__(self) -> None:
+        check_max_restarts(self.max_restarts)
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
             raise ValueError(f"Slurm(nodes=...) must be a positive int, got {self.nodes!r}")
         if self.cpus_per_task is not None and (
@@ -69,4 +76,5 @@ class Slurm:
     def options(self, nprocs_per_node: int, gpus_per_node: int) -> SlurmOptions:
         return SlurmOptions(nodes=self.nodes, nprocs_per_node=nprocs_per_node,
                             gpus_per_node=gpus_per_node, cpus_per_task=self.cpus_per_task,
-                            time=self.time, partition=self.partition, extra=tuple(self.sbatch))
+                            time=self.time, partition=self.partition, extra=tuple(self.sbatch),
+                            max_restarts=self.max_restarts)

@@ -19,7 +19,7 @@ from typing import Any, Literal, TextIO
 
 from . import _dataplane as dataplane
 from ._config import RunConfig
-from ._diagnosis import peer_lost
+from ._diagnosis import describe, first_cause, peer_lost
 from ._display import Panel, PanelState, make_panel
 from ._errors import NbddpError
 from ._group import LauncherExited, RankGroup
@@ -33,6 +33,7 @@ from ._slurm import JobStatus
 _PUMP_INTERVAL = 0.05
 _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
+_RESTART_GATHER = 1.0  # how long a failed attempt's other reports may take to come in
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,12 @@ class Supervisor:
         self.assigned: tuple[str, ...] | None = None
         """A session's names after this run (rank 0's ``Assigned``)."""
         self.launcher_exited = False
-        self._next_seq: dict[int, int] = {}  # per rank: the next message number expected
+        self._next_seq: dict[tuple[int, int], int] = {}
+        """Per rank and attempt: the next message number expected."""
+        self.attempt = 0
+        """torchrun's restarts so far in this run (each restarts every rank)."""
+        self.causes: list[Failure | Disconnected] = []
+        """Why each restart happened: the first cause of each failed attempt."""
         self.history = History(config.nprocs, records.metrics)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
                                 where=group.where)
@@ -92,10 +98,13 @@ class Supervisor:
                      else self.group.events.get_nowait())
         except queue.Empty:
             return None
+        if isinstance(event, (Sequenced, Disconnected)) and event.attempt < self.attempt:
+            return None  # from an attempt that failed; torchrun has restarted the ranks
         if isinstance(event, Sequenced):
-            if event.seq < self._next_seq.get(event.rank, 0):
+            key = (event.rank, event.attempt)
+            if event.seq < self._next_seq.get(key, 0):
                 return None  # it came through the rank's other link first
-            self._next_seq[event.rank] = event.seq + 1
+            self._next_seq[key] = event.seq + 1
             return event.message
         return event
 
@@ -162,6 +171,9 @@ class Supervisor:
         """Record ``event``; the run's ending if this event decides it."""
         vanished = isinstance(event, Disconnected) and self._vanished(event.rank)
         self._record(event)
+        failed = vanished or isinstance(event, Failure)
+        if failed and self.attempt < self.config.max_restarts:
+            return self._restarting()
         if vanished or (isinstance(event, Failure) and peer_lost(event)):
             # A rank died, or one lost its peer (which may be the one that died):
             # let torchrun say how the ranks ended before everything is stopped.
@@ -174,6 +186,40 @@ class Supervisor:
         if isinstance(event, LauncherExited):
             return self._launcher_ended()
         return None
+
+    def _restarting(self) -> Ending | None:
+        """A rank failed with restarts left: torchrun stops every rank and starts them
+        again. Gather this attempt's other reports, say why, and follow the next one
+        (unless torchrun ended instead: then the run has ended)."""
+        deadline = time.monotonic() + _RESTART_GATHER
+        while time.monotonic() < deadline and not self.launcher_exited:
+            event = self._next_event(_PUMP_INTERVAL)
+            if event is not None:
+                self._record(event)
+        if self.launcher_exited:
+            return self._launcher_ended()
+        cause = first_cause(self.failures)
+        self.causes.append(cause)
+        self._keep_tracebacks()
+        self.attempt += 1
+        self.results.clear()
+        self.failures.clear()
+        self.state.ranks = ["starting"] * self.config.nprocs  # torchrun starts them again
+        self.state.message = (f"restart {self.attempt} of {self.config.max_restarts}: "
+                              f"{describe(cause)}")
+        self.pump_output()
+        self.output.write(f"nbddp: {self.state.message}\n")
+        self.panel.refresh(self.state)
+        return None
+
+    def _keep_tracebacks(self) -> None:
+        """Append what each rank of the failed attempt raised to its log, where the next
+        attempt's output follows: every attempt's story stays in the records."""
+        for failure in self.failures:
+            if isinstance(failure, Failure) and failure.traceback:
+                with open(self.records.rank_log(failure.rank), "a") as log:
+                    log.write(f"nbddp: attempt {self.attempt + 1} of rank {failure.rank} "
+                              f"failed:\n{failure.traceback.rstrip()}\n")
 
     def _vanished(self, rank: int) -> bool:
         """True if ``rank`` disconnected without returning or reporting an exception."""

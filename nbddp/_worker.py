@@ -64,6 +64,7 @@ def _output_mover(run_dir: RunDir) -> Callable[[Path, Path], None]:
                     fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                     os.write(fd, data)
                     os.close(fd)
+            old.unlink(missing_ok=True)  # a rank torchrun restarts must not copy it again
         _redirect_output(new)
 
     return move

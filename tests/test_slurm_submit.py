@@ -278,3 +278,41 @@ def test_a_job_cancelled_outside_the_notebook_says_so(slurm_env, jobs, monkeypat
     with pytest.raises(nbddp.NbddpError, match=f"SLURM job {job.slurm_job_id} was cancelled"):
         job.result(timeout=120)
     assert job_ended(slurm_env, job.slurm_job_id)
+
+
+def sees_its_job(names):
+    import os
+
+    return {name: os.environ.get(name) for name in names}
+
+
+def test_a_kernel_inside_an_allocation_submits_a_job_that_runs(slurm_env, jobs, monkeypatch):
+    """A Jupyter server on a compute node passes its allocation's variables to the kernel.
+    They must not reach the job: there, srun refuses SLURM_MEM_PER_CPU beside the job's
+    own --mem, and sbatch would take SBATCH_PARTITION for the new job."""
+    from .test_restarts import ALLOCATION
+
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    for name, value in ALLOCATION.items():
+        monkeypatch.setenv(name, value)
+    job = nbddp.launch(sees_its_job, nprocs=1, args=(["SLURM_JOB_ID", "SLURM_MEM_PER_CPU"],),
+                       slurm=nbddp.Slurm(sbatch=["--mem=64M"], time="00:05:00"), wait=False)
+    assert job.slurm_job_id is not None
+    jobs.append(job.slurm_job_id)
+    assert job.result(timeout=120) == {"SLURM_JOB_ID": job.slurm_job_id,
+                                       "SLURM_MEM_PER_CPU": None}
+
+
+def test_a_submitted_job_restarts_a_failed_rank(slurm_env, jobs, monkeypatch):
+    """torchrun's restarts on the nodes: the mailboxes carry both attempts, the kernel
+    keeps the second one's messages apart from the first's."""
+    from .test_restarts import fails_first
+
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    job = nbddp.launch(fails_first, nprocs=2, args=("raise",), wait=False,
+                       slurm=nbddp.Slurm(time="00:05:00", max_restarts=1))
+    assert job.slurm_job_id is not None
+    jobs.append(job.slurm_job_id)
+    assert job.result(timeout=180) == 1
+    assert job.restarts == 1
+    assert "attempt 0 on rank 0" in job.logs[0] and "attempt 1 on rank 0" in job.logs[0]
