@@ -104,10 +104,11 @@ class WorkerError(NbddpError):
         """How IPython shows this error: the remote traceback, labelled by rank, with
         notebook cells named as IPython names them (``Cell In[5], line 3``)."""
         red, reset = "\x1b[31m", "\x1b[0m"
-        return [f"{red}WorkerError{reset}: " + _name_cells(str(self))]
+        return [f"{red}WorkerError{reset}: " + name_cells(str(self))]
 
 
-def _name_cells(text: str) -> str:
+def name_cells(text: str) -> str:
+    """In IPython: notebook cells' file names in ``text`` as the notebook names them."""
     try:
         from IPython import get_ipython
     except ImportError:

@@ -38,6 +38,7 @@ from ._rundir import RunDir
 from ._shape import GroupShape, Handover
 from ._slurm import SlurmLauncher, kernel_host, read_shape, submit
 from ._slurm_options import SlurmOptions
+from ._stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, render, size_of
 
 
 class Launcher(Protocol):
@@ -107,6 +108,11 @@ class RankGroup:
 
     def interrupt(self, ranks: set[int]) -> None:
         """Interrupt the user's code on ``ranks`` (a session's; others are stopped)."""
+
+    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
+        """Every live rank's Python stacks; empty where the kernel cannot ask (a SLURM
+        job's ranks run on other machines)."""
+        return {}
 
     def hand_over(self, payload: Packed, records: Records, options: RankOptions,
                   handover: Handover) -> None:
@@ -307,6 +313,20 @@ class LocalGroup(RankGroup):
             path.unlink(missing_ok=True)
             return None
         return path
+
+    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
+        """Every live rank's Python stacks (all threads, the main one first), taken
+        without stopping it; a rank that does not answer within ``wait`` s is left out."""
+        pids = self.rank_pids()
+        files = {rank: self.run_dir.stacks_file(rank) for rank in pids}
+        sizes = {rank: size_of(path) for rank, path in files.items()}
+        answering = self._torchrun.signal_ranks(pids.values(), STACKS_SIGNAL)
+        stacks = {}
+        for rank, path in sorted(files.items()):
+            dump = read_dump(path, sizes[rank], wait) if pids[rank] in answering else None
+            if dump is not None:
+                stacks[rank] = render(dump, main_thread_id(path))
+        return stacks
 
     def interrupt(self, ranks: set[int]) -> None:
         self._torchrun.interrupt([self._pids[r] for r in ranks if r in self._pids])

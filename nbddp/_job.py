@@ -161,6 +161,12 @@ class Job(Generic[R]):
         each metric (read from the run's records, so complete however long the run)."""
         return read_history(self._records.metrics)
 
+    def stacks(self) -> dict[int, str]:
+        """``{rank: text}``: every running rank's Python stacks (all threads, the main
+        one first), taken while the run goes on, e.g. to see where a run hangs. Empty
+        once the ranks are gone, and for a SLURM job (its ranks are on other machines)."""
+        return self._group.stacks()
+
     @property
     def restarts(self) -> int:
         """How many times torchrun has restarted every rank in this run (``max_restarts``)."""

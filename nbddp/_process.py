@@ -15,6 +15,7 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from ._restarts import torchrun_environment
@@ -75,9 +76,16 @@ class LocalLauncher:
 
     def interrupt(self, pids: list[int]) -> None:
         """SIGINT to those of ``pids`` that are this launcher's live ranks."""
+        self.signal_ranks(pids, signal.SIGINT)
+
+    def signal_ranks(self, pids: Iterable[int], sig: signal.Signals) -> set[int]:
+        """``sig`` to those of ``pids`` that are this launcher's live ranks; those."""
+        sent = set()
         for pid in set(pids) & set(self._alive_ranks()):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGINT)
+                os.kill(pid, sig)
+                sent.add(pid)
+        return sent
 
     def _alive_ranks(self) -> list[int]:
         return [pid for pid, start in list(self._ranks.items()) if _start_time(pid) == start]

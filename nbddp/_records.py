@@ -23,12 +23,15 @@ _LIVE_JOB_MARK = "payload.pkl"  # removed when the run that owns the folder ends
 
 
 class Records:
-    """The kept files of one run: each rank's log, the metrics history, torchrun's log."""
+    """The kept files of one run: each rank's log, the metrics history, torchrun's log,
+    and the ranks' stacks if a timeout or an interrupt stopped it."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.metrics = path / "metrics.jsonl"
         self.launcher_log = path / "torchrun.log"
+        self.stacks = path / "stacks.txt"
+        """Where each rank was when a timeout or an interrupt stopped the run."""
 
     @classmethod
     def create(cls) -> Records:

@@ -75,6 +75,10 @@ class RunDir:
         """The run dir of a SLURM job, which is also its records folder."""
         return cls(path, shared=True)
 
+    def stacks_file(self, rank: int) -> Path:
+        """Where a rank dumps its threads' stacks when asked (``Job.stacks``)."""
+        return self.path / f"stacks-{rank}.txt"
+
     def rank_log(self, rank: int) -> Path:
         """Where a rank writes its output until its ``Start`` names the run's records."""
         return self.path / f"rank-{rank}.log"

@@ -29,6 +29,7 @@ from ._output import BoundedOutput, LogTail
 from ._payload import loads_value
 from ._records import Records
 from ._slurm import JobStatus
+from ._stacks import where
 
 _PUMP_INTERVAL = 0.05
 _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
@@ -115,13 +116,15 @@ class Supervisor:
             event = self._next_event(_PUMP_INTERVAL)
             self.pump_output()
             reason = cancelled()
+            if reason == "interrupted":
+                return Ending("stopped", self._with_stacks(KeyboardInterrupt, ""))
             if reason:
-                return Ending("stopped", KeyboardInterrupt() if reason == "interrupted" else
-                              CancelledError("the run was cancelled; every rank was stopped"))
+                return Ending("stopped", CancelledError("the run was cancelled; every rank "
+                                                        "was stopped"))
             if deadline is not None and time.monotonic() > deadline:
-                return Ending("stopped", TimeoutError(
-                    f"the run did not finish within {self.config.timeout} s; every rank "
-                    "was stopped"))
+                return Ending("stopped", self._with_stacks(
+                    TimeoutError, f"the run did not finish within {self.config.timeout} s; "
+                                  "every rank was stopped"))
             ending = self._handle(event)
             if ending is not None:
                 return ending
@@ -129,6 +132,19 @@ class Supervisor:
                 self.history.tick()
                 self.panel.refresh(self.state)
                 refreshed = time.monotonic()
+
+    def _with_stacks(self, kind: type[BaseException], message: str) -> BaseException:
+        """``kind(message)``, with where each rank still running was (``.stacks``, also
+        kept in the records), taken before anything stops them."""
+        running = set(range(self.config.nprocs)) - self.reported
+        stacks = {rank: text for rank, text in self.group.stacks().items() if rank in running}
+        if stacks:
+            self.records.stacks.write_text(
+                "".join(f"--- rank {rank} ---\n{text}\n\n" for rank, text in stacks.items()))
+            message += ("\n" if message else "") + where(stacks)
+        error = kind(message) if message else kind()
+        error.stacks = stacks  # type: ignore[attr-defined]
+        return error
 
     def pump_output(self) -> None:
         for tail in self._tails:

@@ -32,6 +32,7 @@ from ._messages import Hello, Ready, Result
 from ._rank import Rank, failure, prepare
 from ._rank_link import KernelLink
 from ._rundir import RunDir
+from ._stacks import answer_stacks
 
 _PR_SET_PDEATHSIG = 1
 
@@ -112,6 +113,7 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ["RANK"])
     run_dir = RunDir(args.run_dir, shared=args.mailbox)
     _redirect_output(run_dir.rank_log(rank))
+    answer_stacks(run_dir.stacks_file(rank))
     _die_with_launcher()
     link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir)
     link.send(Hello(rank, os.getpid()))
