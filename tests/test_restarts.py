@@ -163,3 +163,16 @@ def test_local_ranks_do_not_see_the_kernels_allocation(monkeypatch):
     names = [*ALLOCATION, "SLURM_FOR_ME"]
     seen = nbddp.launch(environment, 2, args=(names,), env={"SLURM_FOR_ME": "asked for"})
     assert seen == {**dict.fromkeys(ALLOCATION), "SLURM_FOR_ME": "asked for"}
+
+
+def test_a_session_cell_refuses_max_restarts():
+    from types import SimpleNamespace
+
+    from nbddp._magic import _session_conflicts
+
+    cell = SimpleNamespace(nprocs=None, backend=None, no_init=False, slurm=False,
+                           max_restarts=1)
+    session = SimpleNamespace(config=RunConfig(nprocs=2))
+    assert _session_conflicts(cell, None, session) == ["--max-restarts"]
+    assert _session_conflicts(SimpleNamespace(**{**vars(cell), "max_restarts": 0}), None,
+                              session) == []
