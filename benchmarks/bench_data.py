@@ -21,7 +21,6 @@ Run: ``python benchmarks/bench_data.py [--repeats N] [--sizes MiB,...] [--json P
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -33,6 +32,7 @@ from pathlib import Path
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 
 import torch  # noqa: E402
+from bench_launch import write_json  # noqa: E402
 
 import nbddp  # noqa: E402
 
@@ -206,10 +206,7 @@ def main() -> None:
               f"1 GiB result: +{gib['result_added_s']:.3f} s again, "
               f"+{gib['first_result_added_s']:.3f} s the first time (target <= "
               f"{RESULT_TARGET})")
-    if opts.json is not None:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {opts.json}")
+    write_json(opts.json, result)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run: ``python benchmarks/bench_session.py [--repeats N] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -24,6 +23,8 @@ from typing import Any
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
+
+from bench_launch import write_json  # noqa: E402
 
 import nbddp  # noqa: E402
 
@@ -115,10 +116,7 @@ def main() -> None:
         print(f"  {name:28}{value * 1000:8.1f} ms")
     print(f"trivial %%ddp cell: {medians['%%ddp noop'] * 1000:.1f} ms, target <= "
           f"{TARGET * 1000:.0f} ms: {'met' if result['met'] else 'MISSED'}")
-    if opts.json is not None:
-        opts.json.parent.mkdir(parents=True, exist_ok=True)
-        opts.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {opts.json}")
+    write_json(opts.json, result)
 
 
 if __name__ == "__main__":

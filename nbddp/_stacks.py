@@ -42,7 +42,7 @@ def read_dump(path: Path, since: int, wait: float) -> str | None:
     deadline = time.monotonic() + wait
     last = -1
     while time.monotonic() < deadline:
-        size = _size(path)
+        size = size_of(path)
         if size > since and size == last:
             with open(path, "rb") as f:
                 f.seek(since)
@@ -53,10 +53,7 @@ def read_dump(path: Path, since: int, wait: float) -> str | None:
 
 
 def size_of(path: Path) -> int:
-    return _size(path)
-
-
-def _size(path: Path) -> int:
+    """Bytes in ``path`` so far (0 if it is not there yet)."""
     try:
         return path.stat().st_size
     except OSError:

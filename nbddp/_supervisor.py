@@ -8,7 +8,6 @@ or a cancel. It does not stop anything itself; the ``Job`` does that with the en
 
 from __future__ import annotations
 
-import os
 import queue
 import time
 from collections.abc import Callable
@@ -306,13 +305,26 @@ class Supervisor:
     def results_value(self) -> Any:
         """Rank 0's return value, or every rank's with ``all_ranks``."""
         ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
-        self.result_bytes = _file_size(self.results[0])
         try:
-            values = [_value_of(self.results[r]) for r in ranks]
+            values = [self._value_of(self.results[r]) for r in ranks]
         except Exception as exc:
             raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
                              f"the notebook: {type(exc).__name__}: {exc}") from exc
         return values if self.config.all_ranks else values[0]
+
+    def _value_of(self, result: Result) -> Any:
+        """A rank's return value; its data file is mapped, then removed (the mapping
+        stays). Rank 0's data size is kept: the next run's room is made that large."""
+        if result.file is None:
+            return loads_value(result.value or b"")
+        path = Path(result.file)
+        try:
+            packed = dataplane.read(path)
+        finally:
+            path.unlink(missing_ok=True)
+        if result.rank == 0:
+            self.result_bytes = packed.buffer_bytes
+        return packed.load()
 
     def close_output(self) -> None:
         """Show the last of the ranks' output; average what is left of the history."""
@@ -329,21 +341,3 @@ class Supervisor:
     def wake(self) -> None:
         self.group.events.put(Wake())
 
-
-def _file_size(result: Result) -> int:
-    """The size of a result's data file (0 without one)."""
-    try:
-        return os.stat(result.file).st_size if result.file is not None else 0
-    except OSError:
-        return 0
-
-
-def _value_of(result: Result) -> Any:
-    """A rank's return value; its data file is mapped, then removed (the mapping stays)."""
-    if result.file is None:
-        return loads_value(result.value or b"")
-    path = Path(result.file)
-    try:
-        return dataplane.read(path).load()
-    finally:
-        path.unlink(missing_ok=True)
