@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ._errors import NbddpError, PayloadError, WorkerError
 from ._metrics import log, progress
+from ._requeue import requeue, stop_requested
 from ._restarts import restart_count
 from ._version import __version__ as __version__
 
@@ -38,8 +39,10 @@ __all__ = [
     "launch",
     "log",
     "progress",
+    "requeue",
     "restart_count",
     "standby",
+    "stop_requested",
 ]
 
 _ON_FIRST_USE = {

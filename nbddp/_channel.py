@@ -119,7 +119,7 @@ class ChannelServer:
                 return
             self._connections.add(sock)
         rank = None
-        attempt = 0
+        attempt = requeue = 0
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
             _authenticate(sock, self._key)
@@ -129,13 +129,14 @@ class ChannelServer:
                 if rank is None and hasattr(message, "rank"):
                     rank = self._register(message.rank, sock)
                     attempt = getattr(message, "attempt", 0)
+                    requeue = getattr(message, "requeue", 0)
                 self._deliver(message)
         except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
             logger.debug("channel connection ended: %r", exc)
         finally:
             self._forget(sock, rank)
             if rank is not None:
-                self._deliver(Disconnected(rank, attempt))
+                self._deliver(Disconnected(rank, attempt, requeue))
 
     def _register(self, rank: int, sock: socket.socket) -> int:
         with self._lock:

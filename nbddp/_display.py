@@ -18,7 +18,7 @@ from typing import Any, Protocol, TextIO
 from ._history import History
 
 _COLORS = {"starting": "#999", "running": "#1f77b4", "finished": "#2ca02c",
-           "failed": "#d62728", "stopped": "#999"}
+           "failed": "#d62728", "stopped": "#999", "requeueing": "#ff7f0e"}
 
 
 @dataclass
@@ -29,7 +29,7 @@ class PanelState:
     history: History
     log_dir: str = ""
     status: str = "running"
-    """queued, running, finished, failed, cancelled, interrupted or timed out."""
+    """queued, requeued, running, finished, failed, cancelled, interrupted or timed out."""
     where: str = ""
     """Where the ranks run when not on this machine, e.g. ``SLURM job 12``."""
     message: str = ""
@@ -232,8 +232,8 @@ class _Widgets:
         n, total = (state.position or (0, None, None))[:2]
         self.bar.max = max(total or n or 1, 1)
         self.bar.value = min(n, self.bar.max)
-        self.bar.bar_style = {"finished": "success", "running": "info",
-                              "queued": ""}.get(state.status, "danger")
+        self.bar.bar_style = {"finished": "success", "running": "info", "queued": "",
+                              "requeued": "warning"}.get(state.status, "danger")
         self.speed.value = _speed_html(state)
         self.metrics.value = _metrics_html(state.history.latest)
         self.charts.value = "".join(svg_chart(name, points)
@@ -268,8 +268,8 @@ def text_view(state: PanelState) -> str:
 
 
 def _header_html(state: PanelState) -> str:
-    color = {"finished": "#2ca02c", "running": "#1f77b4", "queued": "#999"}.get(state.status,
-                                                                                "#d62728")
+    color = {"finished": "#2ca02c", "running": "#1f77b4", "queued": "#999",
+             "requeued": "#ff7f0e"}.get(state.status, "#d62728")
     ranks = " ".join(
         f'<span title="rank {r}: {s}" style="color:{_COLORS[s]}">&#9679; {r} {s}</span>'
         for r, s in enumerate(state.ranks))

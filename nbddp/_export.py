@@ -19,6 +19,7 @@ import cloudpickle
 
 from ._cell import Cell
 from ._config import check_max_restarts
+from ._requeue import REQUEUE_FILE, REQUEUE_FILE_ENV, STOP_FILE, STOP_FILE_ENV
 from ._restarts import torchrun_environment
 from ._slurm_options import SlurmOptions
 from ._source import Standalone, is_literal, standalone, standalone_names
@@ -120,7 +121,8 @@ def cell_main(source: str) -> str:
     return _CELL_MAIN.format(source=source.strip("\n"))
 
 
-def _directives(job_name: str, options: SlurmOptions, output: str, error: str | None) -> list[str]:
+def _directives(job_name: str, options: SlurmOptions, output: str, error: str | None,
+                more: Sequence[str] = ()) -> list[str]:
     lines = ["#!/bin/bash", f"#SBATCH --job-name={job_name}", f"#SBATCH --nodes={options.nodes}",
              "#SBATCH --ntasks-per-node=1"]
     if options.gpus_per_node:
@@ -134,7 +136,7 @@ def _directives(job_name: str, options: SlurmOptions, output: str, error: str | 
     lines.append(f"#SBATCH --output={output}")
     if error:
         lines.append(f"#SBATCH --error={error}")
-    return lines + [f"#SBATCH {line}" for line in options.extra]
+    return lines + [f"#SBATCH {line}" for line in (*more, *options.extra)]
 
 
 def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
@@ -156,9 +158,14 @@ def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
 
 def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> str:
     """The sbatch file of a run submitted from the notebook: on each node, nbddp's
-    torchrun wrapper starts nbddp's worker, which reports to the kernel or the mailbox."""
+    torchrun wrapper starts nbddp's worker, which reports to the kernel or the mailbox.
+    The script waits for its job step in the background, so that SLURM's warning signal
+    reaches it at once, and requeues the job when the ranks asked for it."""
     folder, python = shlex.quote(run_dir), shlex.quote(python)
-    lines = _directives("nbddp", options, f"{run_dir}/torchrun.log", None)  # no shell here
+    ends = ["--open-mode=append",  # a requeued run's output follows the first one's
+            *(["--requeue"] if options.requeue else []),
+            *([f"--signal=B:USR1@{options.signal_before}"] if options.signal_before else [])]
+    lines = _directives("nbddp", options, f"{run_dir}/torchrun.log", None, ends)  # no shell
     lines += [
         "",
         "# Submitted by nbddp from a notebook: the ranks load the payload in this run",
@@ -166,12 +173,25 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "port=$((20000 + SLURM_JOB_ID % 20000))",
         *_restart_exports(options.max_restarts),
+        "# Each run of the job (a requeue runs it again) starts with no stop and no requeue.",
+        f"export {STOP_FILE_ENV}={folder}/{STOP_FILE} {REQUEUE_FILE_ENV}={folder}/{REQUEUE_FILE}",
+        f': >"${STOP_FILE_ENV}"; rm -f "${REQUEUE_FILE_ENV}"',
+        *([f"trap 'echo \"SLURM: the time limit is near\" >>\"${STOP_FILE_ENV}\"' USR1"]
+          if options.signal_before else []),
         "",
         f"srun --kill-on-bad-exit=1 {python} -m nbddp._torchrun {folder} - \\",
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.nprocs_per_node} "
         f"--max-restarts {options.max_restarts} \\",
         "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" --rdzv-endpoint \"$head:$port\" \\",
-        f"    -m nbddp._worker {folder} --mailbox",
+        f"    -m nbddp._worker {folder} --mailbox &",
+        "step=$!",
+        'wait "$step"; status=$?',
+        'while kill -0 "$step" 2>/dev/null; do wait "$step"; status=$?; done  # a signal woke it',
+        f'if [ "$status" = 0 ] && [ -e "${REQUEUE_FILE_ENV}" ]; then',
+        '    echo "nbddp: the ranks called nbddp.requeue(): requeueing SLURM job $SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID" || status=$?',
+        "fi",
+        'exit "$status"',
     ]
     return "\n".join(lines) + "\n"
 

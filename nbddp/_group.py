@@ -30,13 +30,14 @@ from . import _version
 from ._channel import ChannelServer, new_key
 from ._config import RunConfig
 from ._dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
+from ._errors import NbddpError
 from ._mailbox import MailboxReader
 from ._messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start, encode
 from ._process import LocalLauncher
 from ._records import Records
 from ._rundir import RunDir
 from ._shape import GroupShape, Handover
-from ._slurm import SlurmLauncher, kernel_host, read_shape, submit
+from ._slurm import SlurmLauncher, job_status, kernel_host, read_shape, submit
 from ._slurm_options import SlurmOptions
 from ._stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, render, size_of
 
@@ -72,6 +73,8 @@ class RankGroup:
     notice: str | None = None
     """A line for the notebook when the run starts on this group."""
     slurm_job_id: str | None = None
+    requeues_seen = 0
+    """The latest of SLURM's requeues of the job that the ranks' messages came from."""
     ends_after_result = False
     """After every rank returned, the run's value may be given before the launcher has
     ended: true where the kernel owns the processes (and sees them off regardless)."""
@@ -120,6 +123,10 @@ class RankGroup:
 
     def sync(self) -> None:
         """Read now whatever the ranks sent through slower links (mailbox files)."""
+
+    def requeues(self) -> int:
+        """How many times SLURM has requeued the job by now (0 where no SLURM job runs)."""
+        return 0
 
     def stopped_from_outside(self) -> str | None:
         return self.launcher.stopped_from_outside() if self.launcher else None
@@ -393,12 +400,24 @@ class SlurmGroup(RankGroup):
                            output=shape["output"])
         Records(run_dir.path).metrics.unlink(missing_ok=True)  # rebuilt from the mailboxes
         group = cls(config, run_dir)
+        group.sync()  # everything written so far: which requeue of the job the ranks are on
         group._follow(shape["job_id"], f"nbddp: attached to SLURM job {shape['job_id']}")
         return group
 
     def _deliver(self, message: Any) -> None:
         if not isinstance(message, Disconnected):  # the rank's mailbox still speaks for it
+            self.requeues_seen = max(self.requeues_seen, getattr(message, "requeue", 0))
             self.events.put(message)
+
+    def requeues(self) -> int:
+        """SLURM's count, asked now (a rank's failure may be the requeue's doing), or what
+        the ranks' messages show if SLURM no longer knows the job."""
+        assert self.slurm_job_id is not None
+        try:
+            restarts = job_status(self.slurm_job_id).restarts
+        except NbddpError:
+            restarts = 0
+        return max(restarts, self.requeues_seen)
 
     def _follow(self, job_id: str, notice: str) -> None:
         self.slurm_job_id, self.where, self.notice = job_id, f"SLURM job {job_id}", notice

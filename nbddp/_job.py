@@ -173,6 +173,11 @@ class Job(Generic[R]):
         return self._supervisor.attempt
 
     @property
+    def requeues(self) -> int:
+        """How many times SLURM has requeued this run's job (each runs it again)."""
+        return self._supervisor.requeue
+
+    @property
     def _result_bytes(self) -> int:
         """The size of rank 0's result data file (0 without one)."""
         return self._supervisor.result_bytes

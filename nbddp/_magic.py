@@ -116,6 +116,12 @@ class DDPMagics(Magics):
     @argument("--sbatch", action="append", default=[], metavar="LINE",
               help="with --slurm or --export: an extra #SBATCH line, e.g. "
                    "--sbatch=--account=proj (repeatable)")
+    @argument("--requeue", action="store_true",
+              help="with --slurm: SLURM may requeue the job (preemption, a failed node); "
+                   "the cell follows it through each requeue")
+    @argument("--signal-before", type=int, metavar="SECONDS",
+              help="with --slurm: nbddp.stop_requested() turns true this long before the "
+                   "time limit (save, then nbddp.requeue())")
     @output_can_be_silenced  # a trailing ';' hides the result, as in any cell
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
@@ -145,6 +151,9 @@ class DDPMagics(Magics):
         if args.export and args.slurm:
             raise UsageError("--export writes the job's files and --slurm submits it: "
                              "choose one")
+        if (args.requeue or args.signal_before is not None) and not args.slurm:
+            raise UsageError("--requeue and --signal-before are for a job submitted from "
+                             "the notebook: add --slurm")
         session = self.session if self.session and not self.session.closed else None
         if session is not None and not args.export:
             conflicts = _session_conflicts(args, gpus, session)
@@ -174,7 +183,8 @@ class DDPMagics(Magics):
         try:
             slurm = args.slurm and Slurm(nodes=args.nodes, time=args.time,
                                          partition=args.partition, sbatch=args.sbatch,
-                                         cpus_per_task=args.cpus_per_task)
+                                         cpus_per_task=args.cpus_per_task,
+                                         requeue=args.requeue, signal_before=args.signal_before)
             return launch(code, args.nprocs, gpus=_per_node(gpus) if args.slurm else gpus,
                           backend=args.backend, timeout=args.timeout, init=not args.no_init,
                           output="all" if args.all_ranks else "rank0",

@@ -6,7 +6,8 @@ frames. Frames are only decoded from authenticated peers or from private (0600) 
 Tensor and array bytes do not travel in messages: they are in data files (``_dataplane``)
 that a message names.
 
-    rank -> kernel   Hello, Ready, Metrics, Assigned, Result, Failure (each Sequenced)
+    rank -> kernel   Hello, Ready, Metrics, StopRequested, Assigned, and one report:
+                     Result, Failure or Requeueing (each Sequenced)
     kernel -> rank   Start
     kernel only      Disconnected (a rank's connection closed)
 """
@@ -86,6 +87,22 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Requeueing:
+    """A rank of a SLURM job ended its attempt with ``nbddp.requeue()``: once every rank
+    has ended, the job goes back to the queue and runs again."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    """SLURM told the job its time limit is near (``Slurm(signal_before=...)``); the
+    rank's ``nbddp.stop_requested()`` is now true."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
 class Metrics:
     """A batch of one rank's ``nbddp.log`` records and its ``nbddp.progress`` position."""
 
@@ -104,6 +121,9 @@ class Sequenced:
     attempt: int = 0
     """Which of torchrun's attempts sent it (``TORCHELASTIC_RESTART_COUNT``): after a
     restart, what the failed attempt still sends is stale."""
+    requeue: int = 0
+    """How many times SLURM had requeued the job when it was sent (``SLURM_RESTART_COUNT``);
+    each requeue starts torchrun's attempts again from 0."""
 
     @property
     def rank(self) -> int:
@@ -144,6 +164,7 @@ class Disconnected:
 
     rank: int
     attempt: int = 0
+    requeue: int = 0
 
 
 # --- frames ---------------------------------------------------------------------------

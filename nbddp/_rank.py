@@ -21,9 +21,10 @@ from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
 from . import _dataplane as dataplane
-from ._messages import Assigned, Failure, RankOptions, Result, Start
+from ._messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from ._metrics import start_reporting, stop_reporting
 from ._payload import Payload, dumps_value
+from ._requeue import RequeueRequested, mark_requeue
 from ._scope import Scope
 from ._version import __version__
 
@@ -68,7 +69,7 @@ class Rank:
         self.scope = Scope()
         self.interrupts = Interrupts()
 
-    def run(self, start: Start, send: Callable[[Any], None]) -> Result | Failure:
+    def run(self, start: Start, send: Callable[[Any], None]) -> Result | Failure | Requeueing:
         """Take up ``start``'s run, run it, and say how it went (never raises)."""
         reporter = None
         try:
@@ -80,6 +81,9 @@ class Rank:
                 value = self._call(payload, start, scope)
             wanted = self.rank == 0 or start.options.all_ranks
             return self._result(value, start) if wanted else Result(self.rank)
+        except RequeueRequested:
+            mark_requeue()
+            return Requeueing(self.rank)
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
             if isinstance(exc, SystemExit) and exc.code in (None, 0):
                 return Result(self.rank, dumps_value(None) if self.rank == 0 else None)

@@ -19,11 +19,13 @@ from typing import Any
 from ._channel import ChannelClient
 from ._mailbox import MailboxWriter, mailbox_path
 from ._messages import Sequenced, Start, decode, split_frames
-from ._restarts import restart_count
+from ._restarts import requeue_count, restart_count
 from ._rundir import RunDir
 
 ATTEMPT = restart_count()
 """Which of torchrun's attempts this rank belongs to (0, or the restarts before it)."""
+REQUEUE = requeue_count()
+"""Which of SLURM's runs of the job this rank belongs to (0, or the requeues before it)."""
 
 
 class KernelLink:
@@ -54,7 +56,7 @@ class KernelLink:
 
     def send(self, message: Any) -> None:
         with self._lock:
-            numbered = Sequenced(self._seq, message, ATTEMPT)
+            numbered = Sequenced(self._seq, message, ATTEMPT, REQUEUE)
             self._seq += 1
             if self._mailbox is not None:
                 self._mailbox.send(numbered)

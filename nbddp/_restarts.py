@@ -1,4 +1,5 @@
-"""Which attempt a rank is on, when torchrun restarts failed runs (``max_restarts``)."""
+"""Which attempt a rank is on: torchrun's restarts of failed runs (``max_restarts``), and
+SLURM's requeues of a job (each starts torchrun's count again)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,12 @@ def restart_count() -> int:
     than 0. Works wherever torchrun starts the ranks (launches, exported scripts).
     """
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def requeue_count() -> int:
+    """How many times SLURM has requeued this rank's job (``SLURM_RESTART_COUNT``): 0 on
+    its first run, and outside SLURM."""
+    return int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
 
 
 RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

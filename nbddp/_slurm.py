@@ -59,6 +59,8 @@ class JobStatus:
     """Why a pending job waits (``Priority``, ``JobHeldUser``...); empty if SLURM says none."""
     nodes: str = ""
     exit_code: int | None = None
+    restarts: int = 0
+    """How many times SLURM has requeued the job (``Restarts``); each requeue runs it again."""
 
     @property
     def ended(self) -> bool:
@@ -68,7 +70,8 @@ class JobStatus:
         """A line for the notebook, e.g. ``SLURM job 12 is queued (Priority)``."""
         if self.state == "PENDING":
             why = f" ({self.reason})" if self.reason else ""
-            return f"SLURM job {job_id} is queued{why}"
+            again = f" again (requeue {self.restarts})" if self.restarts else ""
+            return f"SLURM job {job_id} is queued{again}{why}"
         if self.state == "RUNNING":
             return f"SLURM job {job_id} is running on {self.nodes}"
         return f"SLURM job {job_id} is {self.state.lower()}"
@@ -92,12 +95,17 @@ def job_status(job_id: str) -> JobStatus:
         if "Invalid job id" in done.stderr:
             return JobStatus("GONE")  # finished long enough ago to be purged
         raise NbddpError(f"scontrol show job {job_id} failed: {done.stderr.strip()}")
-    fields = dict(re.findall(r"(\w[\w/:]*)=(\S*)", done.stdout))
-    code = fields.get("ExitCode", "")
-    reason = fields.get("Reason", "")
+    return parse_job(done.stdout)
+
+
+def parse_job(text: str) -> JobStatus:
+    """``scontrol show job --oneliner``'s line as a ``JobStatus``."""
+    fields = dict(re.findall(r"(\w[\w/:]*)=(\S*)", text))
+    code, reason = fields.get("ExitCode", ""), fields.get("Reason", "")
+    restarts = fields.get("Restarts", "")
     return JobStatus(fields.get("JobState", "UNKNOWN"), "" if reason == "None" else reason,
                      fields.get("NodeList", ""), int(code.split(":")[0]) if code[:1].isdigit()
-                     else None)
+                     else None, int(restarts) if restarts.isdigit() else 0)
 
 
 def kernel_host() -> str:

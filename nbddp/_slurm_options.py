@@ -35,6 +35,13 @@ class SlurmOptions:
     """The c10d rendezvous port on the first node."""
     max_restarts: int = 0
     """torchrun's restarts of every rank after one fails (``--max-restarts``)."""
+    requeue: bool = False
+    """``--requeue``: SLURM may put the job back in the queue (preemption, node failure)."""
+    signal_before: int | None = None
+    """Seconds before the time limit at which the ranks are told to stop (submissions)."""
+
+
+_MAX_SIGNAL_TIME = 65535  # sbatch --signal's limit
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,22 @@ class Slurm:
     """More ``#SBATCH`` options, each one line without the prefix."""
     max_restarts: int = 0
     """torchrun's restarts of every rank after one fails (as ``launch(max_restarts=)``)."""
+    requeue: bool = False
+    """Let SLURM put the job back in the queue (``--requeue``), e.g. when it is preempted;
+    the notebook follows it through each requeue. Without it the cluster's default holds."""
+    signal_before: int | None = None
+    """Seconds before the time limit at which ``nbddp.stop_requested()`` turns true on
+    every rank (SLURM may signal up to a minute earlier). Save, then ``nbddp.requeue()``."""
 
     def __post_init__(self) -> None:
         check_max_restarts(self.max_restarts)
+        if not isinstance(self.requeue, bool):
+            raise TypeError(f"Slurm(requeue=...) is True or False, got {self.requeue!r}")
+        if self.signal_before is not None and (
+                isinstance(self.signal_before, bool) or not isinstance(self.signal_before, int)
+                or not 0 < self.signal_before <= _MAX_SIGNAL_TIME):
+            raise ValueError(f"Slurm(signal_before=...) is a number of seconds from 1 to "
+                             f"{_MAX_SIGNAL_TIME}, got {self.signal_before!r}")
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
             raise ValueError(f"Slurm(nodes=...) must be a positive int, got {self.nodes!r}")
         if self.cpus_per_task is not None and (
@@ -77,4 +97,5 @@ class Slurm:
         return SlurmOptions(nodes=self.nodes, nprocs_per_node=nprocs_per_node,
                             gpus_per_node=gpus_per_node, cpus_per_task=self.cpus_per_task,
                             time=self.time, partition=self.partition, extra=tuple(self.sbatch),
-                            max_restarts=self.max_restarts)
+                            max_restarts=self.max_restarts, requeue=self.requeue,
+                            signal_before=self.signal_before)

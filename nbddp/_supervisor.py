@@ -23,7 +23,17 @@ from ._display import Panel, PanelState, make_panel
 from ._errors import NbddpError
 from ._group import LauncherExited, RankGroup
 from ._history import History
-from ._messages import Assigned, Disconnected, Failure, Hello, Metrics, Result, Sequenced
+from ._messages import (
+    Assigned,
+    Disconnected,
+    Failure,
+    Hello,
+    Metrics,
+    Requeueing,
+    Result,
+    Sequenced,
+    StopRequested,
+)
 from ._output import BoundedOutput, LogTail
 from ._payload import loads_value
 from ._records import Records
@@ -64,12 +74,16 @@ class Supervisor:
         self.assigned: tuple[str, ...] | None = None
         """A session's names after this run (rank 0's ``Assigned``)."""
         self.launcher_exited = False
-        self._next_seq: dict[tuple[int, int], int] = {}
-        """Per rank and attempt: the next message number expected."""
+        self._next_seq: dict[tuple[int, int, int], int] = {}
+        """Per rank, requeue and attempt: the next message number expected."""
         self.attempt = 0
         """torchrun's restarts so far in this run (each restarts every rank)."""
         self.causes: list[Failure | Disconnected] = []
         """Why each restart happened: the first cause of each failed attempt."""
+        self.requeue = group.requeues_seen
+        """SLURM's requeues of the job so far (each runs it again, restarts from 0)."""
+        self.requeueing: set[int] = set()
+        """Ranks that ended this run of the job with ``nbddp.requeue()``."""
         self.history = History(config.nprocs, records.metrics)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
                                 where=group.where)
@@ -98,10 +112,13 @@ class Supervisor:
                      else self.group.events.get_nowait())
         except queue.Empty:
             return None
-        if isinstance(event, (Sequenced, Disconnected)) and event.attempt < self.attempt:
-            return None  # from an attempt that failed; torchrun has restarted the ranks
+        if isinstance(event, (Sequenced, Disconnected)):
+            if event.requeue > self.requeue:
+                self._requeued(event.requeue)  # the ranks of the job's next run speak first
+            if (event.requeue, event.attempt) < (self.requeue, self.attempt):
+                return None  # from an attempt that failed or a run SLURM requeued
         if isinstance(event, Sequenced):
-            key = (event.rank, event.attempt)
+            key = (event.rank, event.requeue, event.attempt)
             if event.seq < self._next_seq.get(key, 0):
                 return None  # it came through the rank's other link first
             self._next_seq[key] = event.seq + 1
@@ -166,6 +183,12 @@ class Supervisor:
         elif isinstance(event, Disconnected) and self._vanished(event.rank):
             self.failures.append(event)  # died without a word: a root-cause candidate
             self.state.ranks[event.rank] = "failed"
+        elif isinstance(event, Requeueing):
+            self.requeueing.add(event.rank)
+            self.state.ranks[event.rank] = "requeueing"
+            self.state.message = "the ranks called nbddp.requeue(): the job goes back to the queue"
+        elif isinstance(event, StopRequested):
+            self._stop_requested()
         elif isinstance(event, JobStatus):
             self._job_status(event)
         elif isinstance(event, Assigned):
@@ -176,17 +199,56 @@ class Supervisor:
     def _job_status(self, status: JobStatus) -> None:
         """Show a SLURM job's state: queued (and why), then where it runs."""
         assert self.group.slurm_job_id is not None
+        if status.restarts > self.requeue:
+            self._requeued(status.restarts)
         self.output.write(f"nbddp: {status.describe(self.group.slurm_job_id)}\n")
-        if status.state == "PENDING":
+        if status.state == "PENDING" and self.requeue:
+            self.state.message = f"requeue {self.requeue}, queued ({status.reason})"
+        elif status.state == "PENDING":
             self.state.status, self.state.message = "queued", status.reason
         elif status.state == "RUNNING":
             self.state.status, self.state.message = "running", f"on {status.nodes}"
+
+    def _requeued(self, requeue: int) -> None:
+        """SLURM put the job back in the queue: what its earlier run said is over, and
+        the notebook follows the next run (which starts the function again)."""
+        self.requeue, self.attempt = requeue, 0
+        self.results.clear()
+        self.failures.clear()
+        self.requeueing.clear()
+        self.state.ranks = ["starting"] * self.config.nprocs
+        self.state.status, self.state.message = "requeued", f"requeue {requeue}"
+        self.pump_output()
+        self.output.write(f"nbddp: SLURM job {self.group.slurm_job_id} was requeued "
+                          f"(requeue {requeue}); following its next run\n")
+        self.panel.refresh(self.state)
+
+    def _stop_requested(self) -> None:
+        """SLURM's warning before the time limit reached the ranks (said once)."""
+        if self.state.message.startswith("time limit near"):
+            return
+        self.state.message = "time limit near: nbddp.stop_requested() is true on the ranks"
+        self.output.write(f"nbddp: SLURM job {self.group.slurm_job_id} nears its time limit; "
+                          "nbddp.stop_requested() is now true on the ranks\n")
+
+    def _requeue_underway(self) -> bool:
+        """A SLURM job's rank failed: true if SLURM is requeueing the job, which stops
+        its ranks (then the failure is not the run's end); follows the next run if so."""
+        if self.group.slurm_job_id is None:
+            return False
+        requeues = self.group.requeues()
+        if requeues > self.requeue:
+            self._requeued(requeues)
+            return True
+        return False
 
     def _handle(self, event: Any) -> Ending | None:
         """Record ``event``; the run's ending if this event decides it."""
         vanished = isinstance(event, Disconnected) and self._vanished(event.rank)
         self._record(event)
         failed = vanished or isinstance(event, Failure)
+        if failed and self._requeue_underway():
+            return None
         if failed and self.attempt < self.config.max_restarts:
             return self._restarting()
         if vanished or (isinstance(event, Failure) and peer_lost(event)):
@@ -257,6 +319,10 @@ class Supervisor:
         self.drain()
         if len(self.results) == self.config.nprocs:
             return Ending("returned")  # e.g. gloo aborting at exit after a clean run
+        if self.requeueing and not self.failures:
+            return Ending("stopped", NbddpError(
+                f"the ranks called nbddp.requeue(), but {self.group.where} ended instead of "
+                f"going back to the queue; see {self.records.path / 'torchrun.log'}"))
         stopped = self.group.stopped_from_outside()
         if stopped and not self.failures:
             return Ending("stopped", NbddpError(
@@ -267,7 +333,8 @@ class Supervisor:
     @property
     def reported(self) -> set[int]:
         """Ranks that returned or raised in this run (and so are done with it)."""
-        return set(self.results) | {f.rank for f in self.failures if isinstance(f, Failure)}
+        return (set(self.results) | self.requeueing
+                | {f.rank for f in self.failures if isinstance(f, Failure)})
 
     @property
     def lost(self) -> bool:

@@ -28,9 +28,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from ._messages import Hello, Ready, Result
+from ._messages import Hello, Ready, Requeueing, Result, StopRequested
 from ._rank import Rank, failure, prepare
 from ._rank_link import KernelLink
+from ._requeue import watch_for_stop
 from ._rundir import RunDir
 from ._stacks import answer_stacks
 
@@ -100,7 +101,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         link.send(report)
         link.busy.clear()
         if not start.session:
-            return 0 if isinstance(report, Result) else 1
+            return 0 if isinstance(report, (Result, Requeueing)) else 1
     return 0
 
 
@@ -117,6 +118,7 @@ def main(argv: list[str]) -> None:
     _die_with_launcher()
     link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir)
     link.send(Hello(rank, os.getpid()))
+    watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
     code = _serve(link, run_dir, rank, args.prepare)
     link.close()
     _exit(code)

@@ -19,7 +19,7 @@ from .test_kernel import _wait_for_ranks, interrupt_and_check
 
 OPTIONS = ("--gpus", "--nprocs", "--backend", "--timeout", "--no-init", "--out", "--all-ranks",
            "--slurm", "--nodes", "--time", "--partition", "--cpus-per-task", "--sbatch",
-           "--export")
+           "--export", "--requeue", "--signal-before")
 
 # Installed in the shared kernel: every subprocess.Popen the kernel creates (torchrun
 # is started that way) is counted, so a test can say that an error came before any
@@ -315,6 +315,9 @@ def test_the_line_form_shows_help_or_says_it_is_a_cell_magic(ddp):
     ("--nodes 2", "add --slurm to submit the cell, or --export PATH"),
     ("--time 01:00:00", "add --slurm to submit the cell, or --export PATH"),
     ("--slurm --export job.py", "choose one"),
+    ("--requeue", "add --slurm"),
+    ("--export job.py --signal-before 60", "add --slurm"),
+    ("--slurm --signal-before 0", "signal_before=...) is a number of seconds"),
 ])
 def test_bad_option_values_are_usage_errors(ddp, options, message):
     before = _popens(ddp)

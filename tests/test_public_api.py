@@ -11,8 +11,8 @@ import nbddp
 def test_all_is_pinned():
     assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "Session", "SessionStatus",
                              "Slurm", "StandbyState", "WorkerError", "attach", "export",
-                             "last_job", "launch", "log", "progress", "restart_count",
-                             "standby"]
+                             "last_job", "launch", "log", "progress", "requeue",
+                             "restart_count", "standby", "stop_requested"]
     for name in nbddp.__all__:
         assert getattr(nbddp, name).__module__.startswith("nbddp.")
 

@@ -1,0 +1,237 @@
+"""SLURM requeues and the warning before a time limit: runs that outlive their job's run.
+
+On the test cluster (scripts/slurm-up.sh): a job that ``scontrol requeue`` stops half
+way is followed through its next run to its result; a job warned of its time limit
+(``Slurm(signal_before=...)``) sees ``nbddp.stop_requested()``, saves, calls
+``nbddp.requeue()``, and resumes from its checkpoint in its next run; a kernel restarted
+while its job is requeued attaches to the new run. Then the pure parts: what the batch
+script says, ``scontrol``'s restart count, the options' checks, and the stop watcher.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nbddp
+from nbddp._export import submission_sbatch_text
+from nbddp._slurm import JobStatus, parse_job
+from nbddp._slurm_options import SlurmOptions
+
+from .conftest import wait_until
+from .slurm import job_ended, job_info, slurm
+
+# --- functions the ranks run ---------------------------------------------------------
+
+
+def waits_to_be_requeued(flag: str):
+    """The job's first run waits until SLURM stops it; the next one waits for ``flag``
+    and returns which run it is."""
+    import pathlib
+    import time
+
+    run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    for step in range(2):
+        nbddp.log(step=10 * run + step, loss=1.0)
+    print(f"run {run} waiting", flush=True)
+    while run == 0 or not pathlib.Path(flag).exists():
+        time.sleep(0.1)
+    return run
+
+
+def trains_until_stopped(checkpoint: str):
+    """Steps until SLURM warns of the time limit; saves, asks to run again, resumes."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    if os.path.exists(checkpoint):
+        return "resumed at step", torch.load(checkpoint)["step"]
+    step = 0
+    while True:
+        step += 1
+        time.sleep(0.2)
+        stop = torch.tensor(float(nbddp.stop_requested()))
+        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
+        if stop.item():
+            if dist.get_rank() == 0:
+                torch.save({"step": step}, checkpoint + ".part")
+                os.replace(checkpoint + ".part", checkpoint)
+            dist.barrier()
+            print(f"saved at step {step}; requeueing", flush=True)
+            nbddp.requeue()
+
+
+# --- on the test cluster --------------------------------------------------------------
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_requeued_job_is_followed_to_its_result(slurm_env, jobs, monkeypatch, tmp_path,
+                                                  capfd):
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    flag = tmp_path / "go-on"
+    job = nbddp.launch(waits_to_be_requeued, nprocs=2, args=(str(flag),), wait=False,
+                       slurm=nbddp.Slurm(time="00:05:00", requeue=True))
+    assert job.slurm_job_id is not None
+    jobs.append(job.slurm_job_id)
+    wait_until(lambda: "run 0 waiting" in job.logs[0], timeout=120, interval=0.2)
+    slurm(slurm_env, "scontrol", "requeue", job.slurm_job_id)
+    wait_until(lambda: "run 1 waiting" in job.logs[0], timeout=120, interval=0.2)
+    assert not job.done()  # the first run's end was not the run's end
+    flag.touch()
+    assert job.result(timeout=120) == 1
+    assert job.requeues == 1
+    assert "run 0 waiting" in job.logs[0]  # both runs' output is kept
+    assert [row["step"] for row in job.history] == [0, 1, 10, 11]
+    assert f"SLURM job {job.slurm_job_id} was requeued (requeue 1)" in capfd.readouterr().out
+    assert job_ended(slurm_env, job.slurm_job_id)
+    assert job_info(slurm_env, job.slurm_job_id)["JobState"] == "COMPLETED"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_job_warned_of_its_time_limit_saves_and_resumes_in_its_next_run(
+        slurm_env, jobs, monkeypatch, tmp_path, capfd):
+    """SLURM signals 110 s before a 2 minute limit: soon after the start (its timer is
+    coarse). The ranks agree to stop, save, and ask to be requeued; the next run resumes."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    checkpoint = str(tmp_path / "checkpoint.pt")
+    job = nbddp.launch(trains_until_stopped, nprocs=2, args=(checkpoint,), wait=False,
+                       slurm=nbddp.Slurm(time="00:02:00", signal_before=110, requeue=True))
+    assert job.slurm_job_id is not None
+    jobs.append(job.slurm_job_id)
+    what, step = job.result(timeout=240)
+    assert what == "resumed at step" and step > 0
+    assert job.requeues == 1
+    assert f"saved at step {step}; requeueing" in job.logs[0]
+    out = capfd.readouterr().out
+    assert "nears its time limit; nbddp.stop_requested() is now true" in out
+    assert "was requeued (requeue 1)" in out
+    assert job_ended(slurm_env, job.slurm_job_id)
+    assert "the ranks called nbddp.requeue()" in (Path(job.records) / "torchrun.log").read_text()
+
+
+RUN_AND_WAIT = """
+import os
+{source}
+job = nbddp.launch(waits_to_be_requeued, nprocs=2, args=({flag!r},), wait=False,
+                   slurm=nbddp.Slurm(time="00:05:00"))
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_restarted_kernel_attaches_to_its_requeued_job(slurm_env, jobs, fresh_kernel,
+                                                         tmp_path):
+    """The job is requeued while no kernel follows it: attach reads both runs' messages
+    and follows the second run (the cluster's default lets a batch job be requeued)."""
+    from .test_slurm_submit import job_id_in, setup_cell
+
+    flag = tmp_path / "go-on"
+    fresh_kernel.run(setup_cell(slurm_env)).assert_ok()
+    source = inspect.getsource(waits_to_be_requeued)  # defined in the notebook
+    run = fresh_kernel.run(RUN_AND_WAIT.format(source=source, flag=str(flag))).assert_ok()
+    job_id = job_id_in(run.stream_text(), jobs)
+    wait_until(lambda: "run 0 waiting" in fresh_kernel.run("job.logs[0]").result(),
+               timeout=120, interval=0.5)
+
+    fresh_kernel.km.restart_kernel(now=True)
+    fresh_kernel.kc.wait_for_ready(timeout=60)
+    slurm(slurm_env, "scontrol", "requeue", job_id)
+    fresh_kernel.run(setup_cell(slurm_env)).assert_ok()
+    attached = fresh_kernel.submit(f"job = nbddp.attach({job_id!r})\nvalue = job.result()\n"
+                                   "value, job.requeues")
+    attached.wait_for_output("run 1 waiting", timeout=120)
+    flag.touch()
+    attached.finish(timeout=120).assert_ok()
+    assert eval(attached.result()) == (1, 1)  # noqa: S307 - our own repr
+    assert job_ended(slurm_env, job_id)
+
+
+# --- pure parts -----------------------------------------------------------------------
+
+
+def test_the_batch_script_asks_for_a_requeue_and_a_warning_only_when_told():
+    plain = submission_sbatch_text("/runs/r1", "python", SlurmOptions())
+    assert "--requeue" not in plain and "--signal" not in plain and "trap" not in plain
+    assert "#SBATCH --open-mode=append" in plain  # a requeued run's output follows
+    told = submission_sbatch_text("/runs/r1", "python", SlurmOptions(
+        requeue=True, signal_before=300, extra=("--account=proj",)))
+    directives = [line for line in told.splitlines() if line.startswith("#SBATCH")]
+    assert directives[-3:] == ["#SBATCH --requeue", "#SBATCH --signal=B:USR1@300",
+                               "#SBATCH --account=proj"]  # the user's own lines come last
+    assert "trap 'echo \"SLURM: the time limit is near\" >>\"$NBDDP_STOP_FILE\"' USR1" in told
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in told
+
+
+def test_the_batch_script_is_valid_bash():
+    text = submission_sbatch_text("/runs/a b", "python", SlurmOptions(signal_before=60))
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+
+def test_scontrol_says_how_many_times_a_job_was_requeued():
+    line = ("JobId=7 JobName=nbddp JobState=PENDING Reason=BeginTime Dependency=(null) "
+            "Requeue=1 Restarts=2 BatchFlag=1 ExitCode=0:0 NodeList=(null)")
+    status = parse_job(line)
+    assert (status.state, status.reason, status.restarts, status.exit_code) == (
+        "PENDING", "BeginTime", 2, 0)
+    assert status.describe("7") == "SLURM job 7 is queued again (requeue 2) (BeginTime)"
+    assert parse_job("JobId=7 JobState=RUNNING NodeList=n1").restarts == 0
+    assert JobStatus("PENDING", "Priority").describe("7") == "SLURM job 7 is queued (Priority)"
+
+
+def test_bad_requeue_options_are_refused():
+    with pytest.raises(ValueError, match="signal_before"):
+        nbddp.Slurm(signal_before=0)
+    with pytest.raises(ValueError, match="signal_before"):
+        nbddp.Slurm(signal_before=70000)
+    with pytest.raises(TypeError, match="requeue"):
+        nbddp.Slurm(requeue="yes")  # type: ignore[arg-type]
+
+
+def test_requeue_outside_a_slurm_job_says_where_it_works(monkeypatch):
+    monkeypatch.delenv("NBDDP_REQUEUE_FILE", raising=False)
+    with pytest.raises(RuntimeError, match=r"works in a run submitted with launch\(slurm="):
+        nbddp.requeue()
+    assert nbddp.stop_requested() is False
+
+
+def sees_a_requeue_request():
+    nbddp.requeue()
+
+
+def test_a_local_rank_that_calls_requeue_fails_clearly():
+    with pytest.raises(nbddp.WorkerError, match="RuntimeError: nbddp.requeue.. puts a SLURM"):
+        nbddp.launch(sees_a_requeue_request, nprocs=1)
+
+
+WATCH = """
+import time, nbddp
+from nbddp._requeue import watch_for_stop
+watch_for_stop(lambda: print("told", nbddp.stop_requested(), flush=True))
+print("before", nbddp.stop_requested(), flush=True)
+time.sleep(30)
+"""
+
+
+def test_the_stop_watcher_sees_the_batch_script_write_into_the_stop_file(tmp_path):
+    stop = tmp_path / "stop-requested"
+    stop.write_text("")  # the batch script empties it at each run's start
+    child = subprocess.Popen([sys.executable, "-c", WATCH], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "NBDDP_STOP_FILE": str(stop)})
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline() == "before False\n"
+        with open(stop, "a") as f:
+            f.write("SLURM: the time limit is near\n")
+        assert child.stdout.readline() == "told True\n"
+    finally:
+        child.kill()
+        child.wait()
