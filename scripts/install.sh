@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install nbddp (editable) into the current Python, with torch if it is missing.
-# Usage: bash scripts/install.sh [extra]   e.g. "dev" for the test tools.
+# Usage: bash scripts/install.sh [extras]   e.g. "dev" for the test tools, "dev,frameworks".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,4 +11,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 target="."
 [ $# -gt 0 ] && target=".[$1]"
-"$PY" -m pip install --quiet --disable-pip-version-check -e "$target"
+# The torch already installed, named on the same line: frameworks that depend on torch
+# (Lightning) install beside it instead of pulling another build.
+torch_here=$("$PY" -c "import torch; print(torch.__version__)")
+"$PY" -m pip install --quiet --disable-pip-version-check -e "$target" "torch==$torch_here"

@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. bash scripts/test.sh -k failures
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/install.sh dev
+bash scripts/install.sh dev,frameworks
 # The real-browser test needs Debian's chromium (apt-get, as root) and JupyterLab;
 # NBDDP_BROWSER_TESTS=0 skips installing them (the test then skips itself).
 if [ "${NBDDP_BROWSER_TESTS:-1}" = 1 ]; then bash scripts/install-browser.sh; fi
