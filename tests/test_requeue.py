@@ -30,12 +30,18 @@ from .slurm import job_ended, job_info, slurm
 
 
 def waits_to_be_requeued(flag: str):
-    """The job's first run waits until SLURM stops it; the next one waits for ``flag``
-    and returns which run it is."""
+    """The job's first run waits until SLURM stops it, and raises when it does (so its
+    ranks report failures); the next one waits for ``flag`` and returns which run it is."""
     import pathlib
+    import signal
     import time
 
+    def stopped(signum, frame):
+        print(f"run {run} stopped by SLURM", flush=True)
+        raise RuntimeError("SLURM stopped this run")
+
     run = int(os.environ.get("SLURM_RESTART_COUNT", "0"))
+    signal.signal(signal.SIGTERM, stopped)
     for step in range(2):
         nbddp.log(step=10 * run + step, loss=1.0)
     print(f"run {run} waiting", flush=True)
@@ -89,6 +95,7 @@ def test_a_requeued_job_is_followed_to_its_result(slurm_env, jobs, monkeypatch, 
     assert job.result(timeout=120) == 1
     assert job.requeues == 1
     assert "run 0 waiting" in job.logs[0]  # both runs' output is kept
+    assert "run 0 stopped by SLURM" in job.logs[1]  # it raised: not taken for the run's end
     assert [row["step"] for row in job.history] == [0, 1, 10, 11]
     assert f"SLURM job {job.slurm_job_id} was requeued (requeue 1)" in capfd.readouterr().out
     assert job_ended(slurm_env, job.slurm_job_id)
