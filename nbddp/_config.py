@@ -13,6 +13,9 @@ from ._devices import _parse_visible_devices, visible_gpu_count
 CPU_DEFAULT_NPROCS = 2
 
 OUTPUT_CHOICES = ("rank0", "all", "none")
+#: Two minutes without a line of output or a step from any rank: long enough for a slow
+#: first batch or a compile, short enough to notice a hang while waiting for it.
+DEFAULT_STALL_AFTER = 120.0
 _CPU_HINT = "to run on the CPU instead, pass nprocs=N (ranks use gloo) and leave gpus unset"
 
 
@@ -38,6 +41,9 @@ class RunConfig:
     """Whose output is shown live: ``"rank0"``, ``"all"`` (each line prefixed), ``"none"``."""
     max_restarts: int = 0
     """How many times torchrun restarts every rank after one fails (``--max-restarts``)."""
+    stall_after: float | None = DEFAULT_STALL_AFTER
+    """Seconds without output or progress from any rank after which the panel says the
+    run looks stalled; None never says it."""
 
     def __post_init__(self) -> None:
         if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int):
@@ -52,6 +58,11 @@ class RunConfig:
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         check_max_restarts(self.max_restarts)
+        if self.stall_after is not None and (
+                isinstance(self.stall_after, bool) or not isinstance(self.stall_after, (int, float))
+                or self.stall_after <= 0):
+            raise ValueError(f"stall_after must be a positive number of seconds or None, got "
+                             f"{self.stall_after!r}")
         if self.output not in OUTPUT_CHOICES:
             raise ValueError(f"output must be one of {OUTPUT_CHOICES}, got {self.output!r}")
         bad_env = [k for k, v in self.env.items()

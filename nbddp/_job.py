@@ -173,6 +173,13 @@ class Job(Generic[R]):
         return self._supervisor.attempt
 
     @property
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        """``{rank: {...}}``, live and after the run: ``state``, ``step`` (its last step
+        logged, or its progress), ``steps_per_s``, ``rss_mb``, ``gpu_mem_mb`` (None without
+        CUDA), ``pid``, ``host``, and ``behind`` (its step trails the others')."""
+        return self._supervisor.view.ranks(list(self._supervisor.state.ranks))
+
+    @property
     def requeues(self) -> int:
         """How many times SLURM has requeued this run's job (each runs it again)."""
         return self._supervisor.requeue

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
-from ._config import RunConfig
+from ._config import DEFAULT_STALL_AFTER, RunConfig
 from ._dataplane import Packed
 from ._group import LocalGroup, RankGroup, SlurmGroup
 from ._job import Job
@@ -44,6 +44,7 @@ def launch(
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
     max_restarts: int = ...,
+    stall_after: float | None = ...,
     slurm: bool | Slurm = ...,
 ) -> Job[R]: ...
 @overload
@@ -62,6 +63,7 @@ def launch(
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
     max_restarts: int = ...,
+    stall_after: float | None = ...,
     slurm: bool | Slurm = ...,
 ) -> list[R]: ...
 @overload
@@ -80,6 +82,7 @@ def launch(
     env: Mapping[str, str] | None = ...,
     output: Literal["rank0", "all", "none"] = ...,
     max_restarts: int = ...,
+    stall_after: float | None = ...,
     slurm: bool | Slurm = ...,
 ) -> R: ...
 
@@ -99,6 +102,7 @@ def launch(
     env: Mapping[str, str] | None = None,
     output: Literal["rank0", "all", "none"] = "rank0",
     max_restarts: int = 0,
+    stall_after: float | None = DEFAULT_STALL_AFTER,
     slurm: bool | Slurm = False,
 ) -> R | list[R] | Job[R]:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh DDP process group.
@@ -113,6 +117,8 @@ def launch(
     ``env`` adds environment variables for the ranks. ``max_restarts=N``: when a rank
     fails, torchrun stops every rank and starts them all again, up to N times (each
     attempt runs ``fn`` from the start; ``nbddp.restart_count()`` says which attempt).
+    When no rank has printed or advanced for ``stall_after`` seconds, the output says
+    the run looks stalled (``Job.stacks()`` then shows where each rank is).
 
     Every run gets fresh processes. After a run, the next run's ranks start in the
     background and wait (see ``standby``), so the next launch of the same shape starts
@@ -128,7 +134,7 @@ def launch(
     __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
     settings: dict[str, Any] = dict(backend=backend, timeout=timeout, init=init,
                                     all_ranks=all_ranks, env=dict(env or {}), output=output,
-                                    max_restarts=max_restarts)
+                                    max_restarts=max_restarts, stall_after=stall_after)
     options = RankOptions(init=init, backend=backend, all_ranks=all_ranks)
     if slurm is not False:
         config, cluster = _cluster_run(nprocs, gpus, Slurm() if slurm is True else slurm,

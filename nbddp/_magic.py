@@ -59,6 +59,13 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _stall(args: Any) -> dict[str, float | None]:
+    """``stall_after`` when the cell gives ``--stall-after`` (0: never say it)."""
+    if args.stall_after is None:
+        return {}
+    return {"stall_after": args.stall_after or None}
+
+
 def _session_conflicts(args: Any, gpus: int | list[int] | None, session: Session) -> list[str]:
     """The ``%%ddp`` options that ask for ranks other than the open session's."""
     config = session.config
@@ -95,6 +102,9 @@ class DDPMagics(Magics):
     @argument("--max-restarts", type=int, default=0, metavar="N",
               help="when a rank fails, torchrun restarts every rank, up to N times (the "
                    "cell runs again from its start)")
+    @argument("--stall-after", type=float, metavar="SECONDS",
+              help="say the run looks stalled when no rank has printed or advanced for "
+                   "this long (default 120; 0: never)")
     @argument("--out", default="", metavar="NAMES",
               help="comma-separated names whose rank-0 values are bound in the notebook "
                    "after the run (a DDP model comes back as its module; tensors on CPU)")
@@ -171,7 +181,7 @@ class DDPMagics(Magics):
             return _export_cell(code, args, gpus)
         if session is not None:
             job = session.submit(code, timeout=args.timeout,
-                                 output="all" if args.all_ranks else None)
+                                 output="all" if args.all_ranks else None, **_stall(args))
             result = job.result()
         else:
             result = self._launch(code, args, gpus)
@@ -188,7 +198,7 @@ class DDPMagics(Magics):
             return launch(code, args.nprocs, gpus=_per_node(gpus) if args.slurm else gpus,
                           backend=args.backend, timeout=args.timeout, init=not args.no_init,
                           output="all" if args.all_ranks else "rank0",
-                          max_restarts=args.max_restarts, slurm=slurm)
+                          max_restarts=args.max_restarts, slurm=slurm, **_stall(args))
         except (ValueError, TypeError) as exc:
             if isinstance(exc, NbddpError):
                 raise

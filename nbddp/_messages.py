@@ -6,7 +6,7 @@ frames. Frames are only decoded from authenticated peers or from private (0600) 
 Tensor and array bytes do not travel in messages: they are in data files (``_dataplane``)
 that a message names.
 
-    rank -> kernel   Hello, Ready, Metrics, StopRequested, Assigned, and one report:
+    rank -> kernel   Hello, Ready, Metrics, RankStats, StopRequested, Assigned, and a report:
                      Result, Failure or Requeueing (each Sequenced)
     kernel -> rank   Start
     kernel only      Disconnected (a rank's connection closed)
@@ -84,6 +84,20 @@ class Failure:
     traceback: str
     exception: bytes | None = None
     time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """A running rank about once a second: where it runs, its last step (logged, or its
+    progress), its memory, and how much output it has written (for stall detection)."""
+
+    rank: int
+    host: str
+    pid: int
+    step: int | None
+    rss_mb: float | None
+    gpu_mem_mb: float | None
+    output_bytes: int
 
 
 @dataclass(frozen=True)

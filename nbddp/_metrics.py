@@ -12,7 +12,6 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from ._messages import Metrics
 from ._reporter import Reporter
 
 T = TypeVar("T")
@@ -50,10 +49,12 @@ def progress(iterable: Iterable[T], total: int | None = None, desc: str | None =
     return _reporter.track(iterable, total, desc)
 
 
-def start_reporting(rank: int, send: Callable[[Metrics], None]) -> Reporter:
-    """Called by the worker: from now on ``log``/``progress`` report to the kernel."""
+def start_reporting(rank: int, send: Callable[[Any], None]) -> Reporter:
+    """Called by the worker: from now on ``log``/``progress`` report to the kernel, and
+    the rank's stats (memory, step) go with them about once a second."""
     global _reporter
-    _reporter = Reporter(rank, send)
+    _reporter = Reporter(rank, send, stats=True)
+    _reporter.send_stats()  # where the rank runs, at once
     return _reporter
 
 

@@ -4,27 +4,32 @@
 on the kernel. About ten times a second a background thread turns the values into
 numbers (a 0-d tensor's ``.item()`` happens there, off the training thread) and hands
 them to ``send``: the kernel's channel in a launched run, a file in a script run.
+About once a second it also sends the rank's own stats (``_rank_stats``), when asked to.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from ._messages import Metrics
+from ._rank_stats import sample
 
 T = TypeVar("T")
 _SEND_INTERVAL = 0.1
+_STATS_INTERVAL = 1.0
 
 
 class Reporter:
     """Buffers one rank's metrics and progress and sends them from a thread of its own."""
 
-    def __init__(self, rank: int, send: Callable[[Metrics], None]) -> None:
-        self.rank, self._send = rank, send
+    def __init__(self, rank: int, send: Callable[[Any], None], stats: bool = False) -> None:
+        self.rank, self._send, self._stats = rank, send, stats
+        self._stats_sent = 0.0
         self._records: deque[tuple[int, dict[str, Any]]] = deque()
         self._step = -1
         self.position: tuple[int, int | None, str | None] | None = None
@@ -52,6 +57,14 @@ class Reporter:
     def _loop(self) -> None:
         while not self._stop.wait(_SEND_INTERVAL):
             self.flush()
+            if self._stats and time.monotonic() - self._stats_sent >= _STATS_INTERVAL:
+                self.send_stats()
+
+    def send_stats(self) -> None:
+        """Where this rank is and what it holds (its last step: logged, or its progress)."""
+        self._stats_sent = time.monotonic()
+        step = self._step if self._step >= 0 else (self.position or (None,))[0]
+        self._send(sample(self.rank, step))
 
     def flush(self) -> None:
         records = []

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
-from ._config import RunConfig
+from ._config import DEFAULT_STALL_AFTER, RunConfig
 from ._errors import NbddpError
 from ._group import LocalGroup
 from ._job import Job
@@ -140,13 +140,15 @@ class Session:
     def submit(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None, *, all_ranks: bool = False,
                timeout: float | None = None, output: str | None = None,
-               stdout: TextIO | None = None) -> Job:
+               stdout: TextIO | None = None,
+               stall_after: float | None = DEFAULT_STALL_AFTER) -> Job:
         """Hand one run to the ranks and return its ``Job`` at once (``%%ddp`` uses this).
         ``timeout`` and ``output`` default to the session's."""
         __tracebackhide__ = True
         config = dataclasses.replace(self.config, all_ranks=all_ranks,
                                      output=output or self.config.output,
-                                     timeout=timeout or self.config.timeout)
+                                     timeout=timeout or self.config.timeout,
+                                     stall_after=stall_after)
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
         with self._lock:
             self._check_idle()

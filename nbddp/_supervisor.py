@@ -29,6 +29,7 @@ from ._messages import (
     Failure,
     Hello,
     Metrics,
+    RankStats,
     Requeueing,
     Result,
     Sequenced,
@@ -36,6 +37,7 @@ from ._messages import (
 )
 from ._output import BoundedOutput, LogTail
 from ._payload import loads_value
+from ._rank_view import RankView
 from ._records import Records
 from ._slurm import JobStatus
 from ._stacks import where
@@ -84,6 +86,9 @@ class Supervisor:
         """SLURM's requeues of the job so far (each runs it again, restarts from 0)."""
         self.requeueing: set[int] = set()
         """Ranks that ended this run of the job with ``nbddp.requeue()``."""
+        self.view = RankView(config.nprocs)
+        """Each rank's state, step, speed and memory, live and after the run."""
+        self._stalled = False
         self.history = History(config.nprocs, records.metrics)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
                                 where=group.where)
@@ -146,6 +151,7 @@ class Supervisor:
                 return ending
             if time.monotonic() - refreshed >= _REFRESH_INTERVAL:  # coalesce redraws
                 self.history.tick()
+                self._update_view()
                 self.panel.refresh(self.state)
                 refreshed = time.monotonic()
 
@@ -168,12 +174,15 @@ class Supervisor:
 
     def _record(self, event: Any) -> None:
         """Bookkeeping for a message, whatever the run's state."""
-        if isinstance(event, Metrics):
+        if isinstance(event, RankStats):
+            self.view.add(event)
+        elif isinstance(event, Metrics):
             self.history.add(event.rank, event.records)
             if event.rank == 0 and event.position is not None:
                 self.state.set_position(event.position)
         elif isinstance(event, Hello):
             self.state.ranks[event.rank] = "running"
+            self.view.touch()
         elif isinstance(event, Result):
             self.results[event.rank] = event
             self.state.ranks[event.rank] = "finished"
@@ -208,11 +217,32 @@ class Supervisor:
             self.state.status, self.state.message = "queued", status.reason
         elif status.state == "RUNNING":
             self.state.status, self.state.message = "running", f"on {status.nodes}"
+            self.view.touch()  # the time in the queue was no stall
+
+    def _update_view(self) -> None:
+        """The panel's per-rank notes and stragglers; say when the run looks stalled."""
+        ranks = self.view.ranks(self.state.ranks)
+        self.state.rank_notes = {r: self.view.summary(r, info) for r, info in ranks.items()}
+        self.state.behind = {r for r, info in ranks.items() if info["behind"]}
+        limit, quiet = self.config.stall_after, self.view.quiet_for()
+        if limit is None or self.state.status != "running":
+            return
+        if quiet >= limit and not self._stalled:
+            self._stalled = True
+            self.state.message = (f"looks stalled: no rank has printed or advanced for "
+                                  f"{int(quiet)} s; an interrupt (or job.stacks()) shows "
+                                  "where each rank is")
+            self.pump_output()
+            self.output.write(f"nbddp: the run {self.state.message}\n")
+        elif quiet < limit and self._stalled:
+            self._stalled = False
+            self.state.message = ""
 
     def _requeued(self, requeue: int) -> None:
         """SLURM put the job back in the queue: what its earlier run said is over, and
         the notebook follows the next run (which starts the function again)."""
         self.requeue, self.attempt = requeue, 0
+        self.view.restart()
         self.results.clear()
         self.failures.clear()
         self.requeueing.clear()
@@ -279,6 +309,7 @@ class Supervisor:
         self.causes.append(cause)
         self._keep_tracebacks()
         self.attempt += 1
+        self.view.restart()
         self.results.clear()
         self.failures.clear()
         self.state.ranks = ["starting"] * self.config.nprocs  # torchrun starts them again

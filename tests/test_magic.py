@@ -19,7 +19,7 @@ from .test_kernel import _wait_for_ranks, interrupt_and_check
 
 OPTIONS = ("--gpus", "--nprocs", "--backend", "--timeout", "--no-init", "--out", "--all-ranks",
            "--slurm", "--nodes", "--time", "--partition", "--cpus-per-task", "--sbatch",
-           "--export", "--requeue", "--signal-before")
+           "--export", "--requeue", "--signal-before", "--stall-after")
 
 # Installed in the shared kernel: every subprocess.Popen the kernel creates (torchrun
 # is started that way) is counted, so a test can say that an error came before any

@@ -1,0 +1,181 @@
+"""The per-rank view (``Job.ranks``), stragglers and stall warnings.
+
+Real launches: while a run goes on, every rank's step, speed, memory, pid and host are
+there and move; after it they are kept; a rank that trails the others is marked; a run
+silent for longer than ``stall_after`` says it looks stalled, and says nothing once it
+moves again. Through a real kernel: the view during and after a run. Then the pure
+arithmetic (speeds, who is behind, the panel's words) on made-up samples.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+import nbddp
+from nbddp._messages import RankStats
+from nbddp._rank_view import RankView
+
+from .conftest import wait_until
+
+# --- functions the ranks run ---------------------------------------------------------
+
+
+def steps_until(flag: str, fast_rank: int | None = None):
+    """Log a step every 0.1 s (``fast_rank``: every 0.02 s, the others every 0.5 s)
+    until ``flag`` exists; no collective, so ranks may drift apart."""
+    import pathlib
+    import time
+
+    import torch.distributed as dist
+
+    pause = 0.1 if fast_rank is None else (0.02 if dist.get_rank() == fast_rank else 0.5)
+    step = 0
+    while not pathlib.Path(flag).exists():
+        nbddp.log(step=step, loss=1.0)
+        step += 1
+        time.sleep(pause)
+    return step
+
+
+def silent_for(seconds: float):
+    import time
+
+    print("starting", flush=True)
+    time.sleep(seconds)
+    print("moving again", flush=True)
+    time.sleep(1.5)
+    return "done"
+
+
+# --- real launches --------------------------------------------------------------------
+
+
+def test_every_rank_shows_its_step_speed_memory_and_place_while_running_and_after(tmp_path):
+    flag = tmp_path / "stop"
+    job = nbddp.launch(steps_until, nprocs=2, args=(str(flag),), wait=False, output="none")
+    try:
+        view = wait_until(lambda: (v := job.ranks) and all(
+            (r["step"] or 0) >= 10 and r["steps_per_s"] for r in v.values()) and v,
+            timeout=60, interval=0.2)
+    finally:
+        flag.touch()
+    for info in view.values():
+        assert info["state"] == "running"
+        assert 2 < info["steps_per_s"] < 20  # about 10 a second
+        assert info["rss_mb"] > 50  # torch is loaded
+        assert info["gpu_mem_mb"] is None  # no CUDA on these ranks
+        assert info["host"] == socket.gethostname()
+        assert info["pid"] != os.getpid() and info["behind"] is False
+    assert view[0]["pid"] != view[1]["pid"]
+    last_step = job.result(timeout=60)
+    after = job.ranks
+    assert {info["state"] for info in after.values()} == {"finished"}
+    assert after[0]["step"] >= view[0]["step"] and after[0]["step"] <= last_step
+
+
+def test_a_rank_that_falls_behind_is_marked(tmp_path):
+    flag = tmp_path / "stop"
+    job = nbddp.launch(steps_until, nprocs=2, args=(str(flag), 0), wait=False, output="none")
+    try:
+        view = wait_until(lambda: (v := job.ranks)[1]["behind"] and v, timeout=60, interval=0.2)
+    finally:
+        flag.touch()
+    assert view[0]["behind"] is False and view[0]["step"] > view[1]["step"] + 10
+    job.result(timeout=60)
+
+
+def test_a_silent_run_says_it_looks_stalled_then_moves_on(capfd):
+    value = nbddp.launch(silent_for, nprocs=2, args=(4.0,), stall_after=2)
+    out = capfd.readouterr().out
+    assert value == "done"
+    stalled = out.index("nbddp: the run looks stalled: no rank has printed or advanced for 2 s")
+    assert out.index("starting") < stalled < out.index("moving again")
+    assert "an interrupt (or job.stacks()) shows where each rank is" in out
+
+
+def test_no_stall_warning_when_told_not_to(capfd):
+    assert nbddp.launch(silent_for, nprocs=1, args=(2.5,), stall_after=None) == "done"
+    assert "stalled" not in capfd.readouterr().out
+
+
+def test_stall_after_must_be_positive_or_none():
+    with pytest.raises(ValueError, match="stall_after must be a positive number"):
+        nbddp.launch(print, stall_after=0)
+
+
+KERNEL_VIEW = """
+import pathlib, time
+flag = pathlib.Path({flag!r})
+{source}
+job = nbddp.launch(steps_until, nprocs=2, args=(str(flag),), wait=False)
+while (job.ranks[1]["step"] or 0) < 5:
+    time.sleep(0.1)
+during = job.ranks
+flag.touch()
+job.result()
+after = job.ranks
+during[1]["state"], during[1]["step"] >= 5, after[1]["state"], after[1]["pid"] == during[1]["pid"]
+"""
+
+
+def test_the_per_rank_view_in_a_kernel_during_and_after_a_run(kernel, tmp_path):
+    import inspect
+
+    source = inspect.getsource(steps_until)
+    run = kernel.run(KERNEL_VIEW.format(flag=str(tmp_path / "stop"), source=source))
+    run.assert_ok()
+    assert run.result() == "('running', True, 'finished', True)"
+
+
+# --- the arithmetic -------------------------------------------------------------------
+
+
+def stats(rank: int, step: int | None, output: int = 0) -> RankStats:
+    return RankStats(rank, "node", 100 + rank, step, 1536.0, None, output)
+
+
+def test_speeds_are_measured_over_the_last_seconds():
+    view = RankView(2)
+    for second in range(15):
+        view.add(stats(0, 2 * second), now=float(second))
+        view.add(stats(1, second), now=float(second))
+    assert view.steps_per_s(0) == pytest.approx(2.0)
+    assert view.steps_per_s(1) == pytest.approx(1.0)
+    view.add(stats(1, 14), now=20.0)  # stopped: the window holds samples 10..20
+    assert view.steps_per_s(1) == pytest.approx(4 / 10)
+
+
+def test_behind_means_more_than_two_seconds_of_steps_behind_the_leader():
+    view = RankView(3)
+    for second in range(5):
+        view.add(stats(0, 10 * second), now=float(second))
+        view.add(stats(1, 10 * second - 15), now=float(second))  # 1.5 s behind: fine
+        view.add(stats(2, 10 * second - 25), now=float(second))  # 2.5 s behind
+    assert view.behind() == {2}
+    ranks = view.ranks(["running", "running", "running"])
+    assert [ranks[r]["behind"] for r in range(3)] == [False, False, True]
+    assert view.summary(2, ranks[2]) == "step 15, 10 steps/s, 1.5 GB, behind"
+
+
+def test_quiet_counts_from_the_last_step_or_output():
+    view = RankView(1)
+    view.add(stats(0, 1, output=10), now=100.0)
+    view.add(stats(0, 1, output=10), now=105.0)  # nothing moved
+    assert view.quiet_for(now=110.0) == pytest.approx(10.0)
+    view.add(stats(0, 1, output=11), now=111.0)  # a line of output
+    assert view.quiet_for(now=112.0) == pytest.approx(1.0)
+
+
+def test_the_panel_marks_a_rank_behind():
+    from nbddp._display import PanelState, _header_html
+    from nbddp._history import History
+
+    state = PanelState(2, History(2))
+    state.ranks = ["running", "running"]
+    state.rank_notes, state.behind = {0: "step 40", 1: "step 3, behind"}, {1}
+    header = _header_html(state)
+    assert "1 running (step 3, behind)" in header and "#ff7f0e" in header
+    assert "0 running (step 40)" in header
