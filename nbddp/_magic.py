@@ -21,6 +21,7 @@ from IPython.core.magic import (
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ._cell import Cell, CellResult
+from ._config import DEFAULT_STALL_AFTER
 from ._devices import visible_gpu_count
 from ._errors import NbddpError
 from ._export import export
@@ -59,11 +60,11 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _stall(args: Any) -> dict[str, float | None]:
-    """``stall_after`` when the cell gives ``--stall-after`` (0: never say it)."""
+def _stall_after(args: Any) -> float | None:
+    """``--stall-after``: the default when not given; 0 never says the run is stalled."""
     if args.stall_after is None:
-        return {}
-    return {"stall_after": args.stall_after or None}
+        return DEFAULT_STALL_AFTER
+    return args.stall_after or None
 
 
 def _session_conflicts(args: Any, gpus: int | list[int] | None, session: Session) -> list[str]:
@@ -181,7 +182,8 @@ class DDPMagics(Magics):
             return _export_cell(code, args, gpus)
         if session is not None:
             job = session.submit(code, timeout=args.timeout,
-                                 output="all" if args.all_ranks else None, **_stall(args))
+                                 output="all" if args.all_ranks else None,
+                                 stall_after=_stall_after(args))
             result = job.result()
         else:
             result = self._launch(code, args, gpus)
@@ -198,7 +200,8 @@ class DDPMagics(Magics):
             return launch(code, args.nprocs, gpus=_per_node(gpus) if args.slurm else gpus,
                           backend=args.backend, timeout=args.timeout, init=not args.no_init,
                           output="all" if args.all_ranks else "rank0",
-                          max_restarts=args.max_restarts, slurm=slurm, **_stall(args))
+                          max_restarts=args.max_restarts, slurm=slurm,
+                          stall_after=_stall_after(args))
         except (ValueError, TypeError) as exc:
             if isinstance(exc, NbddpError):
                 raise

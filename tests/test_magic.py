@@ -315,6 +315,7 @@ def test_the_line_form_shows_help_or_says_it_is_a_cell_magic(ddp):
     ("--nodes 2", "add --slurm to submit the cell, or --export PATH"),
     ("--time 01:00:00", "add --slurm to submit the cell, or --export PATH"),
     ("--slurm --export job.py", "choose one"),
+    ("--nprocs 2 --stall-after -1", "stall_after must be a positive number"),
     ("--requeue", "add --slurm"),
     ("--export job.py --signal-before 60", "add --slurm"),
     ("--slurm --signal-before 0", "signal_before=...) is a number of seconds"),
