@@ -18,7 +18,8 @@ from typing import Any, Protocol, TextIO
 from ._history import History
 
 _COLORS = {"starting": "#999", "running": "#1f77b4", "finished": "#2ca02c",
-           "failed": "#d62728", "stopped": "#999", "requeueing": "#ff7f0e"}
+           "failed": "#d62728", "stopped": "#999", "requeueing": "#ff7f0e",
+           "debugging": "#9467bd"}
 
 
 @dataclass

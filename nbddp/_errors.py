@@ -108,7 +108,8 @@ class WorkerError(NbddpError):
 
 
 def name_cells(text: str) -> str:
-    """In IPython: notebook cells' file names in ``text`` as the notebook names them."""
+    """In IPython: notebook cells' file names in ``text`` (a traceback, or pdb's place)
+    as the notebook names them."""
     try:
         from IPython import get_ipython
     except ImportError:
@@ -122,7 +123,12 @@ def name_cells(text: str) -> str:
         name = namer(match.group(1))
         return f"{name[0]} {name[1]}, line" if name else match.group(0)
 
-    return re.sub(r'File "([^"]+)", line', rename, text)
+    def rename_pdb(match: re.Match) -> str:  # pdb's "> FILE(LINE)function()"
+        name = namer(match.group(1))
+        return f"> {name[0]} {name[1]}({match.group(2)})" if name else match.group(0)
+
+    text = re.sub(r'File "([^"]+)", line', rename, text)
+    return re.sub(r"^> (.+?)\((\d+)\)", rename_pdb, text, flags=re.MULTILINE)
 
 
 def _rebuild_worker_error(rank: int, summary: str, kwargs: dict) -> WorkerError:

@@ -128,6 +128,10 @@ class RankGroup:
         """How many times SLURM has requeued the job by now (0 where no SLURM job runs)."""
         return 0
 
+    def send_to_rank(self, rank: int, message: Any) -> bool:
+        """Tell one rank something (pdb's input); False if it cannot be reached."""
+        return self._server is not None and self._server.send(rank, message)
+
     def stopped_from_outside(self) -> str | None:
         return self.launcher.stopped_from_outside() if self.launcher else None
 

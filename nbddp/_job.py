@@ -125,8 +125,11 @@ class Job(Generic[R]):
         """
         __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
         deadline = None if timeout is None else time.monotonic() + timeout
+        debugger = self._supervisor.debugger
+        debugger.serving.set()  # a rank's pdb may ask this thread for input
         try:
             while not self._ended.wait(0.1):
+                debugger.serve()
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the run is still going after {timeout} s")
         except KeyboardInterrupt:
@@ -135,6 +138,8 @@ class Job(Generic[R]):
             if self._outcome is not None and isinstance(self._outcome.error, KeyboardInterrupt):
                 raise self._outcome.error from None  # it may say what became of a session
             raise
+        finally:
+            debugger.stop_serving()
         assert self._outcome is not None
         if self._outcome.error is not None:
             raise self._outcome.error

@@ -6,9 +6,9 @@ frames. Frames are only decoded from authenticated peers or from private (0600) 
 Tensor and array bytes do not travel in messages: they are in data files (``_dataplane``)
 that a message names.
 
-    rank -> kernel   Hello, Ready, Metrics, RankStats, StopRequested, Assigned, and a report:
-                     Result, Failure or Requeueing (each Sequenced)
-    kernel -> rank   Start
+    rank -> kernel   Hello, Ready, Metrics, RankStats, StopRequested, DebugPrompt, DebugDone,
+                     Assigned, and a report: Result, Failure or Requeueing (each Sequenced)
+    kernel -> rank   Start, DebugInput
     kernel only      Disconnected (a rank's connection closed)
 """
 
@@ -101,6 +101,21 @@ class RankStats:
 
 
 @dataclass(frozen=True)
+class DebugPrompt:
+    """A rank's pdb wants a line: what it printed since its last one, ending in its prompt."""
+
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class DebugDone:
+    """A rank's pdb let the code go on (``c`` or ``q``): the next rank may be served."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
 class Requeueing:
     """A rank of a SLURM job ended its attempt with ``nbddp.requeue()``: once every rank
     has ended, the job goes back to the queue and runs again."""
@@ -167,6 +182,15 @@ class Start:
     """Keep the namespace and the process group, and wait for the next Start after this."""
     data: str | None = None
     """The run dir's twin in shared memory, where a result's data file goes if it fits."""
+
+
+@dataclass(frozen=True)
+class DebugInput:
+    """The notebook's answer to a ``DebugPrompt``: the user's line for pdb, or None and
+    why nobody can answer (the rank then goes on)."""
+
+    line: str | None
+    reason: str = ""
 
 
 # --- kernel-side events ---------------------------------------------------------------

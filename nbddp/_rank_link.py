@@ -18,7 +18,7 @@ from typing import Any
 
 from ._channel import ChannelClient
 from ._mailbox import MailboxWriter, mailbox_path
-from ._messages import Sequenced, Start, decode, split_frames
+from ._messages import DebugInput, DebugPrompt, Sequenced, Start, decode, split_frames
 from ._restarts import requeue_count, restart_count
 from ._rundir import RunDir
 
@@ -37,6 +37,7 @@ class KernelLink:
         self._seq = 0
         self._lock = threading.Lock()
         self._starts: queue.Queue[Start | None] = queue.Queue()
+        self._answers: queue.Queue[DebugInput] = queue.Queue()
         self.busy = threading.Event()
         """Set while the rank runs a Start: the kernel closing the link then means it
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
@@ -76,6 +77,13 @@ class KernelLink:
             return decode(bodies[0])
         return self._starts.get()
 
+    def ask(self, prompt: DebugPrompt) -> DebugInput:
+        """Send pdb's prompt to the kernel and wait for the user's line."""
+        if self._mailbox is not None:
+            return DebugInput(None, "a SLURM job's ranks cannot take input from the notebook")
+        self.send(prompt)
+        return self._answers.get()
+
     def _listen(self) -> None:
         assert self._channel is not None
         try:
@@ -83,6 +91,8 @@ class KernelLink:
                 message = self._channel.receive()
                 if isinstance(message, Start):
                     self._starts.put(message)
+                elif isinstance(message, DebugInput):
+                    self._answers.put(message)
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
         if self.busy.is_set():

@@ -18,6 +18,7 @@ from typing import Any, Literal, TextIO
 
 from . import _dataplane as dataplane
 from ._config import RunConfig
+from ._debugger import Debugger
 from ._diagnosis import describe, first_cause, peer_lost
 from ._display import Panel, PanelState, make_panel
 from ._errors import NbddpError
@@ -25,6 +26,8 @@ from ._group import LauncherExited, RankGroup
 from ._history import History
 from ._messages import (
     Assigned,
+    DebugDone,
+    DebugPrompt,
     Disconnected,
     Failure,
     Hello,
@@ -89,6 +92,8 @@ class Supervisor:
         self.view = RankView(config.nprocs)
         """Each rank's state, step, speed and memory, live and after the run."""
         self._stalled = False
+        self.debugger = Debugger(group.send_to_rank, self._note_now)
+        """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
         self.history = History(config.nprocs, records.metrics)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
                                 where=group.where)
@@ -176,6 +181,14 @@ class Supervisor:
         """Bookkeeping for a message, whatever the run's state."""
         if isinstance(event, RankStats):
             self.view.add(event)
+        elif isinstance(event, DebugPrompt):
+            self.state.ranks[event.rank] = "debugging"
+            self.view.touch()
+            self.debugger.prompt(event)
+        elif isinstance(event, DebugDone):
+            self.state.ranks[event.rank] = "running"
+            self.view.touch()
+            self.debugger.done(event.rank)
         elif isinstance(event, Metrics):
             self.history.add(event.rank, event.records)
             if event.rank == 0 and event.position is not None:
@@ -225,7 +238,7 @@ class Supervisor:
         self.state.rank_notes = {r: self.view.summary(r, info) for r, info in ranks.items()}
         self.state.behind = {r for r, info in ranks.items() if info["behind"]}
         limit, quiet = self.config.stall_after, self.view.quiet_for()
-        if limit is None or self.state.status != "running":
+        if limit is None or self.state.status != "running" or "debugging" in self.state.ranks:
             return
         if quiet >= limit and not self._stalled:
             self._stalled = True
@@ -237,6 +250,11 @@ class Supervisor:
         elif quiet < limit and self._stalled:
             self._stalled = False
             self.state.message = ""
+
+    def _note_now(self, line: str) -> None:
+        """A line of nbddp's own, after the ranks' output so far."""
+        self.pump_output()
+        self.output.write(line)
 
     def _requeued(self, requeue: int) -> None:
         """SLURM put the job back in the queue: what its earlier run said is over, and

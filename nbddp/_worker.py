@@ -31,6 +31,7 @@ from pathlib import Path
 from ._messages import Hello, Ready, Requeueing, Result, StopRequested
 from ._rank import Rank, failure, prepare
 from ._rank_link import KernelLink
+from ._rank_pdb import install as install_pdb
 from ._requeue import watch_for_stop
 from ._rundir import RunDir
 from ._stacks import answer_stacks
@@ -119,6 +120,7 @@ def main(argv: list[str]) -> None:
     link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir)
     link.send(Hello(rank, os.getpid()))
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
+    install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
     code = _serve(link, run_dir, rank, args.prepare)
     link.close()
     _exit(code)

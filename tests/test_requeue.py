@@ -1,11 +1,11 @@
 """SLURM requeues and the warning before a time limit: runs that outlive their job's run.
 
 On the test cluster (scripts/slurm-up.sh): a job that ``scontrol requeue`` stops half
-way is followed through its next run to its result; a job warned of its time limit
-(``Slurm(signal_before=...)``) sees ``nbddp.stop_requested()``, saves, calls
-``nbddp.requeue()``, and resumes from its checkpoint in its next run; a kernel restarted
-while its job is requeued attaches to the new run. Then the pure parts: what the batch
-script says, ``scontrol``'s restart count, the options' checks, and the stop watcher.
+way is followed through its next run to its result, and a kernel restarted while its
+job is requeued attaches to the new run. (A job warned of its time limit, which saves,
+calls ``nbddp.requeue()`` and resumes in its next run, is the cluster page's example,
+run by test_docs.) Then the pure parts: what the batch script says, ``scontrol``'s
+restart count, the options' checks, and the stop watcher.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import inspect
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -50,30 +49,6 @@ def waits_to_be_requeued(flag: str):
     return run
 
 
-def trains_until_stopped(checkpoint: str):
-    """Steps until SLURM warns of the time limit; saves, asks to run again, resumes."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    if os.path.exists(checkpoint):
-        return "resumed at step", torch.load(checkpoint)["step"]
-    step = 0
-    while True:
-        step += 1
-        time.sleep(0.2)
-        stop = torch.tensor(float(nbddp.stop_requested()))
-        dist.all_reduce(stop, op=dist.ReduceOp.MAX)  # every rank stops at the same step
-        if stop.item():
-            if dist.get_rank() == 0:
-                torch.save({"step": step}, checkpoint + ".part")
-                os.replace(checkpoint + ".part", checkpoint)
-            dist.barrier()
-            print(f"saved at step {step}; requeueing", flush=True)
-            nbddp.requeue()
-
-
 # --- on the test cluster --------------------------------------------------------------
 
 
@@ -100,29 +75,6 @@ def test_a_requeued_job_is_followed_to_its_result(slurm_env, jobs, monkeypatch, 
     assert f"SLURM job {job.slurm_job_id} was requeued (requeue 1)" in capfd.readouterr().out
     assert job_ended(slurm_env, job.slurm_job_id)
     assert job_info(slurm_env, job.slurm_job_id)["JobState"] == "COMPLETED"
-
-
-@pytest.mark.slurm
-@pytest.mark.slow
-def test_a_job_warned_of_its_time_limit_saves_and_resumes_in_its_next_run(
-        slurm_env, jobs, monkeypatch, tmp_path, capfd):
-    """SLURM signals 110 s before a 2 minute limit: soon after the start (its timer is
-    coarse). The ranks agree to stop, save, and ask to be requeued; the next run resumes."""
-    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
-    checkpoint = str(tmp_path / "checkpoint.pt")
-    job = nbddp.launch(trains_until_stopped, nprocs=2, args=(checkpoint,), wait=False,
-                       slurm=nbddp.Slurm(time="00:02:00", signal_before=110, requeue=True))
-    assert job.slurm_job_id is not None
-    jobs.append(job.slurm_job_id)
-    what, step = job.result(timeout=240)
-    assert what == "resumed at step" and step > 0
-    assert job.requeues == 1
-    assert f"saved at step {step}; requeueing" in job.logs[0]
-    out = capfd.readouterr().out
-    assert "nears its time limit; nbddp.stop_requested() is now true" in out
-    assert "was requeued (requeue 1)" in out
-    assert job_ended(slurm_env, job.slurm_job_id)
-    assert "the ranks called nbddp.requeue()" in (Path(job.records) / "torchrun.log").read_text()
 
 
 RUN_AND_WAIT = """

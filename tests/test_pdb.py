@@ -1,0 +1,117 @@
+"""pdb on a rank: ``breakpoint()`` in a launched function opens pdb in the notebook cell.
+
+Through a real kernel, as a notebook front end does: the kernel asks for each line on
+its stdin channel (``input_request``), the test answers ``p x`` then ``c``, and the run
+returns. Two ranks at a breakpoint are served one after the other, each prompt naming
+its rank. Where nobody can answer (a ``wait=False`` run, a front end that takes no
+input), the breakpoint is skipped with a message instead of ``BdbQuit``, and
+``PYTHONBREAKPOINT=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import nbddp
+
+from .kernel_driver import Execution
+
+STOPS = """
+def stops(ranks):
+    import torch.distributed as dist
+
+    x = 40 + dist.get_rank()
+    if dist.get_rank() in ranks:
+        breakpoint()
+    dist.barrier()
+    return x + 2
+"""
+
+
+def answer(execution: Execution, prompt: str, line: str, timeout: float = 60) -> None:
+    """Wait for the cell's input request, check its prompt, and type ``line``."""
+    kc = execution.kernel.kc
+    msg = kc.get_stdin_msg(timeout=timeout)
+    assert msg["msg_type"] == "input_request", msg
+    assert msg["content"]["prompt"] == prompt, msg["content"]
+    kc.input(line)
+
+
+def test_breakpoint_on_rank_0_opens_pdb_in_the_cell(kernel):
+    kernel.run("import nbddp\n" + STOPS).assert_ok()
+    cell = kernel.submit("nbddp.launch(stops, nprocs=2, args=([0],))")
+    answer(cell, "[rank 0] (Pdb) ", "p x")
+    answer(cell, "[rank 0] (Pdb) ", "c")
+    cell.finish(timeout=60).assert_ok()
+    assert cell.result() == "42"
+    out = cell.stream_text()
+    assert re.search(r"^> Cell In\[\d+\]\(9\)stops\(\)\n-> dist.barrier\(\)$", out, re.M), out
+    assert "\n40\n" in out  # what `p x` printed on rank 0
+
+
+def test_ranks_at_a_breakpoint_are_served_one_at_a_time(kernel):
+    kernel.run("import nbddp\n" + STOPS).assert_ok()
+    cell = kernel.submit("nbddp.launch(stops, nprocs=2, args=([0, 1],), all_ranks=True)")
+    kc = kernel.kc
+    first = kc.get_stdin_msg(timeout=60)["content"]["prompt"]
+    assert first in ("[rank 0] (Pdb) ", "[rank 1] (Pdb) ")
+    kc.input("p x")
+    answer(cell, first, "c")  # the same rank until it goes on
+    other = "[rank 1] (Pdb) " if first == "[rank 0] (Pdb) " else "[rank 0] (Pdb) "
+    answer(cell, other, "p x")
+    answer(cell, other, "c")
+    cell.finish(timeout=60).assert_ok()
+    assert cell.result() == "[42, 43]"
+    out = cell.stream_text()
+    assert "\n40\n" in out and "\n41\n" in out
+
+
+def test_a_frontend_without_input_skips_the_breakpoint_and_says_why(kernel):
+    kernel.run("import nbddp\n" + STOPS).assert_ok()
+    msg_id = kernel.kc.execute("nbddp.launch(stops, nprocs=2, args=([1],))", allow_stdin=False)
+    cell = Execution(kernel, msg_id)
+    kernel.executions[msg_id] = cell
+    cell.finish(timeout=60).assert_ok()
+    assert cell.result() == "42"
+    assert ("breakpoint() on rank 1 skipped: this frontend takes no input"
+            in cell.stream_text()), cell.describe()
+
+
+def test_a_run_nobody_waits_for_skips_the_breakpoint(kernel):
+    kernel.run("import nbddp\n" + STOPS).assert_ok()
+    kernel.run("job = nbddp.launch(stops, nprocs=2, args=([0],), wait=False)").assert_ok()
+    done = kernel.run("import time\nwhile not job.done(): time.sleep(0.1)\n"
+                      "job.result(), 'skipped: no cell waits for this run' in job.logs[0]")
+    done.assert_ok()
+    assert done.result() == "(42, True)"
+
+
+def test_pythonbreakpoint_0_turns_breakpoints_off(kernel):
+    kernel.run("import nbddp\n" + STOPS).assert_ok()
+    cell = kernel.run("nbddp.launch(stops, nprocs=2, args=([0, 1],), "
+                      "env={'PYTHONBREAKPOINT': '0'})").assert_ok()
+    assert cell.result() == "42"
+
+
+def stops_here():
+    import pdb
+
+    pdb.set_trace()
+    return "went on"
+
+
+def test_pdb_set_trace_outside_a_notebook_cell_is_skipped_not_bdbquit():
+    """Under pytest stdin is captured: nothing can take the input."""
+    assert nbddp.launch(stops_here, nprocs=1) == "went on"
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_a_slurm_rank_skips_its_breakpoint_and_says_why(slurm_env, jobs, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    job = nbddp.launch(stops_here, nprocs=1, slurm=True, wait=False)
+    jobs.append(job.slurm_job_id)
+    assert job.result(timeout=120) == "went on"
+    assert "cannot take input from the notebook" in job.logs[0]
