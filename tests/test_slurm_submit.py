@@ -180,10 +180,10 @@ def test_a_timeout_cancels_the_job(slurm_env, jobs, monkeypatch):
 
         time.sleep(600)
 
-    job = nbddp.launch(sleeps, nprocs=1, slurm=True, timeout=20, wait=False)
+    job = nbddp.launch(sleeps, nprocs=1, slurm=True, timeout=10, wait=False)
     assert job.slurm_job_id is not None
     jobs.append(job.slurm_job_id)
-    with pytest.raises(TimeoutError, match="did not finish within 20"):
+    with pytest.raises(TimeoutError, match="did not finish within 10"):
         job.result()
     assert job_ended(slurm_env, job.slurm_job_id)
     assert job_info(slurm_env, job.slurm_job_id)["JobState"] == "CANCELLED"

@@ -9,6 +9,7 @@ interrupt carries the stacks too. Unit tests of the rendering first.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 import time
@@ -100,3 +101,27 @@ def test_an_interrupt_carries_the_stacks(tmp_path):
     with pytest.raises(KeyboardInterrupt) as caught:
         nbddp.launch(stuck_run, 2, args=(str(tmp_path),))
     assert "in stuck_in_helper" in caught.value.stacks[1]
+
+
+STUCK_CELL = """def helper():
+    import time
+    time.sleep(600)
+
+def stuck():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        helper()
+    dist.barrier()
+
+nbddp.launch(stuck, nprocs=2, timeout=10)
+"""
+
+
+def test_in_a_kernel_the_timeout_names_rank_1s_helper_and_rank_0s_barrier_line(kernel):
+    kernel.run("import nbddp").assert_ok()
+    run = kernel.run(STUCK_CELL, timeout=90)
+    assert run.error() is not None and run.error()["ename"] == "TimeoutError", run.describe()
+    text = run.error_text()
+    rank_0, rank_1 = text.split("--- rank 0 ---")[1].split("--- rank 1 ---")
+    assert "in barrier" in rank_0 and re.search(r"Cell In\[\d+\], line 9 in stuck", rank_0)
+    assert re.search(r"Cell In\[\d+\], line 3 in helper", rank_1), rank_1
