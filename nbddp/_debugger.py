@@ -34,13 +34,15 @@ class Debugger:
         self._current: int | None = None
         self.serving = threading.Event()
         """Set while a thread waits in ``Job.result()`` and serves prompts."""
+        self._lock = threading.Lock()  # a prompt is queued for a server, or refused
 
     def prompt(self, prompt: DebugPrompt) -> None:
         """A rank's pdb wants a line (called on the supervisor's thread)."""
-        if self.serving.is_set():
-            self._prompts.put(prompt)
-        else:
-            self._refuse(prompt, NOBODY_WAITS)
+        with self._lock:
+            if self.serving.is_set():
+                self._prompts.put(prompt)
+                return
+        self._refuse(prompt, NOBODY_WAITS)
 
     def done(self, rank: int) -> None:
         """The rank's pdb let its code go on: the next rank may be served."""
@@ -76,8 +78,9 @@ class Debugger:
 
     def stop_serving(self) -> None:
         """No thread waits any more: tell every rank still waiting for a line."""
-        self.serving.clear()
-        self._collect()
+        with self._lock:
+            self.serving.clear()
+            self._collect()
         for prompt in self._waiting:
             self._refuse(prompt, NOBODY_WAITS)
         self._waiting.clear()

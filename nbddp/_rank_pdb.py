@@ -53,9 +53,20 @@ class RankPdb(pdb.Pdb):
 
     def __init__(self, rank: int, ask: Ask, send: Callable[[Any], None]) -> None:
         terminal = _Terminal(rank, ask)
-        super().__init__(stdin=terminal, stdout=terminal)  # type: ignore[arg-type]
+        super().__init__(stdin=terminal, stdout=terminal,  # type: ignore[arg-type]
+                         skip=["nbddp._*"])  # stepping out of the user's code ends in it
         self.use_rawinput = False
         self._rank, self._send = rank, send
+
+    def dispatch_return(self, frame: FrameType, arg: Any) -> Any:
+        """Once the user's code returns to nbddp, debugging is over: go on untraced
+        (stepping on would walk through nbddp's and torch's own frames)."""
+        result = super().dispatch_return(frame, arg)
+        caller = frame.f_back
+        if caller is not None and caller.f_globals.get("__name__", "").startswith("nbddp."):
+            self.set_continue()
+            return None
+        return result
 
     def set_continue(self) -> None:
         super().set_continue()

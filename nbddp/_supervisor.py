@@ -199,9 +199,11 @@ class Supervisor:
         elif isinstance(event, Result):
             self.results[event.rank] = event
             self.state.ranks[event.rank] = "finished"
+            self.debugger.done(event.rank)  # its pdb, if any, is over (it may have stepped off)
         elif isinstance(event, Failure):
             self.failures.append(event)
             self.state.ranks[event.rank] = "failed"
+            self.debugger.done(event.rank)
         elif isinstance(event, Disconnected) and self._vanished(event.rank):
             self.failures.append(event)  # died without a word: a root-cause candidate
             self.state.ranks[event.rank] = "failed"

@@ -68,6 +68,22 @@ def test_ranks_at_a_breakpoint_are_served_one_at_a_time(kernel):
     assert "\n40\n" in out and "\n41\n" in out
 
 
+def test_a_rank_that_steps_off_the_end_of_its_function_lets_the_next_be_served(kernel):
+    """``r`` then ``n`` leaves the function; pdb does not stop in nbddp's own frames, and
+    once the rank has reported, the other rank's prompt comes."""
+    kernel.run("import nbddp\n" + STOPS.replace("    dist.barrier()\n", "")).assert_ok()
+    cell = kernel.submit("nbddp.launch(stops, nprocs=2, args=([0, 1],), all_ranks=True)")
+    kc = kernel.kc
+    first = kc.get_stdin_msg(timeout=60)["content"]["prompt"]
+    kc.input("r")  # to the function's return
+    answer(cell, first, "n")  # off its end: into nbddp's frames, which pdb skips
+    other = "[rank 1] (Pdb) " if first == "[rank 0] (Pdb) " else "[rank 0] (Pdb) "
+    answer(cell, other, "c")
+    cell.finish(timeout=60).assert_ok()
+    assert cell.result() == "[42, 43]"
+    assert "nbddp/_rank.py" not in cell.stream_text()
+
+
 def test_a_frontend_without_input_skips_the_breakpoint_and_says_why(kernel):
     kernel.run("import nbddp\n" + STOPS).assert_ok()
     msg_id = kernel.kc.execute("nbddp.launch(stops, nprocs=2, args=([1],))", allow_stdin=False)
