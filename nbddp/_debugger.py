@@ -87,6 +87,6 @@ class Debugger:
         self._current = None
 
     def _refuse(self, prompt: DebugPrompt, reason: str) -> None:
-        self._current = None if self._current == prompt.rank else self._current
+        self.done(prompt.rank)
         self._send(prompt.rank, DebugInput(None, reason))
         self._note(f"nbddp: breakpoint() on rank {prompt.rank} skipped: {reason}\n")

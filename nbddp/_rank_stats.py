@@ -7,22 +7,27 @@ touches the training thread, and no CUDA context is created where there was none
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import sys
 
 from ._messages import RankStats
 
-_HOST = socket.gethostname()
-_PAGE = os.sysconf("SC_PAGE_SIZE")
 _MB = 2**20
+
+
+@functools.cache
+def _host_and_page() -> tuple[str, int]:
+    """Asked once, on the first sample (not when ``nbddp`` is imported)."""
+    return socket.gethostname(), os.sysconf("SC_PAGE_SIZE")
 
 
 def rss_mb() -> float | None:
     """This process's resident memory."""
     try:
         with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE / _MB
+            return int(f.read().split()[1]) * _host_and_page()[1] / _MB
     except (OSError, ValueError, IndexError):
         return None
 
@@ -47,4 +52,5 @@ def output_bytes() -> int:
 
 
 def sample(rank: int, step: int | None) -> RankStats:
-    return RankStats(rank, _HOST, os.getpid(), step, rss_mb(), gpu_mem_mb(), output_bytes())
+    host = _host_and_page()[0]
+    return RankStats(rank, host, os.getpid(), step, rss_mb(), gpu_mem_mb(), output_bytes())

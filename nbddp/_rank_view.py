@@ -74,15 +74,17 @@ class RankView:
             return None
         return (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
 
-    def behind(self) -> set[int]:
+    def behind(self, rates: dict[int, float | None] | None = None) -> set[int]:
         """Ranks whose step trails the leading rank's by more than a couple of seconds'
-        worth of steps (at the ranks' median speed)."""
+        worth of steps (at the ranks' median speed; ``rates``, if already measured)."""
+        if rates is None:
+            rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
         steps = {r: s.step for r, s in list(self._stats.items()) if s.step is not None}
-        rates = [rate for r in steps if (rate := self.steps_per_s(r))]
-        if len(steps) < 2 or not rates:
+        speeds = [rate for r in steps if (rate := rates[r])]
+        if len(steps) < 2 or not speeds:
             return set()
         lead = max(steps.values())
-        allowed = max(_BEHIND_MIN_STEPS, _BEHIND_SECONDS * statistics.median(rates))
+        allowed = max(_BEHIND_MIN_STEPS, _BEHIND_SECONDS * statistics.median(speeds))
         return {r for r, step in steps.items() if lead - step > allowed}
 
     def ranks(self, states: list[str]) -> dict[int, dict[str, Any]]:
@@ -91,11 +93,11 @@ class RankView:
             return self._ranks(states)
 
     def _ranks(self, states: list[str]) -> dict[int, dict[str, Any]]:
-        behind = self.behind()
+        rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
+        behind = self.behind(rates)
         view = {}
         for rank in range(self.nprocs):
-            stats = self._stats.get(rank)
-            rate = self.steps_per_s(rank)
+            stats, rate = self._stats.get(rank), rates[rank]
             view[rank] = {
                 "state": states[rank],
                 "step": stats.step if stats else None,
@@ -110,7 +112,8 @@ class RankView:
             }
         return view
 
-    def summary(self, rank: int, info: dict[str, Any]) -> str:
+    @staticmethod
+    def summary(info: dict[str, Any]) -> str:
         """A few words for the panel: ``step 12, 3.1 steps/s, 1.2 GB``."""
         parts = []
         if info["step"] is not None:

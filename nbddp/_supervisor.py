@@ -92,6 +92,7 @@ class Supervisor:
         self.view = RankView(config.nprocs)
         """Each rank's state, step, speed and memory, live and after the run."""
         self._stalled = False
+        self._stop_said = False
         self.debugger = Debugger(group.send_to_rank, self._note_now)
         """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
         self.history = History(config.nprocs, records.metrics)
@@ -237,7 +238,7 @@ class Supervisor:
     def _update_view(self) -> None:
         """The panel's per-rank notes and stragglers; say when the run looks stalled."""
         ranks = self.view.ranks(self.state.ranks)
-        self.state.rank_notes = {r: self.view.summary(r, info) for r, info in ranks.items()}
+        self.state.rank_notes = {r: self.view.summary(info) for r, info in ranks.items()}
         self.state.behind = {r for r, info in ranks.items() if info["behind"]}
         limit, quiet = self.config.stall_after, self.view.quiet_for()
         if limit is None or self.state.status != "running" or "debugging" in self.state.ranks:
@@ -247,8 +248,7 @@ class Supervisor:
             self.state.message = (f"looks stalled: no rank has printed or advanced for "
                                   f"{int(quiet)} s; an interrupt (or job.stacks()) shows "
                                   "where each rank is")
-            self.pump_output()
-            self.output.write(f"nbddp: the run {self.state.message}\n")
+            self._note_now(f"nbddp: the run {self.state.message}\n")
         elif quiet < limit and self._stalled:
             self._stalled = False
             self.state.message = ""
@@ -258,34 +258,39 @@ class Supervisor:
         self.pump_output()
         self.output.write(line)
 
-    def _requeued(self, requeue: int) -> None:
-        """SLURM put the job back in the queue: what its earlier run said is over, and
-        the notebook follows the next run (which starts the function again)."""
-        self.requeue, self.attempt = requeue, 0
+    def _new_attempt(self, message: str, line: str) -> None:
+        """The ranks start again (a torchrun restart, a SLURM requeue): what the last
+        attempt said is over; say why, and follow the next one."""
         self.view.restart()
         self.results.clear()
         self.failures.clear()
         self.requeueing.clear()
         self.state.ranks = ["starting"] * self.config.nprocs
-        self.state.status, self.state.message = "requeued", f"requeue {requeue}"
-        self.pump_output()
-        self.output.write(f"nbddp: SLURM job {self.group.slurm_job_id} was requeued "
-                          f"(requeue {requeue}); following its next run\n")
+        self.state.message = message
+        self._note_now(line)
         self.panel.refresh(self.state)
+
+    def _requeued(self, requeue: int) -> None:
+        """SLURM put the job back in the queue: the notebook follows its next run (which
+        starts the function again)."""
+        self.requeue, self.attempt = requeue, 0
+        self.state.status = "requeued"
+        self._new_attempt(f"requeue {requeue}",
+                          f"nbddp: SLURM job {self.group.slurm_job_id} was requeued "
+                          f"(requeue {requeue}); following its next run\n")
 
     def _stop_requested(self) -> None:
         """SLURM's warning before the time limit reached the ranks (said once)."""
-        if self.state.message.startswith("time limit near"):
+        if self._stop_said:
             return
+        self._stop_said = True
         self.state.message = "time limit near: nbddp.stop_requested() is true on the ranks"
-        self.output.write(f"nbddp: SLURM job {self.group.slurm_job_id} nears its time limit; "
-                          "nbddp.stop_requested() is now true on the ranks\n")
+        self._note_now(f"nbddp: SLURM job {self.group.slurm_job_id} nears its time limit; "
+                       "nbddp.stop_requested() is now true on the ranks\n")
 
     def _requeue_underway(self) -> bool:
-        """A SLURM job's rank failed: true if SLURM is requeueing the job, which stops
-        its ranks (then the failure is not the run's end); follows the next run if so."""
-        if self.group.slurm_job_id is None:
-            return False
+        """A rank failed: true if SLURM is requeueing the job, which stops its ranks
+        (then the failure is not the run's end); follows the next run if so."""
         requeues = self.group.requeues()
         if requeues > self.requeue:
             self._requeued(requeues)
@@ -329,15 +334,8 @@ class Supervisor:
         self.causes.append(cause)
         self._keep_tracebacks()
         self.attempt += 1
-        self.view.restart()
-        self.results.clear()
-        self.failures.clear()
-        self.state.ranks = ["starting"] * self.config.nprocs  # torchrun starts them again
-        self.state.message = (f"restart {self.attempt} of {self.config.max_restarts}: "
-                              f"{describe(cause)}")
-        self.pump_output()
-        self.output.write(f"nbddp: {self.state.message}\n")
-        self.panel.refresh(self.state)
+        message = f"restart {self.attempt} of {self.config.max_restarts}: {describe(cause)}"
+        self._new_attempt(message, f"nbddp: {message}\n")
         return None
 
     def _keep_tracebacks(self) -> None:
