@@ -204,8 +204,9 @@ def test_a_rank_that_raises_while_its_peer_waits_restarts_the_session(fresh_sess
     cell(fresh_session, "lost = 'soon gone'").assert_ok()
     started = time.monotonic()
     run = cell(fresh_session, """
-import torch, torch.distributed as dist
+import time, torch, torch.distributed as dist
 if dist.get_rank() == 1:
+    time.sleep(3)  # rank 0 is in the all_reduce before rank 1 fails (and is interrupted)
     raise ValueError("rank one fails")
 dist.all_reduce(torch.ones(1))   # rank 0 waits here for good
 """)
