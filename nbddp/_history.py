@@ -5,9 +5,10 @@ waited ``STALE_SECONDS`` while some rank has moved past it: a rank far behind, o
 that never logs, is then left out of that step (``ranks`` says how many were averaged),
 and its late records for that step are dropped rather than averaged a second time.
 A rank that reports a step it was already part of (its step counter started over) starts
-a new row. Steps are averaged in order. Every averaged step is appended to a JSON-lines
-file; memory keeps at most ``MAX_POINTS`` points per metric for the live chart,
-thinning old ones by half.
+a new row. A record logged "for all ranks" (a value already reduced, or a framework that
+logs on its main process only) completes its step at once. Steps are averaged in order.
+Every averaged step is appended to a JSON-lines file; memory keeps at most
+``MAX_POINTS`` points per metric for the live chart, thinning old ones by half.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class History:
         self.nprocs, self.path = nprocs, path
         self._pending: dict[int, dict[str, dict[int, float]]] = {}
         self._first_seen: dict[int, float] = {}
+        self._for_all: set[int] = set()  # pending steps that a for-all record completes
         self._latest_step: dict[int, int] = {}
         self._averaged: OrderedDict[int, frozenset[int]] = OrderedDict()  # step -> its ranks
         self._highest: int | None = None  # for late records of steps no longer remembered
@@ -41,12 +43,16 @@ class History:
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
         """Per metric, (step, average) points for the chart, at most MAX_POINTS."""
 
-    def add(self, rank: int, records: list[tuple[int, dict[str, float]]]) -> None:
+    def add(self, rank: int, records: list[tuple[int, dict[str, float]]],
+            for_all: bool = False) -> None:
+        """``rank``'s records; ``for_all``: each speaks for every rank (no waiting)."""
         now = time.monotonic()
         for step, metrics in records:
             if step not in self._pending and self._late(rank, step):
                 self.late_records += 1
                 continue
+            if for_all:
+                self._for_all.add(step)
             slot = self._pending.setdefault(step, {})
             self._first_seen.setdefault(step, now)
             for name, value in metrics.items():
@@ -65,13 +71,14 @@ class History:
         newest = max(self._latest_step.values(), default=None)
         for step in sorted(self._pending):
             reported = {rank for values in self._pending[step].values() for rank in values}
-            complete = len(reported) == self.nprocs
+            complete = len(reported) == self.nprocs or step in self._for_all
             stale = now - self._first_seen[step] > STALE_SECONDS and newest is not None \
                 and newest > step
             if not (complete or stale or everything):
                 break  # in order: a later step waits for this one
             self._finish(step, self._pending.pop(step), reported)
             del self._first_seen[step]
+            self._for_all.discard(step)
 
     def _finish(self, step: int, metrics: dict[str, dict[int, float]], ranks: set[int]) -> None:
         row: dict[str, Any] = {"step": step, "ranks": len(ranks)}

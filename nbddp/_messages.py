@@ -138,6 +138,9 @@ class Metrics:
     rank: int
     records: list[tuple[int, dict[str, float]]]
     position: tuple[int, int | None, str | None] | None = None
+    for_all: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """Records that speak for every rank (already reduced, or logged on the main
+    process only, as Accelerate's ``log`` is): averaged at once, not waited for."""
 
 
 @dataclass(frozen=True)

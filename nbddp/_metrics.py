@@ -26,16 +26,35 @@ def log(step: int | None = None, **metrics: Any) -> None:
 
     In a script run (an exported script under torchrun, srun or python) rank 0 prints
     the averages and writes them as JSON lines; outside any run it does nothing."""
+    _record(step, metrics, for_all=False)
+
+
+def log_for_all(step: int | None, metrics: dict[str, Any]) -> None:
+    """Like ``log``, for values that speak for every rank (already reduced, or logged on
+    the main process only): the kernel shows them at once instead of waiting for the
+    other ranks' records of ``step``. For the framework integrations."""
+    _record(step, metrics, for_all=True)
+
+
+def _record(step: int | None, metrics: dict[str, Any], for_all: bool) -> None:
+    """To the kernel in a launched run, to files in a script run, else nowhere."""
     global _script
     if _reporter is not None:
-        _reporter.log(step, metrics)
+        _reporter.log(step, metrics, for_all)
         return
     if _script is None:  # asked again until a process group is up
         from ._script_metrics import script_reporter
 
         _script = script_reporter()
     if _script is not None:
-        _script.log(step, metrics)
+        _script.log(step, metrics, for_all)
+
+
+def set_progress(done: int, total: int | None, desc: str | None = None) -> None:
+    """Move the notebook's progress bar to ``done`` of ``total`` (for a framework's loop,
+    which ``progress`` cannot wrap). Does nothing outside a launched run."""
+    if _reporter is not None:
+        _reporter.set_position(done, total, desc)
 
 
 def progress(iterable: Iterable[T], total: int | None = None, desc: str | None = None
@@ -47,6 +66,11 @@ def progress(iterable: Iterable[T], total: int | None = None, desc: str | None =
         rank = int(os.environ.get("RANK", "0"))  # in a script run, only rank 0 shows a bar
         return tqdm(iterable, total=total, desc=desc, disable=rank != 0)
     return _reporter.track(iterable, total, desc)
+
+
+def in_launched_run() -> bool:
+    """Is this a rank of a run launched from a notebook (``log`` reaches a kernel)?"""
+    return _reporter is not None
 
 
 def start_reporting(rank: int, send: Callable[[Any], None]) -> Reporter:

@@ -30,7 +30,7 @@ class Reporter:
     def __init__(self, rank: int, send: Callable[[Any], None], stats: bool = False) -> None:
         self.rank, self._send, self._stats = rank, send, stats
         self._stats_sent = 0.0
-        self._records: deque[tuple[int, dict[str, Any]]] = deque()
+        self._records: deque[tuple[int, dict[str, Any], bool]] = deque()
         self._step = -1
         self.position: tuple[int, int | None, str | None] | None = None
         self._sent_position: tuple | None = None
@@ -39,12 +39,17 @@ class Reporter:
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-metrics")
         self._thread.start()
 
-    def log(self, step: int | None, metrics: dict[str, Any]) -> None:
+    def log(self, step: int | None, metrics: dict[str, Any], for_all: bool = False) -> None:
+        """Buffer ``metrics`` for ``step``; ``for_all``: they speak for every rank."""
         self._step = self._step + 1 if step is None else step
         for name, value in metrics.items():
             if getattr(value, "requires_grad", False):  # keep no autograd graph alive
                 metrics[name] = value.detach()
-        self._records.append((self._step, metrics))
+        self._records.append((self._step, metrics, for_all))
+
+    def set_position(self, done: int, total: int | None, desc: str | None) -> None:
+        """Where the run is, for a loop that ``track`` does not wrap (a framework's)."""
+        self.position = (done, total, desc)
 
     def track(self, iterable: Iterable[T], total: int | None, desc: str | None) -> Iterator[T]:
         if total is None and hasattr(iterable, "__len__"):
@@ -67,14 +72,15 @@ class Reporter:
         self._send(sample(self.rank, step))
 
     def flush(self) -> None:
-        records = []
+        records: list[tuple[int, dict[str, float]]] = []
+        for_all: list[tuple[int, dict[str, float]]] = []
         while self._records:
-            step, metrics = self._records.popleft()
-            records.append((step, self._numbers(metrics)))
+            step, metrics, speaks_for_all = self._records.popleft()
+            (for_all if speaks_for_all else records).append((step, self._numbers(metrics)))
         position = self.position
-        if records or position != self._sent_position:
+        if records or for_all or position != self._sent_position:
             self._sent_position = position
-            self._send(Metrics(self.rank, records, position))
+            self._send(Metrics(self.rank, records, position, for_all))
 
     def _numbers(self, metrics: dict[str, Any]) -> dict[str, float]:
         numbers = {}

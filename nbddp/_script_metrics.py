@@ -51,13 +51,16 @@ class ScriptReporter:
             self._thread.start()
         atexit.register(self.close)
 
-    def log(self, step: int | None, metrics: dict[str, Any]) -> None:
-        self._reporter.log(step, metrics)
+    def log(self, step: int | None, metrics: dict[str, Any], for_all: bool = False) -> None:
+        self._reporter.log(step, metrics, for_all)
 
     def _write(self, batch: Metrics) -> None:
-        """The reporter's send: this rank's records, appended as JSON lines."""
+        """The reporter's send: this rank's records, appended as JSON lines (a third
+        item marks a record that speaks for every rank)."""
         for step, values in batch.records:
             self._file.write(json.dumps([step, values]) + "\n")
+        for step, values in batch.for_all:
+            self._file.write(json.dumps([step, values, True]) + "\n")
         self._file.flush()
 
     def _loop(self) -> None:
@@ -70,8 +73,9 @@ class ScriptReporter:
             return True
         done = 0
         for rank in range(self.world):
-            records, finished = self._read(rank)
+            records, for_all, finished = self._read(rank)
             self._history.add(rank, records)
+            self._history.add(rank, for_all, for_all=True)
             done += finished
         self._history.tick()
         row = self._history.latest
@@ -83,24 +87,27 @@ class ScriptReporter:
                   flush=True)
         return done == self.world
 
-    def _read(self, rank: int) -> tuple[list[tuple[int, dict[str, float]]], bool]:
+    def _read(self, rank: int) -> tuple[list[tuple[int, dict[str, float]]],
+                                        list[tuple[int, dict[str, float]]], bool]:
         path = self.folder / f"rank-{rank}.jsonl"
         try:
             with path.open() as f:
                 f.seek(self._offsets[rank])
                 text = f.read()
         except FileNotFoundError:
-            return [], False
+            return [], [], False
         complete = text[:text.rfind("\n") + 1]
         self._offsets[rank] += len(complete.encode())
-        records, finished = [], False
+        records: list[tuple[int, dict[str, float]]] = []
+        for_all: list[tuple[int, dict[str, float]]] = []
+        finished = False
         for line in complete.splitlines():
             item = json.loads(line)
             if item == "done":
                 finished = True
             else:
-                records.append((item[0], item[1]))
-        return records, finished
+                (for_all if len(item) > 2 else records).append((item[0], item[1]))
+        return records, for_all, finished
 
     def close(self) -> None:
         """At exit: this rank says it is done; rank 0 waits for the others, then averages."""

@@ -192,6 +192,7 @@ class Supervisor:
             self.debugger.done(event.rank)
         elif isinstance(event, Metrics):
             self.history.add(event.rank, event.records)
+            self.history.add(event.rank, event.for_all, for_all=True)
             if event.rank == 0 and event.position is not None:
                 self.state.set_position(event.position)
         elif isinstance(event, Hello):

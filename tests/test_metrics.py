@@ -163,3 +163,27 @@ def test_late_records_are_recognised_after_the_step_is_forgotten(tmp_path, monke
 
 def _rows(history):
     return read_history(history.path)
+
+
+def test_a_record_for_all_ranks_is_shown_at_once_not_waited_for(tmp_path):
+    history = History(nprocs=2, path=tmp_path / "m.jsonl")
+    history.add(0, [(0, {"loss": 4.0})], for_all=True)  # e.g. Accelerate's main process
+    assert history.latest == {"step": 0, "ranks": 1, "loss": 4.0}  # no tick, no waiting
+    history.add(0, [(1, {"acc": 1.0})])  # an ordinary record still waits for rank 1
+    assert history.latest["step"] == 0
+    history.add(1, [(1, {"acc": 0.0})])
+    history.close()
+    assert [(r["step"], r["ranks"]) for r in _rows(history)] == [(0, 1), (1, 2)]
+
+
+def test_a_script_run_keeps_the_for_all_mark_through_its_files(tmp_path):
+    from nbddp._messages import Metrics
+    from nbddp._script_metrics import ScriptReporter
+
+    reporter = ScriptReporter(0, 2, tmp_path)
+    reporter._write(Metrics(0, [(0, {"a": 1.0})], None, [(0, {"loss": 2.0})]))
+    records, for_all, finished = reporter._read(0)
+    assert (records, for_all, finished) == ([(0, {"a": 1.0})], [(0, {"loss": 2.0})], False)
+    reporter._stop.set()
+    reporter._thread.join()
+    reporter._file.close()

@@ -1,0 +1,108 @@
+"""Lightning in an nbddp run: what a ``Trainer`` logs and how far it is, in the panel.
+
+Inside an nbddp run every ``lightning.Trainer`` gets ``NbddpCallback`` by itself,
+through Lightning's ``lightning.pytorch.callbacks_factory`` entry point (declared in
+nbddp's package metadata): nothing to add to the Trainer. Passing one by hand is
+harmless (one of them reports). Fabric has no such hook: pass ``NbddpLogger`` as
+``Fabric(loggers=[NbddpLogger()])`` and ``fabric.log``/``log_dict`` reach the panel.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.loggers import Logger
+from lightning.pytorch import Callback
+
+from .. import _metrics
+from .._metrics import log, set_progress
+from ._numbers import chartable
+
+__all__ = ["NbddpCallback", "NbddpLogger", "callbacks_in_a_run"]
+
+
+class NbddpCallback(Callback):  # type: ignore[misc]
+    """Metrics the LightningModule logs (``self.log``) go to the panel at the Trainer's
+    global step, each time their value changes; the progress bar follows the optimizer
+    steps out of the Trainer's estimate of the total."""
+
+    def __init__(self) -> None:
+        self._sent: dict[str, Any] = {}
+        self._reports = True
+        self._total: int | None = None
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        ours = [cb for cb in trainer.callbacks if isinstance(cb, NbddpCallback)]
+        self._reports = ours[0] is self  # one given by hand and one from the entry point
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._total = _total(trainer)
+        if self._reports:
+            set_progress(trainer.global_step, self._total, f"epoch {trainer.current_epoch}")
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._reports:
+            self._send(trainer)
+            set_progress(trainer.global_step, self._total, f"epoch {trainer.current_epoch}")
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._reports:
+            self._send(trainer)
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._reports and not trainer.sanity_checking:
+            self._send(trainer)
+
+    def _send(self, trainer: Any) -> None:
+        """The metrics whose value is new since the last call (a tensor Lightning made
+        afresh): compared by identity, so no GPU value is read on the training thread."""
+        metrics = _as_logged(trainer.callback_metrics)
+        new = {name: value for name, value in metrics.items() if self._sent.get(name) is not value}
+        self._sent.update(new)
+        new = chartable(new)
+        if new:
+            log(step=trainer.global_step, **new)
+
+
+class NbddpLogger(Logger):  # type: ignore[misc]
+    """A Lightning Fabric logger: ``fabric.log_dict(metrics, step)`` goes to the panel,
+    averaged over ranks as ``nbddp.log`` is."""
+
+    @property
+    def name(self) -> str:
+        return "nbddp"
+
+    @property
+    def version(self) -> str:
+        return "0"
+
+    def log_metrics(self, metrics: dict[str, Any], step: int | None = None) -> None:
+        values = chartable(metrics)
+        if values:
+            log(step=step, **values)
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Hyperparameters are not charted."""
+
+
+def callbacks_in_a_run() -> list[Callback]:
+    """Lightning's ``callbacks_factory`` entry point: inside an nbddp run, the callback
+    that reports to the panel; elsewhere, none."""
+    return [NbddpCallback()] if _metrics.in_launched_run() else []
+
+
+def _as_logged(metrics: dict[str, Any]) -> dict[str, Any]:
+    """Lightning keeps ``x`` beside ``x_step`` and ``x_epoch`` for a value logged both
+    per step and per epoch; its loggers get only the latter two, and so does the panel."""
+    return {name: value for name, value in metrics.items()
+            if f"{name}_step" not in metrics and f"{name}_epoch" not in metrics}
+
+
+def _total(trainer: Any) -> int | None:
+    """The optimizer steps the fit will take, as Lightning estimates them."""
+    try:
+        total = trainer.estimated_stepping_batches
+    except Exception:  # e.g. an iterable dataset without a length and no max_steps
+        return None
+    return int(total) if total not in (None, float("inf")) else None
