@@ -2,8 +2,9 @@
 
 ``PanelState`` holds progress, throughput, the latest rank-averaged metrics, each
 rank's state and the metric curves. ``WidgetPanel`` draws it with ipywidgets under the
-cell (a progress bar, a table, one SVG chart per metric); ``TextPanel`` prints the same
-through tqdm where widgets cannot render. Refreshes are coalesced by the caller.
+cell (a progress bar, a table, charts of related metrics drawn by ``_chart``);
+``TextPanel`` prints the same through tqdm where widgets cannot render. Refreshes are
+coalesced by the caller.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from ._chart import best, charts_html, compact, direction
 from ._history import History
 
 _COLORS = {"starting": "#999", "running": "#1f77b4", "finished": "#2ca02c",
@@ -241,8 +243,7 @@ class _Widgets:
                               "requeued": "warning"}.get(state.status, "danger")
         self.speed.value = _speed_html(state)
         self.metrics.value = _metrics_html(state.history.latest)
-        self.charts.value = "".join(svg_chart(name, points)
-                                    for name, points in state.history.series.items())
+        self.charts.value = charts_html(state.history.series)
 
     def note(self, state: PanelState, closed: bool) -> None:
         self.footer.value = (f'<small style="color:#666">nbddp: {html.escape(state.footer)}'
@@ -252,7 +253,8 @@ class _Widgets:
 
 
 def text_view(state: PanelState) -> str:
-    """The panel as plain text: status and ranks, a tqdm meter, the latest averages."""
+    """The panel as plain text: status and ranks, a tqdm meter, the latest averages and
+    the best so far of the metrics that have a best (lowest loss, highest accuracy)."""
     ranks = ", ".join(f"{r} {s}" for r, s in enumerate(state.ranks))
     where = f" {state.where}" if state.where else ""
     lines = [f"nbddp: {state.status}{where} (ranks: {ranks})"
@@ -267,9 +269,19 @@ def text_view(state: PanelState) -> str:
     if latest:
         lines.append(f"step {latest['step']} (mean of {latest['ranks']} ranks): "
                      + _metric_text(latest))
+        bests = _best_text(state.history.series)
+        if bests:
+            lines.append(f"best: {bests}")
     if state.footer:
         lines.append(f"nbddp: {state.footer}")
     return "\n".join(lines)
+
+
+def _best_text(series: dict[str, list[tuple[int, float]]]) -> str:
+    """``loss min 0.31 @ 120, acc max 0.93 @ 118``"""
+    tops = {name: best(name, points) for name, points in series.items()}
+    return ", ".join(f"{name} {direction(name)} {compact(top[1], 4)} @ {top[0]}"
+                     for name, top in tops.items() if top is not None)
 
 
 def _rank_chip(state: PanelState, rank: int, rank_state: str) -> str:
@@ -309,30 +321,6 @@ def _metrics_html(row: dict[str, Any]) -> str:
                     if k not in ("step", "ranks"))
     return (f"<table><tr><td>step {row['step']} (mean of {row['ranks']} ranks)</td>"
             f"{cells}</tr></table>")
-
-
-def svg_chart(name: str, points: list[tuple[int, float]], width: int = 280,
-              height: int = 90) -> str:
-    """A small line chart of one metric over steps, as inline SVG."""
-    if not points:
-        return ""
-    steps = [p[0] for p in points]
-    values = [p[1] for p in points]
-    x0, x1 = min(steps), max(steps)
-    y0, y1 = min(values), max(values)
-    xs = (x1 - x0) or 1
-    ys = (y1 - y0) or 1
-    pad = 4
-    coords = " ".join(
-        f"{pad + (s - x0) / xs * (width - 2 * pad):.1f},"
-        f"{height - pad - (v - y0) / ys * (height - 2 * pad - 14):.1f}"
-        for s, v in points)
-    label = html.escape(f"{name}: {values[-1]:.4g} (min {y0:.4g}, max {y1:.4g})")
-    return (f'<svg class="nbddp-chart" data-metric="{html.escape(name)}" width="{width}" '
-            f'height="{height}" style="margin:4px;border:1px solid #ddd">'
-            f'<text x="{pad}" y="12" font-size="11">{label}</text>'
-            f'<polyline fill="none" stroke="#1f77b4" stroke-width="1.5" points="{coords}"/>'
-            "</svg>")
 
 
 def make_panel(stream: TextIO | None = None) -> Panel:

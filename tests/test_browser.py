@@ -1,5 +1,5 @@
 """A real browser: JupyterLab in headless Chromium runs an nbddp cell; the live panel is
-checked as a person sees it (header, progress bar, metrics table, chart).
+checked as a person sees it (header, progress bar, metrics table, chart with axes).
 
 Needs Debian's chromium at /usr/bin/chromium and the Python packages ``jupyterlab`` and
 ``playwright`` (``bash scripts/install-browser.sh``); skipped where any is missing.
@@ -329,17 +329,21 @@ def test_live_panel_in_jupyterlab(jupyter_lab, browser, tmp_path):
     assert re.search(r"step 39 \(mean of 2 ranks\)", row), row
     assert re.search(r"\bloss\s+0\.525\b", row), row
 
-    # A chart of the loss: an inline SVG with a line through 40 points.
-    chart = panel.locator("svg.nbddp-chart[data-metric='loss']")
+    # A chart of the loss: an inline SVG with axes, a line through 40 points, and a
+    # legend with the latest and best values.
+    chart = panel.locator("svg.nbddp-chart[data-chart='loss']")
     expect(chart).to_be_visible()
-    polyline = chart.locator("polyline")
+    expect(chart.locator("path.nbddp-axes")).to_be_visible()
+    polyline = chart.locator("polyline[data-metric='loss']")
     expect(polyline).to_have_count(1)
     points = polyline.get_attribute("points") or ""
     assert len(points.split()) == 40, points
     box = polyline.bounding_box()
     assert box and box["width"] > 100 and box["height"] > 20, box
-    label = chart.text_content() or ""
-    assert "loss: 0.525 (min 0.525, max 1.5)" in label, label
+    words = chart.locator("text").all_text_contents()
+    assert {"0", "10", "20", "30", "step"} <= set(words), words  # the step axis
+    assert {"0.6", "1", "1.4"} <= set(words), words  # the value axis, 0.525 to 1.5
+    assert "loss 0.525 min 0.525 @ 39" in words, words
 
     # Rank 0's return value is the cell's result.
     expect(cell.locator(".jp-OutputArea-executeResult")).to_contain_text("'done'")

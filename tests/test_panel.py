@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
+
 import nbformat
 import pytest
 from nbclient import NotebookClient
 
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+SVG = "{http://www.w3.org/2000/svg}"
 
 TRAIN = '''
 import nbddp
@@ -63,6 +66,20 @@ def panel(nb, cell_index):
     return models
 
 
+def chart_texts(models) -> dict[str, list[str]]:
+    """Per chart (by title), the words it shows; each chart has a line per metric."""
+    (charts,) = [m["value"] for m in models["HTMLModel"]
+                 if m["value"].startswith('<div class="nbddp-charts"')]
+    shown = {}
+    for svg in ET.fromstring(charts):
+        assert svg.get("class") == "nbddp-chart"
+        lines = svg.findall(f"{SVG}polyline")
+        assert [line.get("data-metric") for line in lines] == svg.get("data-metrics").split()
+        assert all(len(line.get("points").split()) == 30 for line in lines)
+        shown[svg.get("data-chart")] = ["".join(t.itertext()) for t in svg.iter(f"{SVG}text")]
+    return shown
+
+
 def test_a_finished_run_shows_the_final_step_and_rank_averages(executed):
     models = panel(executed, 0)
     (bar,) = models["IntProgressModel"]
@@ -72,7 +89,10 @@ def test_a_finished_run_shows_the_final_step_and_rank_averages(executed):
     assert "step 29 (mean of 2 ranks)" in html
     assert "<b>loss</b> 34" in html  # mean of 29 and 29 + 10
     assert "<b>acc</b> 1" in html  # mean of 0.5 and 1.5
-    assert 'class="nbddp-chart" data-metric="loss"' in html
+    charts = chart_texts(models)
+    assert charts["loss"][:2] == ["loss", "0"] and "step" in charts["loss"]  # title, axes
+    assert "loss 34 min 5 @ 0" in charts["loss"]  # latest and best, in the legend
+    assert "acc 1 max 1 @ 0" in charts["acc"]
     assert "30/30" in html
     stream = "".join(o.get("text", "") for o in executed.cells[0].outputs)
     assert "nbddp: finished on 2 ranks" in stream  # a record that needs no widgets
@@ -82,6 +102,7 @@ def test_a_finished_run_shows_the_final_step_and_rank_averages(executed):
     assert "nbddp: finished (ranks: 0 finished, 1 finished)" in text
     assert "100%" in text and "30/30" in text
     assert "step 29 (mean of 2 ranks): loss=34 acc=1" in text
+    assert "best: loss min 5 @ 0, acc max 1 @ 0" in text
 
 
 def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
