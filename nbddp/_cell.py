@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import os
-import sys
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,8 @@ from ._scope import Scope
 
 @dataclass(frozen=True)
 class CellResult:
-    """Rank 0's view after the cell ran: its trailing expression and the ``--out`` names."""
+    """A rank's view after the cell ran: its trailing expression and the ``--out`` names
+    (which rank 0 sends back, made whole: see ``_whole``)."""
 
     value: Any = None
     outputs: dict[str, Any] = field(default_factory=dict)
@@ -80,12 +80,13 @@ class Cell:
         except SystemExit as exc:  # sys.exit() / exit() ends the cell, like a script
             if exc.code not in (None, 0):
                 raise
+        outputs = {name: namespace[name] for name in self.outputs if name in namespace}
         if int(os.environ.get("RANK", "0")) != 0:
-            return CellResult()  # only rank 0's values go back to the notebook
+            return CellResult(value, outputs)  # dropped once it helped gather rank 0's
         missing = [name for name in self.outputs if name not in namespace]
         if missing:
             raise NameError(f"--out names not defined by the cell: {', '.join(missing)}")
-        return CellResult(value, {name: for_notebook(namespace[name]) for name in self.outputs})
+        return CellResult(value, outputs)
 
 
 def names_read_from_outside(tree: ast.Module) -> set[str]:
@@ -132,10 +133,3 @@ def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str]]:
             stack.append((child, inside or isinstance(node, scopes)))
     return reads, writes, nested
 
-
-def for_notebook(value: Any) -> Any:
-    """What a name's value becomes in the notebook: a DDP model comes back as its module."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(value, torch.nn.parallel.DistributedDataParallel):
-        return value.module
-    return value

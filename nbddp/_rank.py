@@ -21,12 +21,14 @@ from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
 from . import _dataplane as dataplane
+from ._cell import CellResult
 from ._messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from ._metrics import start_reporting, stop_reporting
 from ._payload import Payload, dumps_value
 from ._requeue import RequeueRequested, mark_requeue
 from ._scope import Scope
 from ._version import __version__
+from ._whole import make_whole
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -147,12 +149,23 @@ class Rank:
                 value = scope.bind(fn)(*payload.args, **payload.kwargs)
             else:
                 value = fn(*payload.args, **payload.kwargs)
+        value = _whole(value, start.options.all_ranks)  # (collective: while the group is up)
         if start.options.init and not start.session:  # (after success only: a rank
             import torch.distributed as dist  # that failed reports at once)
 
             if dist.is_initialized():
                 dist.destroy_process_group()
         return value
+
+
+def _whole(value: Any, all_ranks: bool) -> Any:
+    """``value`` with its models and DTensors whole (see ``_whole``); a cell's value and
+    each of its ``--out`` names on their own, on every rank in the same order."""
+    if isinstance(value, CellResult):
+        return CellResult(make_whole(value.value, all_ranks, "the cell's value"),
+                          {name: make_whole(output, all_ranks, name)
+                           for name, output in value.outputs.items()})
+    return make_whole(value, all_ranks)
 
 
 def prepare(backend: str | None) -> str | None:
