@@ -20,7 +20,7 @@ from . import _dataplane as dataplane
 from ._config import RunConfig
 from ._debugger import Debugger
 from ._diagnosis import describe, first_cause, peer_lost
-from ._display import Panel, PanelState, make_panel
+from ._display import Panel, PanelState, WidgetPanel, make_panel
 from ._errors import NbddpError
 from ._group import LauncherExited, RankGroup
 from ._history import History
@@ -107,11 +107,12 @@ class Supervisor:
             self.output.write(group.notice + "\n")
 
     def _make_tails(self) -> list[LogTail]:
+        in_place = isinstance(self.panel, WidgetPanel)  # progress bars update under the cell
         if self.config.output == "rank0":
-            return [LogTail(self.records.rank_log(0), self.output)]
+            return [LogTail(self.records.rank_log(0), self.output, in_place=in_place)]
         if self.config.output == "all":
-            return [LogTail(self.records.rank_log(r), self.output, prefix=f"[rank {r}] ")
-                    for r in range(self.config.nprocs)]
+            return [LogTail(self.records.rank_log(r), self.output, prefix=f"[rank {r}] ",
+                            in_place=in_place) for r in range(self.config.nprocs)]
         return []
 
     # --- events -----------------------------------------------------------------------
