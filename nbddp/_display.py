@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from ._chart import best, charts_html, compact, direction
-from ._history import History
+from ._history import History, averaged_over
 
 _COLORS = {"starting": "#999", "running": "#1f77b4", "finished": "#2ca02c",
            "failed": "#d62728", "stopped": "#999", "requeueing": "#ff7f0e",
@@ -267,7 +267,7 @@ def text_view(state: PanelState) -> str:
                                        rate=state.rate))
     latest = state.history.latest
     if latest:
-        lines.append(f"step {latest['step']} (mean of {latest['ranks']} ranks): "
+        lines.append(f"step {latest['step']} ({averaged_over(latest)}): "
                      + _metric_text(latest))
         bests = _best_text(state.history.series)
         if bests:
@@ -319,7 +319,7 @@ def _metrics_html(row: dict[str, Any]) -> str:
         return ""
     cells = "".join(f"<td><b>{html.escape(k)}</b> {v:.4g}</td>" for k, v in row.items()
                     if k not in ("step", "ranks"))
-    return (f"<table><tr><td>step {row['step']} (mean of {row['ranks']} ranks)</td>"
+    return (f"<table><tr><td>step {row['step']} ({averaged_over(row)})</td>"
             f"{cells}</tr></table>")
 
 

@@ -112,6 +112,12 @@ class History:
             self._file = None
 
 
+def averaged_over(row: dict[str, Any]) -> str:
+    """How a row's values were made, for the panel: "mean of 2 ranks", or "1 rank"."""
+    ranks = row["ranks"]
+    return f"mean of {ranks} ranks" if ranks > 1 else f"{ranks} rank"
+
+
 def read_history(path: Path) -> list[dict[str, Any]]:
     """Every averaged step of a run, in order, from its JSON-lines file."""
     try:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from ._history import History
+from ._history import History, averaged_over
 from ._messages import Metrics
 from ._reporter import Reporter
 
@@ -83,7 +83,7 @@ class ScriptReporter:
         if row and due and not quiet and row != self._printed_row:
             self._printed, self._printed_row = time.monotonic(), dict(row)
             metrics = " ".join(f"{k}={v:.4g}" for k, v in row.items() if k not in ("step", "ranks"))
-            print(f"[nbddp] step {row['step']}: {metrics} (mean of {row['ranks']} ranks)",
+            print(f"[nbddp] step {row['step']}: {metrics} ({averaged_over(row)})",
                   flush=True)
         return done == self.world
 

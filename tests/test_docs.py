@@ -63,8 +63,13 @@ def _pages() -> list[Path]:
     return sorted(DOCS.glob("*.md"))
 
 
+# Pages whose examples another test runs, with checks of its own (and run once, not twice).
+RUN_ELSEWHERE = {"frameworks.md": "tests/test_integrations.py"}
+
+
 def _runnable_pages() -> list[Path]:
-    return [page for page in _pages() if any(b.lang == "python" for b in blocks(page))]
+    return [page for page in _pages() if any(b.lang == "python" for b in blocks(page))
+            and page.name not in RUN_ELSEWHERE]
 
 
 def _squeeze(text: str) -> str:

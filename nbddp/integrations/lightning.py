@@ -24,10 +24,16 @@ __all__ = ["NbddpCallback", "NbddpLogger", "callbacks_in_a_run"]
 class NbddpCallback(Callback):  # type: ignore[misc]
     """Metrics the LightningModule logs (``self.log``) go to the panel at the Trainer's
     global step, each time their value changes; the progress bar follows the optimizer
-    steps out of the Trainer's estimate of the total."""
+    steps out of the Trainer's estimate of the total.
+
+    What a step logged (its batch, then perhaps its epoch's end and validation) is sent
+    as one record once the next step begins, so the ranks' records of a step average
+    into one row whatever order they arrive in."""
 
     def __init__(self) -> None:
         self._sent: dict[str, Any] = {}
+        self._held: dict[str, Any] = {}
+        self._held_step = -1
         self._reports = True
         self._total: int | None = None
 
@@ -43,26 +49,41 @@ class NbddpCallback(Callback):  # type: ignore[misc]
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._reports:
-            self._send(trainer)
+            self._collect(trainer)
             set_progress(trainer.global_step, self._total, f"epoch {trainer.current_epoch}")
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._reports:
-            self._send(trainer)
+            self._collect(trainer, by_value=True)
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._reports and not trainer.sanity_checking:
-            self._send(trainer)
+            self._collect(trainer, by_value=True)
+            if trainer.state.fn != "fit":  # trainer.validate(): no step follows
+                self._send()
 
-    def _send(self, trainer: Any) -> None:
-        """The metrics whose value is new since the last call (a tensor Lightning made
-        afresh): compared by identity, so no GPU value is read on the training thread."""
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self._reports:
+            self._send()
+
+    def _collect(self, trainer: Any, by_value: bool = False) -> None:
+        """Hold the metrics that are new since the last call. After each batch, a value
+        is new if Lightning made a new tensor for it (no GPU value is read on the
+        training thread); at an epoch's end, where Lightning makes every tensor afresh,
+        only if its value changed."""
+        if trainer.global_step != self._held_step:
+            self._send()
+            self._held_step = trainer.global_step
         metrics = _as_logged(trainer.callback_metrics)
-        new = {name: value for name, value in metrics.items() if self._sent.get(name) is not value}
+        new = {name: value for name, value in metrics.items()
+               if not _same(self._sent.get(name), value, by_value)}
         self._sent.update(new)
-        new = chartable(new)
-        if new:
-            log(step=trainer.global_step, **new)
+        self._held.update(chartable(new))
+
+    def _send(self) -> None:
+        if self._held:
+            log(step=self._held_step, **self._held)
+            self._held = {}
 
 
 class NbddpLogger(Logger):  # type: ignore[misc]
@@ -97,6 +118,17 @@ def _as_logged(metrics: dict[str, Any]) -> dict[str, Any]:
     per step and per epoch; its loggers get only the latter two, and so does the panel."""
     return {name: value for name, value in metrics.items()
             if f"{name}_step" not in metrics and f"{name}_epoch" not in metrics}
+
+
+def _same(sent: Any, value: Any, by_value: bool) -> bool:
+    if sent is value:
+        return True
+    if not by_value or sent is None:
+        return False
+    try:
+        return bool(float(sent) == float(value))
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def _total(trainer: Any) -> int | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .._metrics import log, set_progress
+from .._metrics import log_for_all, set_progress
 from ._numbers import chartable
 
 __all__ = ["NbddpCallback"]
@@ -21,7 +21,8 @@ __all__ = ["NbddpCallback"]
 class NbddpCallback(TrainerCallback):  # type: ignore[misc]
     """What the Trainer logs (loss, learning rate, grad norm, eval metrics) goes to the
     panel at the Trainer's global step; the progress bar follows ``global_step`` of
-    ``max_steps``. The Trainer logs values already reduced over ranks, on every rank."""
+    ``max_steps``. The Trainer logs values already reduced over the ranks, the same on
+    each, so rank 0's are sent as speaking for all: shown at once, not waited for."""
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         set_progress(state.global_step, state.max_steps or None, "training")
@@ -33,5 +34,5 @@ class NbddpCallback(TrainerCallback):  # type: ignore[misc]
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
         metrics = chartable(logs or {})
-        if metrics:
-            log(step=state.global_step, **metrics)
+        if metrics and state.is_world_process_zero:
+            log_for_all(state.global_step, metrics)
