@@ -29,6 +29,7 @@ RECIPES = {  # a word only that recipe's block has
     "accelerate": "Accelerator(",
     "lightning": "L.Trainer(",
     "fabric": "L.Fabric(",
+    "fsdp2": "fully_shard(model",
 }
 SHOW_JOB = "import json, nbddp; print(json.dumps(nbddp.last_job().history))"
 
@@ -36,19 +37,25 @@ SHOW_JOB = "import json, nbddp; print(json.dumps(nbddp.last_job().history))"
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     """The page's python blocks in one notebook, each recipe followed by a cell that
-    prints its job's history; run with the widget state kept."""
+    prints its job's history; run with the widget state kept. As on every docs page, a
+    ```text block marked <!-- output --> must appear in what the block before printed."""
     for name in ("transformers", "accelerate", "lightning"):
         pytest.importorskip(name)
     nb = nbformat.v4.new_notebook()
     where: dict[str, int] = {}
+    expected: list[tuple[int, str]] = []
+    last = -1
     for block in blocks(PAGE):
+        if block.is_output:
+            expected.append((last, block.body.strip()))
         if block.lang != "python":
             continue
         assert block.raises is None, "a recipe is meant to run"
         nb.cells.append(nbformat.v4.new_code_cell(block.body))
+        last = len(nb.cells) - 1
         for name, word in RECIPES.items():
             if word in block.body:
-                where[name] = len(nb.cells) - 1
+                where[name] = last
                 nb.cells.append(nbformat.v4.new_code_cell(SHOW_JOB))
     assert set(where) == set(RECIPES), f"{PAGE.name} lacks a recipe: {where}"
     NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
@@ -58,6 +65,9 @@ def executed(tmp_path_factory):
     for cell in nb.cells:
         errors = [o for o in cell.outputs if o.output_type == "error"]
         assert not errors, f"{cell.source[:200]}\n" + "\n".join(errors[0].traceback)
+    for index, text in expected:
+        printed = "".join(o.get("text", "") for o in nb.cells[index].outputs)
+        assert text in printed, f"{PAGE.name}: {text!r} not in what the block printed:\n{printed}"
     nb.metadata["recipe_cells"] = where
     return nb
 
@@ -130,3 +140,14 @@ def test_lightning_fabric_logs_through_its_logger_averaged_over_ranks(executed):
     assert all(row["ranks"] == 2 and "loss" in row for row in history)
     bar, _ = panel_state(executed, cell)
     assert (bar["value"], bar["max"]) == (16, 16)
+
+
+def test_an_fsdp2_model_trains_sharded_and_comes_back_whole(executed):
+    # The page's own output checks: FSDPNet with DTensor weights on the ranks, the
+    # user's Net with plain CPU parameters in the notebook.
+    cell, history = ran(executed, "fsdp2")
+    assert [row["step"] for row in history] == list(range(50))
+    assert all(row["ranks"] == 2 for row in history)
+    assert history[-1]["loss"] < history[0]["loss"]
+    bar, _ = panel_state(executed, cell)
+    assert (bar["value"], bar["max"]) == (50, 50)
