@@ -21,7 +21,6 @@ from types import FrameType
 from typing import Any, Protocol, runtime_checkable
 
 from . import _dataplane as dataplane
-from ._cell import CellResult
 from ._messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from ._metrics import start_reporting, stop_reporting
 from ._payload import Payload, dumps_value
@@ -161,10 +160,11 @@ class Rank:
 def _whole(value: Any, all_ranks: bool) -> Any:
     """``value`` with its models and DTensors whole (see ``_whole``); a cell's value and
     each of its ``--out`` names on their own, on every rank in the same order."""
-    if isinstance(value, CellResult):
-        return CellResult(make_whole(value.value, all_ranks, "the cell's value"),
-                          {name: make_whole(output, all_ranks, name)
-                           for name, output in value.outputs.items()})
+    cell = sys.modules.get("nbddp._cell")  # loaded by a cell's payload, not by a function's
+    if cell is not None and isinstance(value, cell.CellResult):
+        return cell.CellResult(make_whole(value.value, all_ranks, "the cell's value"),
+                               {name: make_whole(output, all_ranks, name)
+                                for name, output in value.outputs.items()})
     return make_whole(value, all_ranks)
 
 
