@@ -100,24 +100,24 @@ def panel_state(nb, cell):
 def test_a_hugging_face_trainer_logs_loss_learning_rate_and_eval_at_its_steps(executed):
     cell, history = ran(executed, "hf")
     training = [row for row in history if "loss" in row]
-    assert [row["step"] for row in training] == list(range(2, 21, 2)), history  # logging_steps
+    assert [row["step"] for row in training] == list(range(2, 11, 2)), history  # logging_steps
     # The Trainer's values are already reduced over the ranks: rank 0's, shown at once.
     assert all({"learning_rate", "grad_norm"} <= set(row) for row in training)
     assert all(row["ranks"] == 1 and "epoch" not in row for row in history)  # no bookkeeping
-    assert [row["step"] for row in history if "eval_loss" in row] == [10, 20]
+    assert [row["step"] for row in history if "eval_loss" in row] == [5, 10]
     assert not any("eval_runtime" in row for row in history)
     bar, html = panel_state(executed, cell)
-    assert (bar["value"], bar["max"]) == (20, 20)  # max_steps
+    assert (bar["value"], bar["max"]) == (10, 10)  # max_steps
     assert "eval_loss" in html and "learning_rate" in html
 
 
 def test_accelerate_logs_from_its_main_process_and_is_shown_at_once(executed):
     cell, history = ran(executed, "accelerate")
-    assert [row["step"] for row in history] == list(range(16))  # 512 / 16 / 2 ranks
+    assert [row["step"] for row in history] == list(range(8))  # 256 / 16 / 2 ranks
     # Accelerate logs on its main process only: rank 0's values, not waited for.
     assert all(row["ranks"] == 1 for row in history)
     bar, html = panel_state(executed, cell)
-    assert (bar["value"], bar["max"]) == (16, 16)
+    assert (bar["value"], bar["max"]) == (8, 8)
     assert "<b>loss</b>" in html
 
 
@@ -127,27 +127,27 @@ def test_a_lightning_trainer_reports_by_itself_per_step_and_per_epoch(executed):
     assert {"train_loss_step", "train_loss_epoch", "val_loss"} <= names, names
     assert "train_loss" not in names  # Lightning's unsuffixed copy is left out
     per_step = [row["step"] for row in history if "train_loss_step" in row]
-    assert per_step == list(range(1, 43)), history  # 448 / 16 / 2 ranks = 14, 3 epochs
+    assert per_step == list(range(1, 15)), history  # 224 / 16 / 2 ranks = 7, 2 epochs
     assert all(row["ranks"] == 2 for row in history), [r for r in history if r["ranks"] != 2]
     bar, html = panel_state(executed, cell)
-    assert (bar["value"], bar["max"]) == (42, 42)
-    assert "epoch 2" in html and "val_loss" in html
+    assert (bar["value"], bar["max"]) == (14, 14)
+    assert "epoch 1" in html and "val_loss" in html
 
 
 def test_lightning_fabric_logs_through_its_logger_averaged_over_ranks(executed):
     cell, history = ran(executed, "fabric")
-    assert [row["step"] for row in history] == list(range(16))
+    assert [row["step"] for row in history] == list(range(8))
     assert all(row["ranks"] == 2 and "loss" in row for row in history)
     bar, _ = panel_state(executed, cell)
-    assert (bar["value"], bar["max"]) == (16, 16)
+    assert (bar["value"], bar["max"]) == (8, 8)
 
 
 def test_an_fsdp2_model_trains_sharded_and_comes_back_whole(executed):
     # The page's own output checks: FSDPNet with DTensor weights on the ranks, the
     # user's Net with plain CPU parameters in the notebook.
     cell, history = ran(executed, "fsdp2")
-    assert [row["step"] for row in history] == list(range(50))
+    assert [row["step"] for row in history] == list(range(20))
     assert all(row["ranks"] == 2 for row in history)
     assert history[-1]["loss"] < history[0]["loss"]
     bar, _ = panel_state(executed, cell)
-    assert (bar["value"], bar["max"]) == (50, 50)
+    assert (bar["value"], bar["max"]) == (20, 20)
