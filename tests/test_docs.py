@@ -72,6 +72,13 @@ def _runnable_pages() -> list[Path]:
             and page.name not in RUN_ELSEWHERE]
 
 
+def _page_params() -> list:
+    """Each runnable page; one that submits to SLURM carries the ``slurm`` mark."""
+    return [pytest.param(page, id=page.stem, marks=[pytest.mark.slurm]
+                         if any(b.needs_slurm for b in blocks(page)) else [])
+            for page in _runnable_pages()]
+
+
 def _squeeze(text: str) -> str:
     return "\n".join(line.rstrip() for line in text.strip("\n").splitlines())
 
@@ -99,7 +106,7 @@ def test_every_fence_is_understood():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("page", _runnable_pages(), ids=lambda page: page.stem)
+@pytest.mark.parametrize("page", _page_params())
 def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch):
     # The page's kernel, its runs and any torchrun a page starts by hand (which leaves
     # its log folder behind) use a temp dir of the page's own.
