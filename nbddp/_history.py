@@ -46,6 +46,8 @@ class History:
     def add(self, rank: int, records: list[tuple[int, dict[str, float]]],
             for_all: bool = False) -> None:
         """``rank``'s records; ``for_all``: each speaks for every rank (no waiting)."""
+        if not records:
+            return  # (most batches carry no for-all records: nothing to settle)
         now = time.monotonic()
         for step, metrics in records:
             if step not in self._pending and self._late(rank, step):

@@ -19,7 +19,7 @@ import pytest
 from nbclient import NotebookClient
 
 from .test_docs import DOCS, blocks
-from .test_panel import WIDGET_STATE
+from .test_panel import panel
 
 pytestmark = pytest.mark.slow
 
@@ -73,32 +73,21 @@ def executed(tmp_path_factory):
 
 
 def ran(nb, name):
-    """The recipe's cell and its job's history."""
+    """The index of the recipe's cell, and its job's history."""
     index = nb.metadata["recipe_cells"][name]
     shown = "".join(o.get("text", "") for o in nb.cells[index + 1].outputs)
-    return nb.cells[index], json.loads(shown)
+    return index, json.loads(shown)
 
 
-def panel_state(nb, cell):
+def panel_state(nb, index):
     """The stored progress bar and the panel's HTML (header, metrics table, charts)."""
-    state = nb.metadata["widgets"][WIDGET_STATE]["state"]
-    (shown,) = [o for o in cell.outputs if o.output_type == "display_data"
-                and "application/vnd.jupyter.widget-view+json" in o.data]
-    models: dict[str, list[dict]] = {}
-
-    def walk(model_id):
-        model = state[model_id]
-        models.setdefault(model["model_name"], []).append(model["state"])
-        for child in model["state"].get("children", []):
-            walk(child.removeprefix("IPY_MODEL_"))
-
-    walk(shown.data["application/vnd.jupyter.widget-view+json"]["model_id"])
+    models = panel(nb, index)
     (bar,) = models["IntProgressModel"]
     return bar, " ".join(m["value"] for m in models["HTMLModel"])
 
 
 def test_a_hugging_face_trainer_logs_loss_learning_rate_and_eval_at_its_steps(executed):
-    cell, history = ran(executed, "hf")
+    index, history = ran(executed, "hf")
     training = [row for row in history if "loss" in row]
     assert [row["step"] for row in training] == list(range(2, 11, 2)), history  # logging_steps
     # The Trainer's values are already reduced over the ranks: rank 0's, shown at once.
@@ -106,48 +95,48 @@ def test_a_hugging_face_trainer_logs_loss_learning_rate_and_eval_at_its_steps(ex
     assert all(row["ranks"] == 1 and "epoch" not in row for row in history)  # no bookkeeping
     assert [row["step"] for row in history if "eval_loss" in row] == [5, 10]
     assert not any("eval_runtime" in row for row in history)
-    bar, html = panel_state(executed, cell)
+    bar, html = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (10, 10)  # max_steps
     assert "eval_loss" in html and "learning_rate" in html
 
 
 def test_accelerate_logs_from_its_main_process_and_is_shown_at_once(executed):
-    cell, history = ran(executed, "accelerate")
+    index, history = ran(executed, "accelerate")
     assert [row["step"] for row in history] == list(range(8))  # 256 / 16 / 2 ranks
     # Accelerate logs on its main process only: rank 0's values, not waited for.
     assert all(row["ranks"] == 1 for row in history)
-    bar, html = panel_state(executed, cell)
+    bar, html = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (8, 8)
     assert "<b>loss</b>" in html
 
 
 def test_a_lightning_trainer_reports_by_itself_per_step_and_per_epoch(executed):
-    cell, history = ran(executed, "lightning")
+    index, history = ran(executed, "lightning")
     names = set().union(*history)
     assert {"train_loss_step", "train_loss_epoch", "val_loss"} <= names, names
     assert "train_loss" not in names  # Lightning's unsuffixed copy is left out
     per_step = [row["step"] for row in history if "train_loss_step" in row]
     assert per_step == list(range(1, 15)), history  # 224 / 16 / 2 ranks = 7, 2 epochs
     assert all(row["ranks"] == 2 for row in history), [r for r in history if r["ranks"] != 2]
-    bar, html = panel_state(executed, cell)
+    bar, html = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (14, 14)
     assert "epoch 1" in html and "val_loss" in html
 
 
 def test_lightning_fabric_logs_through_its_logger_averaged_over_ranks(executed):
-    cell, history = ran(executed, "fabric")
+    index, history = ran(executed, "fabric")
     assert [row["step"] for row in history] == list(range(8))
     assert all(row["ranks"] == 2 and "loss" in row for row in history)
-    bar, _ = panel_state(executed, cell)
+    bar, _ = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (8, 8)
 
 
 def test_an_fsdp2_model_trains_sharded_and_comes_back_whole(executed):
     # The page's own output checks: FSDPNet with DTensor weights on the ranks, the
     # user's Net with plain CPU parameters in the notebook.
-    cell, history = ran(executed, "fsdp2")
+    index, history = ran(executed, "fsdp2")
     assert [row["step"] for row in history] == list(range(20))
     assert all(row["ranks"] == 2 for row in history)
     assert history[-1]["loss"] < history[0]["loss"]
-    bar, _ = panel_state(executed, cell)
+    bar, _ = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (20, 20)

@@ -53,7 +53,8 @@ def executed(tmp_path_factory):
 def panel(nb, cell_index):
     """The widget models of the panel shown under one cell, by class name."""
     state = nb.metadata["widgets"][WIDGET_STATE]["state"]
-    (shown,) = [o for o in nb.cells[cell_index].outputs if o.output_type == "display_data"]
+    (shown,) = [o for o in nb.cells[cell_index].outputs if o.output_type == "display_data"
+                and "application/vnd.jupyter.widget-view+json" in o.data]
     models: dict[str, list[dict]] = {}
 
     def walk(model_id):
