@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 from . import _dataplane as dataplane
 from . import _version
-from ._channel import ChannelServer, new_key
+from ._channel import ChannelServer, new_key, tcp_address
 from ._config import RunConfig
 from ._dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
 from ._errors import NbddpError
@@ -387,9 +387,10 @@ class SlurmGroup(RankGroup):
         try:
             key = new_key()
             group.run_dir.write_private(group.run_dir.key, key)
-            group._server = ChannelServer(("", 0), key, group._deliver)
+            host = tcp_address(kernel_host())
+            group._server = ChannelServer((host, 0), key, group._deliver)
             group.run_dir.write_private(group.run_dir.address,
-                                        f"{kernel_host()} {group._server.port}".encode())
+                                        f"{host} {group._server.port}".encode())
         except BaseException:
             group.stop()
             group.close()

@@ -2,18 +2,31 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import queue
 import socket
 import stat
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import nbddp
-from nbddp._channel import KEY_BYTES, ChannelClient, ChannelServer, new_key
-from nbddp._messages import HEADER_SIZE, Hello
+from nbddp._channel import (
+    MAC_BYTES,
+    MAGIC,
+    NONCE_BYTES,
+    ChannelClient,
+    ChannelServer,
+    new_key,
+)
+from nbddp._config import RunConfig
+from nbddp._messages import DebugInput, Disconnected, Hello, Ready, encode
+from nbddp._slurm_options import SlurmOptions
 
 from .conftest import SHM, local_run_dirs, wait_until
 
@@ -73,35 +86,330 @@ def test_a_connection_without_the_key_is_refused_and_changes_nothing(tmp_path):
     assert job.result(timeout=60) == "finished"
 
 
-@pytest.mark.parametrize("transport", ["unix", "tcp"])
-def test_server_sends_nothing_but_a_challenge_to_a_stranger(tmp_path, transport):
-    """The Unix socket of a local run, and the TCP port a SLURM job's ranks connect to
-    (open to the network, so the key is all that keeps strangers out)."""
-    events: queue.Queue = queue.Queue()
-    key = new_key()
-    server = ChannelServer(tmp_path / "s.sock" if transport == "unix" else ("", 0), key,
-                           events.put)
-    address = tmp_path / "s.sock" if transport == "unix" else ("127.0.0.1", server.port)
+# --- attacks on the channel, through real sockets --------------------------------------
+#
+# The attacker is anyone who can reach the kernel's socket without the run's key: on a
+# cluster, another user on the login node or the network, for the TCP port of a SLURM
+# run. What they may try: send the kernel's challenge back to it, replay a handshake and
+# frames they recorded, inject or alter frames in a connection that a real rank opened,
+# or open a connection and say nothing. Their frames carry a pickle that creates a file
+# when it is unpickled: the file must never appear.
+
+HANDSHAKE_FROM_RANK = NONCE_BYTES + MAC_BYTES
+
+
+class Trap:
+    """Unpickling this creates ``path``: the proof that an attacker's bytes ran."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (str(self.path), "w"))
+
+
+def trap_frame(path: Path) -> bytes:
+    body = pickle.dumps(Trap(path))
+    return len(body).to_bytes(8, "big") + body
+
+
+class Server:
+    """A ChannelServer on a Unix socket or on TCP, with every message it delivers."""
+
+    def __init__(self, tmp_path: Path, transport: str) -> None:
+        self.key, self.events = new_key(), queue.Queue()
+        if transport == "unix":
+            self.server = ChannelServer(tmp_path / "s.sock", self.key, self.events.put)
+            self.address: Path | tuple[str, int] = tmp_path / "s.sock"
+        else:
+            self.server = ChannelServer(("127.0.0.1", 0), self.key, self.events.put)
+            self.address = ("127.0.0.1", self.server.port)
+
+    def connect(self) -> socket.socket:
+        family = socket.AF_UNIX if isinstance(self.address, Path) else socket.AF_INET
+        sock = socket.socket(family)
+        sock.settimeout(10)
+        sock.connect(str(self.address) if isinstance(self.address, Path) else self.address)
+        return sock
+
+    def delivered(self, wait: float = 0.5) -> list:
+        time.sleep(wait)
+        found = []
+        while not self.events.empty():
+            found.append(self.events.get())
+        return found
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def server(request, tmp_path):
+    s = Server(tmp_path, request.param)
     try:
-        with socket.socket(socket.AF_UNIX if transport == "unix" else socket.AF_INET) \
-                as stranger:
-            stranger.connect(str(address) if transport == "unix" else address)
-            challenge = stranger.recv(1024)
-            assert len(challenge) == KEY_BYTES
-            stranger.sendall(os.urandom(KEY_BYTES))  # our challenge to it
-            stranger.sendall(os.urandom(KEY_BYTES))  # a wrong answer to its challenge
-            stranger.settimeout(10)
-            try:  # a frame, if the server has not hung up already
-                stranger.sendall((5).to_bytes(HEADER_SIZE, "big") + b"hello")
-                while stranger.recv(1024):  # the server drops the connection
-                    pass
-            except (BrokenPipeError, ConnectionResetError):
-                pass  # it hung up first: just as well
-        client = ChannelClient(address, key)  # the right key still works
+        yield s
+    finally:
+        s.server.close()
+
+
+def read_available(sock: socket.socket, wait: float = 1.0) -> bytes:
+    """What the peer sends within ``wait`` seconds (until it stops or hangs up)."""
+    sock.settimeout(wait)
+    data = b""
+    try:
+        while chunk := sock.recv(4096):
+            data += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return data
+
+
+def hung_up(sock: socket.socket) -> bool:
+    sock.settimeout(10)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_the_kernels_challenge_sent_back_to_it_gets_no_answer(server, tmp_path):
+    """The reflection attack: the stranger sends the kernel's own challenge back as its
+    challenge, hoping the kernel answers it, then returns that answer as its own. The
+    kernel must prove nothing before the stranger has, so the trap frame never runs."""
+    marker = tmp_path / "pwned"
+    with server.connect() as stranger:
+        challenge = read_available(stranger)
+        assert challenge.startswith(MAGIC)
+        stranger.sendall(challenge[len(MAGIC):])  # "our" challenge: the kernel's own
+        answer = read_available(stranger)  # a kernel that answers first would say it here
+        assert answer == b""
+        with_answer = challenge[len(MAGIC):] + answer
+        stranger.sendall(with_answer[:HANDSHAKE_FROM_RANK].ljust(HANDSHAKE_FROM_RANK, b"\0"))
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            stranger.sendall(trap_frame(marker))
+        assert hung_up(stranger)
+    assert server.delivered() == []
+    assert not marker.exists()
+
+
+def test_the_kernels_challenge_reflected_through_a_second_connection_gets_no_answer(
+        server, tmp_path):
+    """The same across two connections: the challenge of one offered on the other."""
+    marker = tmp_path / "pwned"
+    with server.connect() as first, server.connect() as second:
+        challenge = read_available(first)[len(MAGIC):]
+        read_available(second)
+        second.sendall(challenge + bytes(MAC_BYTES))  # a rank nonce equal to the challenge
+        assert read_available(second) == b""  # no proof from the kernel to reuse
+        first.sendall(challenge + bytes(MAC_BYTES))
+        assert hung_up(first) and hung_up(second)
+    assert server.delivered() == []
+    assert not marker.exists()
+
+
+class Relay:
+    """A man in the middle between a rank and the kernel, on TCP: it forwards both
+    ways, records what the rank sends, and lets the test alter or inject bytes."""
+
+    def __init__(self, target: tuple[str, int] | Path,
+                 to_kernel: Callable[[bytes, int], bytes] = lambda data, offset: data,
+                 to_rank: Callable[[bytes, int], bytes] = lambda data, offset: data) -> None:
+        self.target, self.recorded = target, b""
+        self._tamper = {"to_kernel": to_kernel, "to_rank": to_rank}
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = ("127.0.0.1", self.listener.getsockname()[1])
+        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        try:
+            rank, _ = self.listener.accept()
+        except OSError:
+            return
+        family = socket.AF_UNIX if isinstance(self.target, Path) else socket.AF_INET
+        kernel = socket.socket(family)
+        kernel.connect(str(self.target) if isinstance(self.target, Path) else self.target)
+        self._sockets += [rank, kernel]
+        for source, sink, way in ((rank, kernel, "to_kernel"), (kernel, rank, "to_rank")):
+            thread = threading.Thread(target=self._pump, args=(source, sink, way), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _pump(self, source: socket.socket, sink: socket.socket, way: str) -> None:
+        offset = 0
+        try:
+            while chunk := source.recv(1):  # byte by byte: offsets are exact
+                if way == "to_kernel":
+                    self.recorded += chunk
+                sink.sendall(self._tamper[way](chunk, offset))
+                offset += 1
+        except OSError:
+            pass
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+        for sock in self._sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(timeout=10)
+        for sock in self._sockets:
+            sock.close()
+
+
+def framed_size(message) -> int:
+    return len(encode(message)) + MAC_BYTES
+
+
+def test_a_recorded_handshake_and_its_frames_replayed_are_refused(server):
+    """The stranger recorded a real rank's connection (handshake and frames) and plays
+    it back on a new connection of its own: the kernel's fresh nonce makes it worthless."""
+    relay = Relay(server.address)
+    try:
+        client = ChannelClient(relay.address, server.key)
         client.send(Hello(rank=0, pid=1))
-        assert events.get(timeout=10) == Hello(rank=0, pid=1)
-        assert events.empty()  # the stranger's bytes never became an event
+        assert server.events.get(timeout=10) == Hello(rank=0, pid=1)
+        client.close()
+        assert server.events.get(timeout=10) == Disconnected(0)
+    finally:
+        relay.close()
+    assert len(relay.recorded) == HANDSHAKE_FROM_RANK + framed_size(Hello(rank=0, pid=1))
+    with server.connect() as stranger:
+        read_available(stranger, wait=0.2)
+        stranger.sendall(relay.recorded)
+        assert hung_up(stranger)
+    assert server.delivered() == []
+
+
+def test_a_wrong_key_is_refused_and_says_nothing_more(server):
+    with pytest.raises(ConnectionError, match="key"):
+        ChannelClient(server.address, new_key())
+    assert server.delivered() == []
+    with server.connect() as stranger:  # by hand: after a wrong proof the kernel hangs up
+        challenge = read_available(stranger, wait=0.2)
+        stranger.sendall(os.urandom(HANDSHAKE_FROM_RANK))
+        assert read_available(stranger) == b""
+        assert len(challenge) == len(MAGIC) + NONCE_BYTES
+    assert server.delivered() == []
+
+
+def test_a_frame_altered_on_the_way_to_the_kernel_closes_the_connection(server):
+    """A byte of the rank's second frame (its rank number inside the pickle) is changed
+    on the way: the kernel must not deliver it, nor anything after it."""
+    first, second = Hello(rank=0, pid=1), Ready(rank=0)
+    at = HANDSHAKE_FROM_RANK + framed_size(first) + len(encode(second)) - 3
+
+    def flip(data: bytes, offset: int) -> bytes:
+        return bytes([data[0] ^ 0x01]) if offset == at else data
+
+    relay = Relay(server.address, to_kernel=flip)
+    try:
+        client = ChannelClient(relay.address, server.key)
+        client.send(first)
+        client.send(second)
+        assert server.events.get(timeout=10) == first
+        assert server.events.get(timeout=10) == Disconnected(0)
         client.close()
     finally:
-        server.close()
-    assert not (tmp_path / "s.sock").exists()
+        relay.close()
+    assert server.delivered() == []
+
+
+def test_a_frame_injected_towards_the_kernel_is_never_unpickled(server, tmp_path):
+    """After a real rank's good handshake and first frame, the stranger slips in a frame
+    of its own (with a made-up tag): the connection closes before it is unpickled."""
+    marker = tmp_path / "pwned"
+    at = HANDSHAKE_FROM_RANK + framed_size(Hello(rank=0, pid=1))
+    injected = trap_frame(marker) + os.urandom(MAC_BYTES)
+
+    def inject(data: bytes, offset: int) -> bytes:
+        return injected + data if offset == at else data
+
+    relay = Relay(server.address, to_kernel=inject)
+    try:
+        client = ChannelClient(relay.address, server.key)
+        client.send(Hello(rank=0, pid=1))
+        client.send(Ready(rank=0))
+        assert server.events.get(timeout=10) == Hello(rank=0, pid=1)
+        assert server.events.get(timeout=10) == Disconnected(0)
+        client.close()
+    finally:
+        relay.close()
+    assert server.delivered() == []
+    assert not marker.exists()
+
+
+def test_a_frame_injected_towards_a_rank_is_never_unpickled(server, tmp_path):
+    """The other way: a forged frame for the rank (a Start, say) before the kernel's
+    real one. The rank's link breaks; nothing of the stranger's runs there."""
+    marker = tmp_path / "pwned"
+    injected = trap_frame(marker) + os.urandom(MAC_BYTES)
+    at = len(MAGIC) + NONCE_BYTES + MAC_BYTES  # right after the kernel's proof
+
+    def inject(data: bytes, offset: int) -> bytes:
+        return injected + data if offset == at else data
+
+    relay = Relay(server.address, to_rank=inject)
+    try:
+        client = ChannelClient(relay.address, server.key)
+        client.send(Hello(rank=0, pid=1))
+        assert server.events.get(timeout=10) == Hello(rank=0, pid=1)
+        assert server.server.send(0, DebugInput(0, "c"))
+        with pytest.raises(ConnectionError, match="authentication"):
+            client.receive()
+        client.close()
+    finally:
+        relay.close()
+    assert not marker.exists()
+
+
+def test_a_rank_refuses_a_kernel_that_does_not_hold_the_key(tmp_path):
+    """A stranger listening where a rank connects (a port it grabbed first) learns one
+    proof bound to its own nonce, and gets no message from the rank."""
+    received = []
+    with socket.create_server(("127.0.0.1", 0)) as fake:
+
+        def impostor() -> None:
+            conn, _ = fake.accept()
+            with conn:
+                conn.sendall(MAGIC + os.urandom(NONCE_BYTES))
+                received.append(read_available(conn, wait=0.5))
+                conn.sendall(os.urandom(MAC_BYTES))
+                received.append(read_available(conn, wait=1.0))
+
+        thread = threading.Thread(target=impostor)
+        thread.start()
+        with pytest.raises(ConnectionError, match="does not hold the run's key"):
+            ChannelClient(("127.0.0.1", fake.getsockname()[1]), new_key())
+        thread.join(timeout=10)
+    assert [len(r) for r in received] == [HANDSHAKE_FROM_RANK, 0]
+
+
+def test_a_stranger_that_says_nothing_holds_up_no_rank(server):
+    with server.connect() as silent:
+        read_available(silent, wait=0.2)
+        client = ChannelClient(server.address, server.key)  # while the stranger waits
+        client.send(Hello(rank=0, pid=1))
+        assert server.events.get(timeout=5) == Hello(rank=0, pid=1)
+        client.close()
+    assert server.events.get(timeout=10) == Disconnected(0)
+
+
+def test_a_slurm_runs_channel_listens_only_where_its_ranks_are_told(monkeypatch):
+    """Not on every interface: on a login node, a port bound to all addresses is open
+    to every network the node is on. The run's address file names where it listens."""
+    from nbddp._group import SlurmGroup
+
+    monkeypatch.setenv("NBDDP_KERNEL_HOST", "127.0.0.1")
+    group = SlurmGroup.for_submission(RunConfig(nprocs=1), SlurmOptions())
+    try:
+        host, port = group.run_dir.address.read_text().split()
+        assert host == "127.0.0.1"
+        with socket.create_connection((host, int(port)), timeout=10) as told:
+            assert read_available(told, wait=0.5).startswith(MAGIC)
+        with pytest.raises(ConnectionRefusedError):  # another address of this machine
+            socket.create_connection(("127.0.0.2", int(port)), timeout=10).close()
+    finally:
+        group.stop()
+        group.close()
