@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import queue
 import shutil
 import threading
@@ -40,6 +41,8 @@ from ._shape import GroupShape, Handover
 from ._slurm import SlurmLauncher, job_status, kernel_host, read_shape, submit
 from ._slurm_options import SlurmOptions
 from ._stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, render, size_of
+
+logger = logging.getLogger(__name__)
 
 
 class Launcher(Protocol):
@@ -385,17 +388,27 @@ class SlurmGroup(RankGroup):
         group = cls(config, RunDir.create_shared())
         group.options = options
         try:
-            key = new_key()
-            group.run_dir.write_private(group.run_dir.key, key)
-            host = tcp_address(kernel_host())
-            group._server = ChannelServer((host, 0), key, group._deliver)
-            group.run_dir.write_private(group.run_dir.address,
-                                        f"{host} {group._server.port}".encode())
+            group._listen()
         except BaseException:
             group.stop()
             group.close()
             raise
         return group
+
+    def _listen(self) -> None:
+        """The TCP channel, on the one address the ranks are told to use; none where
+        this machine's name for itself does not resolve (the ranks then report through
+        their mailbox files alone, as they do when they cannot reach the kernel)."""
+        key = new_key()
+        self.run_dir.write_private(self.run_dir.key, key)
+        try:
+            host = tcp_address(kernel_host())
+        except ConnectionError as exc:
+            logger.info("nbddp: no TCP channel for the ranks: %s", exc)
+            return
+        self._server = ChannelServer((host, 0), key, self._deliver)
+        self.run_dir.write_private(self.run_dir.address,
+                                   f"{host} {self._server.port}".encode())
 
     @classmethod
     def attached(cls, run_dir: RunDir) -> SlurmGroup:

@@ -413,3 +413,18 @@ def test_a_slurm_runs_channel_listens_only_where_its_ranks_are_told(monkeypatch)
     finally:
         group.stop()
         group.close()
+
+
+def test_a_kernel_whose_name_does_not_resolve_opens_no_port(monkeypatch):
+    """Rather than every interface: no channel at all, and the ranks report through
+    their files (as when they cannot reach the kernel)."""
+    from nbddp._group import SlurmGroup
+
+    monkeypatch.setenv("NBDDP_KERNEL_HOST", "unreachable.invalid")
+    group = SlurmGroup.for_submission(RunConfig(nprocs=1), SlurmOptions())
+    try:
+        assert group.run_dir.key.exists()
+        assert not group.run_dir.address.exists()
+    finally:
+        group.stop()
+        group.close()
