@@ -216,7 +216,7 @@ class DDPMagics(Magics):
         """The cell as the ranks run it: line 1 is the ``%%ddp`` line, as in the notebook."""
         __tracebackhide__ = True
         source = "\n" + body
-        filename = self._shell.compile.cache(source, self._shell.execution_count)
+        filename = self._shell.compile.cache(source, _running_cell_number(self._shell))
         return Cell.from_notebook(source, filename, self._shell.user_ns,
                                   self._shell.user_ns_hidden, outputs, ranks_own)
 
@@ -258,6 +258,20 @@ class DDPMagics(Magics):
         elif args.action == "restart":
             open_session.restart()
         return open_session.status()
+
+
+def _running_cell_number(shell: Any) -> int:
+    """The number of the cell being run (its ``In[N]``), which its traceback lines show.
+
+    ``shell.execution_count`` is the next cell's number on IPython 9 (which counts a cell
+    before running it) and this cell's on IPython 8 (after), so it is not asked directly:
+    the running cell's own ``ExecutionResult`` (set while its code runs) has the number
+    IPython compiled it under; outside ``run_cell`` the display hook's prompt number."""
+    running = getattr(shell.displayhook, "exec_result", None)
+    number = getattr(running, "execution_count", None)
+    if number is not None:
+        return int(number)
+    return int(getattr(shell.displayhook, "prompt_count", shell.execution_count))
 
 
 def _start_session(args: Any) -> Session:
