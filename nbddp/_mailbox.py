@@ -17,27 +17,39 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ._messages import decode, encode, split_frames
+from ._messages import Failure, Requeueing, Result, Sequenced, decode, encode, split_frames
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL = 0.2
+_REPORTS = (Result, Failure, Requeueing)
 
 
 def mailbox_path(folder: Path, rank: int) -> Path:
     return folder / f"rank-{rank}.messages"
 
 
+def needs_sync(message: Any) -> bool:
+    """Is ``message`` a report (a rank's result, failure or requeue)? The kernel must
+    see those however the rank or its machine ends, so they are on disk before the rank
+    goes on (and, with them, everything written before). Metrics and stats, about ten a
+    second per rank, are not forced: each fsync is a round trip to the shared
+    filesystem's servers, a load on them at scale."""
+    inner = message.message if isinstance(message, Sequenced) else message
+    return isinstance(inner, _REPORTS)
+
+
 class MailboxWriter:
-    """One rank's message file; each message is on disk (fsync) when ``send`` returns,
-    so a reader on another machine sees it however the rank ends."""
+    """One rank's message file; a report is on disk (fsync) when ``send`` returns, so a
+    reader on another machine sees it, and all before it, however the rank ends."""
 
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def send(self, message: Any) -> None:
         os.write(self._fd, encode(message))
-        os.fsync(self._fd)
+        if needs_sync(message):
+            os.fsync(self._fd)
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
