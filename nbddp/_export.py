@@ -21,7 +21,7 @@ from ._cell import Cell
 from ._config import check_max_restarts
 from ._requeue import REQUEUE_FILE, REQUEUE_FILE_ENV, STOP_FILE, STOP_FILE_ENV
 from ._restarts import torchrun_environment
-from ._slurm_options import SlurmOptions
+from ._slurm_options import PORT_BASE, PORT_SPAN, SlurmOptions, rendezvous_port
 from ._source import Standalone, is_literal, standalone, standalone_names
 
 _SETUP = '''
@@ -38,7 +38,7 @@ def _distributed_env() -> bool:
                            capture_output=True, text=True, check=True).stdout.split()[0]
     os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                       LOCAL_RANK=os.environ["SLURM_LOCALID"], MASTER_ADDR=first)
-    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ["SLURM_JOB_ID"]) % 20000))
+    os.environ.setdefault("MASTER_PORT", str({base} + int(os.environ["SLURM_JOB_ID"]) % {span}))
     return True
 
 
@@ -108,7 +108,7 @@ def script_text(subject: str, script: str, needs: Standalone, main: str,
             f"    _data = cloudpickle.load(_file)\n{loads}\n")
     parts.extend(needs.definitions)
     text = "\n\n".join(p.rstrip("\n") + "\n" for p in parts)
-    return text + _SETUP.format(script=script) + main
+    return text + _SETUP.format(script=script, base=PORT_BASE, span=PORT_SPAN) + main
 
 
 def function_main(name: str, call: str) -> str:
@@ -144,14 +144,15 @@ def sbatch_text(script: str, job_name: str, options: SlurmOptions) -> str:
     lines = _directives(job_name, options, f"{job_name}-%j.out", f"{job_name}-%j.err")
     lines += [
         "",
-        "# The first node of the allocation hosts the rendezvous.",
+        "# The first node of the allocation hosts the rendezvous, on the job's own port.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"port={rendezvous_port(options.port)}",
         *_restart_exports(options.max_restarts),
         "",
         f"srun torchrun --nnodes \"$SLURM_NNODES\" --nproc_per_node {options.nprocs_per_node} \\",
         *([f"    --max-restarts {options.max_restarts} \\"] if options.max_restarts else []),
         "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" \\",
-        f"    --rdzv-endpoint \"$head:{options.port}\" {script}",
+        f"    --rdzv-endpoint \"$head:$port\" {script}",
     ]
     return "\n".join(lines) + "\n"
 
@@ -171,7 +172,7 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
         "# Submitted by nbddp from a notebook: the ranks load the payload in this run",
         "# folder and report to the kernel, or to files here when they cannot reach it.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        "port=$((20000 + SLURM_JOB_ID % 20000))",
+        f"port={rendezvous_port(options.port)}",
         *_restart_exports(options.max_restarts),
         "# Each run of the job (a requeue runs it again) starts with no stop and no requeue.",
         f"export {STOP_FILE_ENV}={folder}/{STOP_FILE} {REQUEUE_FILE_ENV}={folder}/{REQUEUE_FILE}",

@@ -1,8 +1,9 @@
 """What the kernel and the ranks tell each other, and the one way it is framed.
 
 Every message is a small frozen dataclass. A frame is an 8-byte length and the pickled
-message; the channel's sockets, the mailbox files and the start file all carry the same
-frames. Frames are only decoded from authenticated peers or from private (0600) files.
+message; the channel's sockets and the start file carry these frames (a mailbox file
+marks and checksums each message instead: ``_mailbox``). Frames are only decoded from
+authenticated peers or from private (0600) files.
 Tensor and array bytes do not travel in messages: they are in data files (``_dataplane``)
 that a message names.
 
@@ -237,3 +238,9 @@ def split_frames(data: bytes) -> tuple[list[bytes], int]:
         bodies.append(data[used + HEADER_SIZE:end])
         used = end
     return bodies, used
+
+
+def pickled(message: Any) -> bytes:
+    """A message's bytes without a frame's length: what a mailbox frame carries, behind
+    a marker and a checksum of its own (``_mailbox``)."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

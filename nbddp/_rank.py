@@ -24,6 +24,7 @@ from . import _dataplane as dataplane
 from ._messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from ._metrics import start_reporting, stop_reporting
 from ._payload import Payload, dumps_value
+from ._rank_stats import use_device
 from ._requeue import RequeueRequested, mark_requeue
 from ._scope import Scope
 from ._version import __version__
@@ -192,6 +193,7 @@ def _process_group(options: RankOptions, prepared: str | None) -> None:
               and local_rank < torch.cuda.device_count())
     if on_gpu:
         torch.cuda.set_device(local_rank)
+        use_device(local_rank)  # the reporting thread's stats read this GPU, not the first
     backend = options.backend or ("nccl" if on_gpu else "gloo")
     if prepared == backend:
         return

@@ -1,10 +1,11 @@
 """SLURM from the kernel: submit a run as a batch job, follow its state, cancel it.
 
-Only SLURM's own commands are used (``sbatch``, ``scontrol``, ``scancel``), so whatever
+Only SLURM's own commands are used (``sbatch``, ``squeue``, ``scancel``), so whatever
 configures them on a login node (``SLURM_CONF``, the user's defaults) applies. The job
-state comes from ``scontrol show job``, which works without accounting (``sacct`` does
-not). ``SlurmLauncher`` lets a ``Job`` follow a batch job the way it follows a local
-torchrun: wait for it to end, stop it.
+state comes from ``squeue``, which works without accounting (``sacct`` does not), asked
+for only the fields SLURM itself sets: a job's name or comment, the user's text, is
+never read, so it cannot pose as the job's state. ``SlurmLauncher`` lets a ``Job``
+follow a batch job the way it follows a local torchrun: wait for it to end, stop it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -32,7 +32,7 @@ from ._slurm_options import SlurmOptions
 
 logger = logging.getLogger(__name__)
 
-_POLL_INTERVAL = 1.0  # scontrol calls while the job is queued or running
+_POLL_INTERVAL = 1.0  # squeue calls while the job is queued or running
 _STOP_POLL_INTERVAL = 0.2
 _CLEAN_END_WAIT = 30.0  # every rank returned: the job ends by itself within this
 _CANCEL_WAIT = 120.0
@@ -50,9 +50,14 @@ _STOPPED_BY_SLURM = {"CANCELLED": "was cancelled", "TIMEOUT": "reached its time 
                      "BOOT_FAIL": "could not boot its nodes"}
 
 
+# squeue's fields for a job's status: each whole (":0"), ended by "|", which none can hold.
+_FIELDS = ("State", "Reason", "RestartCnt", "exit_code", "NodeList")
+_FORMAT = ",".join(f"{name}:0|" for name in _FIELDS)
+
+
 @dataclass(frozen=True)
 class JobStatus:
-    """What ``scontrol show job`` says: the state, why it waits, where it runs."""
+    """What ``squeue`` says of a job: the state, why it waits, where it runs."""
 
     state: str
     reason: str = ""
@@ -90,22 +95,29 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 def job_status(job_id: str) -> JobStatus:
-    done = _run("scontrol", "show", "job", "--oneliner", job_id)
+    done = _run("squeue", "--noheader", f"--jobs={job_id}", "--states=all",
+                f"--Format={_FORMAT}")
     if done.returncode != 0:
         if "Invalid job id" in done.stderr:
             return JobStatus("GONE")  # finished long enough ago to be purged
-        raise NbddpError(f"scontrol show job {job_id} failed: {done.stderr.strip()}")
-    return parse_job(done.stdout)
+        raise NbddpError(f"squeue --jobs={job_id} failed: {done.stderr.strip()}")
+    return parse_status(done.stdout)
 
 
-def parse_job(text: str) -> JobStatus:
-    """``scontrol show job --oneliner``'s line as a ``JobStatus``."""
-    fields = dict(re.findall(r"(\w[\w/:]*)=(\S*)", text))
-    code, reason = fields.get("ExitCode", ""), fields.get("Reason", "")
-    restarts = fields.get("Restarts", "")
-    return JobStatus(fields.get("JobState", "UNKNOWN"), "" if reason == "None" else reason,
-                     fields.get("NodeList", ""), int(code.split(":")[0]) if code[:1].isdigit()
-                     else None, int(restarts) if restarts.isdigit() else 0)
+def parse_status(text: str) -> JobStatus:
+    """``squeue``'s answer for one job (``_FIELDS``, each ended by ``|``) as a JobStatus.
+    Its exit status is the job script's wait status: the exit code is its high byte
+    (0 for a script killed by a signal, as ``scontrol``'s ``ExitCode=0:9`` says)."""
+    lines = text.splitlines()
+    if not lines:
+        return JobStatus("GONE")  # (squeue knows no such job)
+    values = lines[0].split("|")
+    if len(values) != len(_FIELDS) + 1 or not values[0]:
+        raise NbddpError(f"squeue answered {lines[0]!r}, not {'|'.join(_FIELDS)}|")
+    state, reason, restarts, status, nodes = values[:len(_FIELDS)]
+    return JobStatus(state, "" if reason == "None" else reason, nodes,
+                     int(status) >> 8 if status.isdigit() else None,
+                     int(restarts) if restarts.isdigit() else 0)
 
 
 def kernel_host() -> str:

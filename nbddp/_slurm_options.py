@@ -31,8 +31,10 @@ class SlurmOptions:
     """The SLURM partition to submit to."""
     extra: tuple[str, ...] = ()
     """More ``#SBATCH`` lines, without the prefix, e.g. ``("--account=proj",)``."""
-    port: int = 29500
-    """The c10d rendezvous port on the first node."""
+    port: int | None = None
+    """The c10d rendezvous port on the first node: None derives it from the job id
+    (``rendezvous_port``), so that jobs sharing a first node do not collide; a number is
+    that port for every job (e.g. the one a firewall opens), kept free by whoever chose it."""
     max_restarts: int = 0
     """torchrun's restarts of every rank after one fails (``--max-restarts``)."""
     requeue: bool = False
@@ -40,8 +42,25 @@ class SlurmOptions:
     signal_before: int | None = None
     """Seconds before the time limit at which the ranks are told to stop (submissions)."""
 
+    def __post_init__(self) -> None:
+        if self.port is not None and (isinstance(self.port, bool) or not isinstance(
+                self.port, int) or not 0 < self.port < 65536):  # it goes into a shell script
+            raise ValueError(f"the rendezvous port is a number from 1 to 65535, got "
+                             f"{self.port!r}")
+
 
 _MAX_SIGNAL_TIME = 65535  # sbatch --signal's limit
+PORT_BASE, PORT_SPAN = 20000, 20000
+"""A job's rendezvous port is ``PORT_BASE + job id % PORT_SPAN``: two jobs that share a
+first node get different ports unless their ids are a multiple of ``PORT_SPAN`` apart."""
+
+
+def rendezvous_port(port: int | None) -> str:
+    """The rendezvous port as a batch script writes it: ``port`` if one was chosen, else
+    computed by the script from ``$SLURM_JOB_ID`` (known only once the job runs)."""
+    if port is not None:
+        return str(port)
+    return f"$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))"
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._export import cell_main, function_main, sbatch_text, script_text
+from nbddp._export import (
+    cell_main,
+    function_main,
+    sbatch_text,
+    script_text,
+    submission_sbatch_text,
+)
 from nbddp._slurm_options import SlurmOptions
 from nbddp._source import Standalone
 
@@ -48,6 +54,35 @@ def test_cell_script_text_is_pinned():
     needs = Standalone(imports=["import torch"], definitions=["SCALE = 3"])
     cell = "\nimport torch.distributed as dist\nx = torch.ones(1) * SCALE\ndist.all_reduce(x)\n"
     check_golden("cell.py", script_text("a cell", "cell.py", needs, cell_main(cell), None))
+
+
+def port_of(text: str, job_id: int) -> int:
+    """The rendezvous port a batch script's ``port=`` line gives job ``job_id`` (in bash)."""
+    line = next(line for line in text.splitlines() if line.startswith("port="))
+    done = subprocess.run(["bash", "-c", f'{line}; echo "$port"'], capture_output=True,
+                          text=True, check=True, env={"SLURM_JOB_ID": str(job_id)})
+    return int(done.stdout)
+
+
+def test_each_exported_job_meets_on_a_port_of_its_own_as_a_submitted_job_does():
+    """Two jobs that share a first node must not both listen on one port (it was 29500
+    for every exported job): the port comes from the job id, as in a submission's."""
+    exported = sbatch_text("train.py", "train", SlurmOptions(nodes=2))
+    submitted = submission_sbatch_text("/runs/r1", "python", SlurmOptions(nodes=2))
+    assert '--rdzv-endpoint "$head:$port" train.py' in exported
+    for job_id in (7, 8, 19999, 20007, 123456):
+        assert port_of(exported, job_id) == port_of(submitted, job_id) == 20000 + job_id % 20000
+    assert port_of(exported, 7) != port_of(exported, 8)
+
+
+def test_a_chosen_port_is_every_jobs_port():
+    options = SlurmOptions(nodes=2, port=29400)
+    for text in (sbatch_text("train.py", "train", options),
+                 submission_sbatch_text("/runs/r1", "python", options)):
+        assert port_of(text, 7) == port_of(text, 8) == 29400
+    for bad in (0, 65536, "1; rm -rf ~", True):
+        with pytest.raises(ValueError, match="rendezvous port"):
+            SlurmOptions(port=bad)  # type: ignore[arg-type]
 
 
 NOTEBOOK = """

@@ -94,3 +94,57 @@ def test_standby_ranks_hold_no_gpu_and_a_warm_nccl_launch_works():
         assert job.warm and (device, backend, tensor.item()) == (0, "nccl", 1.0)
     finally:
         nbddp.standby(False)
+
+
+def holds_gpu_memory(flag: str, mb: int):
+    """Hold ``mb`` MiB (times rank + 1) on this rank's GPU until ``flag`` exists."""
+    import pathlib
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    block = torch.empty((dist.get_rank() + 1) * mb * 2**20, dtype=torch.uint8, device="cuda")
+    while not pathlib.Path(flag).exists():
+        time.sleep(0.1)
+    return block.numel()
+
+
+def gpu_memory_seen(job, ranks: int, mb: int) -> dict[int, float]:
+    """Each rank's reported GPU memory, once every rank reports what it holds."""
+    from .conftest import wait_until
+
+    def held():
+        view = job.ranks
+        mine = {rank: info["gpu_mem_mb"] or 0.0 for rank, info in view.items()}
+        return mine if len(mine) == ranks and all(
+            mine[rank] >= (rank + 1) * mb for rank in mine) else None
+
+    return wait_until(held, timeout=120, interval=0.2)
+
+
+@needs_gpu
+def test_a_rank_reports_the_memory_it_holds_on_its_gpu(tmp_path):
+    flag = tmp_path / "stop"
+    job = nbddp.launch(holds_gpu_memory, gpus=1, args=(str(flag), 256), wait=False,
+                       output="none")
+    try:
+        assert gpu_memory_seen(job, 1, 256)[0] < 256 + 64
+    finally:
+        flag.touch()
+    job.result(timeout=60)
+
+
+@needs_two
+def test_each_rank_reports_its_own_gpus_memory_not_the_first_gpus(tmp_path):
+    """The stats are read on a thread of the rank's own, whose current GPU is the first:
+    rank 1 (512 MiB on GPU 1) would report GPU 0's, where it holds nothing."""
+    flag = tmp_path / "stop"
+    job = nbddp.launch(holds_gpu_memory, gpus=2, args=(str(flag), 256), wait=False,
+                       output="none")
+    try:
+        seen = gpu_memory_seen(job, 2, 256)
+        assert seen[0] < 256 + 64 and 512 <= seen[1] < 512 + 64
+    finally:
+        flag.touch()
+    job.result(timeout=60)

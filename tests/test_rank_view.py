@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import pytest
 
 import nbddp
+from nbddp import _rank_stats
 from nbddp._messages import RankStats
 from nbddp._rank_view import RankView
 
@@ -129,6 +131,23 @@ def test_the_per_rank_view_in_a_kernel_during_and_after_a_run(kernel, tmp_path):
 
 
 # --- the arithmetic -------------------------------------------------------------------
+
+
+def test_a_ranks_stats_read_its_own_gpu_from_the_reporting_thread(monkeypatch):
+    """``set_device`` holds for the thread that calls it: the reporting thread's own GPU
+    is the first on every rank, so the stats name the rank's GPU (tests/test_gpu.py
+    reads real GPU memory this way)."""
+    monkeypatch.setattr(_rank_stats, "_device", None)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert _rank_stats.stats_device(4) == 3  # before the rank set its GPU: LOCAL_RANK's
+    assert _rank_stats.stats_device(1) == 0  # one GPU of its own (CUDA_VISIBLE_DEVICES)
+    _rank_stats.use_device(2)  # the main thread sets the GPU it runs on
+    seen: list[int] = []
+    reporter = threading.Thread(target=lambda: seen.append(_rank_stats.stats_device(4)))
+    reporter.start()
+    reporter.join()
+    assert seen == [2]
+
 
 
 def stats(rank: int, step: int | None, output: int = 0) -> RankStats:

@@ -4,7 +4,7 @@ On the test cluster (scripts/slurm-up.sh): a job that ``scontrol requeue`` stops
 way is followed through its next run to its result, and a kernel restarted while its
 job is requeued attaches to the new run. (A job warned of its time limit, which saves,
 calls ``nbddp.requeue()`` and resumes in its next run, is the cluster page's example,
-run by test_docs.) Then the pure parts: what the batch script says, ``scontrol``'s
+run by test_docs.) Then the pure parts: what the batch script says, ``squeue``'s
 restart count, the options' checks, and the stop watcher.
 """
 
@@ -18,8 +18,9 @@ import sys
 import pytest
 
 import nbddp
+from nbddp._errors import NbddpError
 from nbddp._export import submission_sbatch_text
-from nbddp._slurm import JobStatus, parse_job
+from nbddp._slurm import JobStatus, parse_status
 from nbddp._slurm_options import SlurmOptions
 
 from .conftest import wait_until
@@ -135,15 +136,23 @@ def test_the_batch_script_is_valid_bash():
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
 
 
-def test_scontrol_says_how_many_times_a_job_was_requeued():
-    line = ("JobId=7 JobName=nbddp JobState=PENDING Reason=BeginTime Dependency=(null) "
-            "Requeue=1 Restarts=2 BatchFlag=1 ExitCode=0:0 NodeList=(null)")
-    status = parse_job(line)
+def test_squeue_says_how_many_times_a_job_was_requeued():
+    status = parse_status("PENDING|BeginTime|1|0||\n")  # (squeue's answers on the test cluster)
     assert (status.state, status.reason, status.restarts, status.exit_code) == (
-        "PENDING", "BeginTime", 2, 0)
-    assert status.describe("7") == "SLURM job 7 is queued again (requeue 2) (BeginTime)"
-    assert parse_job("JobId=7 JobState=RUNNING NodeList=n1").restarts == 0
+        "PENDING", "BeginTime", 1, 0)
+    assert status.describe("7") == "SLURM job 7 is queued again (requeue 1) (BeginTime)"
+    running = parse_status("RUNNING|None|0|0|n[1-2]|\n")
+    assert (running.restarts, running.reason, running.nodes) == (0, "", "n[1-2]")
     assert JobStatus("PENDING", "Priority").describe("7") == "SLURM job 7 is queued (Priority)"
+
+
+def test_a_jobs_exit_code_is_its_scripts():
+    """squeue gives the script's wait status: ``exit 3`` is 768; killed by SIGKILL, 9."""
+    assert parse_status("FAILED|NonZeroExitCode|0|768|n1|\n").exit_code == 3
+    assert parse_status("FAILED|JobLaunchFailure|0|9|n2|\n").exit_code == 0
+    assert parse_status("").state == "GONE"
+    with pytest.raises(NbddpError, match="squeue answered 'RUNNING n1'"):
+        parse_status("RUNNING n1\n")
 
 
 def test_bad_requeue_options_are_refused():

@@ -12,6 +12,8 @@ import shlex
 
 import pytest
 
+from nbddp._slurm import job_status
+
 from .conftest import wait_until
 from .slurm import alive, job_ended, job_info, slurm, start_time, submit
 
@@ -53,3 +55,21 @@ def test_scancel_stops_a_running_job(slurm_env, jobs, tmp_path):
     wait_until(lambda: not any(alive(pid, started[pid]) for pid in pids),
                timeout=30, interval=0.1)
     wait_until(lambda: job_ended(slurm_env, job_id), timeout=30, interval=0.2)
+
+
+def test_a_jobs_own_name_and_comment_cannot_pose_as_its_state(slurm_env, jobs, monkeypatch):
+    """``scontrol show job`` prints the job's name before its state and its comment after
+    it, unescaped: a job named or commented ``JobState=COMPLETED`` read as completed while
+    it ran. nbddp's status does not read them."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    hostile = "x JobState=COMPLETED Reason=None ExitCode=0:0 NodeList=n9"
+    job_id = submit(slurm_env, jobs, "--time=2", "--output=/dev/null", "--job-name", hostile,
+                    "--comment", hostile, "--wrap", "sleep 600")
+    running = wait_until(lambda: (s := job_status(job_id)).state != "PENDING" and s,
+                         timeout=30, interval=0.2)
+    assert (running.state, running.nodes, running.ended) == ("RUNNING", "n1", False), running
+    shown = slurm(slurm_env, "scontrol", "show", "job", "--oneliner", job_id)
+    assert f"JobName={hostile} " in shown and f"Comment={hostile} " in shown
+    slurm(slurm_env, "scancel", job_id)
+    ended = wait_until(lambda: (s := job_status(job_id)).ended and s, timeout=30, interval=0.2)
+    assert ended.state in ("CANCELLED", "GONE"), ended
