@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from nbddp._cell_names import names_read_from_outside
+from nbddp._payload import global_names
 
 
 def reads(source: str) -> set[str]:
@@ -120,3 +121,43 @@ def test_functions_lambdas_and_classes_scope_as_python_does(source, expected):
 def test_other_bindings(source, expected):
     assert reads(source) == expected
 
+
+# --- a function's globals, from its bytecode ------------------------------------------
+
+
+def calls_a_method():
+    model = make_model()  # noqa: F821
+    model.train()
+
+
+def imports_a_module():
+    import os.path
+    return os.path.join("a", "b")
+
+
+def nests_code():
+    def inner():
+        return helper()  # noqa: F821
+
+    later = lambda: other  # noqa: E731, F821
+
+    class Local:
+        attr = const  # noqa: F821 (a class body reads globals by LOAD_NAME)
+
+    return inner, later, Local, [w * scale for w in items]  # noqa: F821
+
+
+def writes_a_global():
+    global counter
+    counter = 1
+
+
+@pytest.mark.parametrize("fn, expected", [
+    (calls_a_method, {"make_model"}),
+    (imports_a_module, set()),
+    (nests_code, {"helper", "other", "const", "scale", "items"}),
+    (writes_a_global, {"counter"}),
+])
+def test_global_names_are_the_ones_the_code_loads_or_stores_as_globals(fn, expected):
+    """Attribute and module names share ``co_names`` with globals; they are no globals."""
+    assert global_names(fn.__code__) == expected
