@@ -48,6 +48,8 @@ class Cell:
         """Parse ``source`` (a SyntaxError points at the cell's line) and pick its names:
         those it reads, except IPython's own and ``ranks_own`` (a session's names)."""
         __tracebackhide__ = True
+        from ._cell_names import names_read_from_outside  # the kernel's work, not a rank's
+
         tree = ast.parse(source, filename)
         hidden = hidden or {}
         names = [n for n in sorted(names_read_from_outside(tree))
@@ -87,49 +89,3 @@ class Cell:
         if missing:
             raise NameError(f"--out names not defined by the cell: {', '.join(missing)}")
         return CellResult(value, outputs)
-
-
-def names_read_from_outside(tree: ast.Module) -> set[str]:
-    """Names the cell reads before (or without) assigning them itself.
-
-    Top-level statements are taken in order; names read inside functions, classes and
-    comprehensions count unless the cell assigns them at top level somewhere.
-    """
-    assigned: set[str] = set()
-    needed: set[str] = set()
-    deferred: set[str] = set()
-    for statement in tree.body:
-        reads, writes, nested = _names(statement)
-        needed |= reads - assigned
-        deferred |= nested
-        assigned |= writes
-    return needed | (deferred - assigned)
-
-
-def _names(statement: ast.stmt) -> tuple[set[str], set[str], set[str]]:
-    """(top-level reads, top-level writes, reads inside nested scopes) of a statement."""
-    reads: set[str] = set()
-    writes: set[str] = set()
-    nested: set[str] = set()
-    scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda,
-              ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
-    stack: list[tuple[ast.AST, bool]] = [(statement, False)]
-    while stack:
-        node, inside = stack.pop()
-        if isinstance(node, ast.Name):
-            loads = isinstance(node.ctx, ast.Load)
-            if not inside:
-                (reads if loads else writes).add(node.id)
-            elif loads:  # names stored inside a function or comprehension are its own
-                nested.add(node.id)
-        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            (nested if inside else writes).add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            for alias in node.names:
-                writes.add((alias.asname or alias.name).split(".")[0])
-        elif isinstance(node, (ast.Global, ast.Nonlocal)):
-            nested.update(node.names)
-        for child in ast.iter_child_nodes(node):
-            stack.append((child, inside or isinstance(node, scopes)))
-    return reads, writes, nested
-

@@ -333,8 +333,10 @@ def make_panel(stream: TextIO | None = None) -> Panel:
 
 
 def _in_jupyter_kernel() -> bool:
-    ipython = sys.modules.get("IPython")
-    if ipython is None:
+    """True where the shell is ipykernel's or a subclass of it (Colab, Kaggle, VS Code,
+    JupyterLab): a front end that renders widgets. ipykernel is looked up, never
+    imported: a process whose shell comes from it has loaded it already."""
+    zmqshell, ipython = sys.modules.get("ipykernel.zmqshell"), sys.modules.get("IPython")
+    if zmqshell is None or ipython is None:
         return False
-    shell = ipython.get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    return isinstance(ipython.get_ipython(), zmqshell.ZMQInteractiveShell)

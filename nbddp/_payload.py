@@ -7,6 +7,7 @@ names it and says why, before any process starts.
 
 from __future__ import annotations
 
+import dis
 import linecache
 import os
 import pickle
@@ -129,9 +130,21 @@ def _captured_by_function(fn: Any) -> Iterator[tuple[str, Any]]:
         yield f"default argument {i} of {fn.__name__}", value
 
 
+#: The instructions that name a global: a function's loads, stores and deletes, and a
+#: class body's loads (``LOAD_NAME`` falls back to the globals; 3.12 adds a variant).
+_GLOBAL_OPS = frozenset(dis.opmap[name] for name in (
+    "LOAD_GLOBAL", "STORE_GLOBAL", "DELETE_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS",
+) if name in dis.opmap)
+
+
 def global_names(code: types.CodeType) -> set[str]:
-    """Names a code object (and the functions nested in it) may read as globals."""
-    names = set(code.co_names)
+    """Names a code object (and the functions, lambdas, classes and comprehensions
+    nested in it) reads or binds as globals: those its global-name instructions name, as
+    cloudpickle finds them. ``co_names`` would also hold attribute and imported names:
+    ``model.train()`` reads no global ``train``. Dunder names are left out: a class
+    body's ``__module__ = __name__`` is the compiler's, not the user's."""
+    names = {op.argval for op in dis.get_instructions(code) if op.opcode in _GLOBAL_OPS
+             and not (op.argval.startswith("__") and op.argval.endswith("__"))}
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= global_names(const)

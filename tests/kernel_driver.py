@@ -129,9 +129,13 @@ class Execution:
 class Kernel:
     """A python3 ipykernel with a blocking client."""
 
-    def __init__(self, cwd: Path) -> None:
+    def __init__(self, cwd: Path, arguments: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        """Start it in ``cwd``, with ``arguments`` for ipykernel's command line and
+        ``env`` for its environment (default: this process's)."""
         self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60,
-                                            cwd=str(cwd))
+                                            cwd=str(cwd), extra_arguments=arguments or [],
+                                            env=env if env is not None else dict(os.environ))
         self.pid: int = self.km.provisioner.pid
         self.executions: dict[str, Execution] = {}
 

@@ -128,6 +128,43 @@ def test_function_using_notebook_definitions(kernel):
     assert run.result() == f"(True, {expected})", run.describe()
 
 
+def test_a_method_named_like_an_unpicklable_notebook_global_leaves_it_behind(kernel, tmp_path):
+    """``model.train()`` reads the attribute ``train``, not the notebook's ``train``: the
+    launch works, a pickling error names what really cannot be sent, export leaves it out."""
+    kernel.run("""
+        import threading
+
+        train = threading.Lock()  # a notebook global that shares a method's name
+        writer = threading.Lock()
+
+        class Model:
+            def train(self):
+                self.mode = "training"
+                return self
+
+        def fit():
+            return Model().train().mode
+
+        def fit_and_log():
+            Model().train()
+            with writer:
+                pass
+    """).assert_ok()
+    try:
+        run = kernel.run("nbddp.launch(fit, nprocs=2)").assert_ok()
+        assert run.result() == "'training'", run.describe()
+        failed = kernel.run("nbddp.launch(fit_and_log, nprocs=2)")
+        assert (failed.error() or {}).get("ename") == "PayloadError", failed.describe()
+        text = failed.error_text()
+        assert "cannot send global 'writer' (used by fit_and_log)" in text, text
+        assert "global 'train'" not in text, text
+        path = tmp_path / "fit.py"
+        written = kernel.run(f"[p.name for p in nbddp.export(fit, {str(path)!r})]")
+        assert written.assert_ok().result() == "['fit.py', 'fit.sbatch']", written.describe()
+    finally:
+        kernel.run("del train, writer").assert_ok()
+
+
 def test_rank0_output_appears_live_in_the_launching_cell(kernel):
     run = kernel.run("""
         import sys

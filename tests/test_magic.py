@@ -389,6 +389,23 @@ def test_unpicklable_name_is_a_payload_error_naming_it(ddp):
     ddp.run("del lock").assert_ok()
 
 
+def test_augmented_assignment_reads_the_notebooks_value(ddp):
+    ddp.run("total = 41").assert_ok()
+    assert _ok_result(ddp, "%%ddp --nprocs 2 --out total\ntotal += 1\ntotal") == "42"
+    assert _ok_result(ddp, "total") == "42"
+
+
+def test_a_comprehension_variable_is_not_the_notebooks(ddp):
+    """The notebook's ``z`` cannot be pickled; the cell's ``z`` is the comprehension's."""
+    ddp.run("import threading\nz = threading.Lock()\nxs = [1, 2, 3]").assert_ok()
+    try:
+        result = _ok_result(ddp, "%%ddp --nprocs 2\n[z * 2 for z in xs], {z: 0 for z in 'a'}")
+        assert result == "([2, 4, 6], {'a': 0})"
+        assert _ok_result(ddp, "type(z).__name__") == "'lock'"
+    finally:
+        ddp.run("del z").assert_ok()
+
+
 def test_failing_rank_shows_the_cells_own_lines(ddp):
     run = ddp.run("""
         %%ddp --nprocs 2

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
 import xml.etree.ElementTree as ET
 
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+from .kernel_driver import Kernel
 
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 SVG = "{http://www.w3.org/2000/svg}"
@@ -119,3 +125,81 @@ def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
     (shown,) = [o for o in executed.cells[1].outputs if o.output_type == "display_data"]
     assert "nbddp: failed" in shown.data["text/plain"]
     assert "1 failed" in shown.data["text/plain"]
+
+
+# --- where widgets show: any shell that is ipykernel's, whatever its class is called ----
+
+CHOOSES = """
+import sys
+from nbddp._display import make_panel
+
+def chosen():
+    return type(make_panel()).__name__
+
+print("plain", chosen(), "ipykernel" in sys.modules)
+from IPython.terminal.interactiveshell import TerminalInteractiveShell
+TerminalInteractiveShell.instance()
+print("terminal", chosen(), "ipykernel" in sys.modules)
+TerminalInteractiveShell.clear_instance()
+from ipykernel.zmqshell import ZMQInteractiveShell
+
+class Shell(ZMQInteractiveShell):  # as Colab's google.colab._shell.Shell
+    pass
+
+Shell.instance()
+print("subclass", chosen())
+"""
+
+
+def test_the_panel_is_widgets_where_the_shell_is_ipykernels_or_a_subclass(tmp_path):
+    """A plain process and IPython in a terminal get text (and never import ipykernel);
+    a shell that subclasses ipykernel's under another name gets widgets."""
+    env = {**os.environ, "IPYTHONDIR": str(tmp_path)}
+    env.pop("NBDDP_DISPLAY", None)
+    done = subprocess.run([sys.executable, "-c", CHOOSES], env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["plain TextPanel False", "terminal TextPanel False",
+                                        "subclass WidgetPanel"], done.stdout + done.stderr
+
+
+COLAB_LIKE = """
+from ipykernel.ipkernel import IPythonKernel
+from ipykernel.zmqshell import ZMQInteractiveShell
+from traitlets import Type
+
+
+class Shell(ZMQInteractiveShell):
+    \"\"\"A shell of another name, as Colab's, Kaggle's or VS Code's kernels run.\"\"\"
+
+
+class Kernel(IPythonKernel):
+    shell_class = Type(Shell)
+"""
+
+
+def test_a_kernel_whose_shell_subclasses_ipykernels_shows_the_widget_panel(tmp_path):
+    """The way Colab runs its kernel: ipykernel with a shell class of its own."""
+    (tmp_path / "colab_like.py").write_text(textwrap.dedent(COLAB_LIKE))
+    path = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    kernel = Kernel(tmp_path, ["--IPKernelApp.kernel_class=colab_like.Kernel"],
+                    {**os.environ, "PYTHONPATH": path})
+    try:
+        shell = kernel.run("type(get_ipython()).__name__").assert_ok()
+        assert shell.result() == "'Shell'", shell.describe()
+        run = kernel.run("""
+            import nbddp
+
+            def train():
+                for step in nbddp.progress(range(3)):
+                    nbddp.log(step=step, loss=1.0 / (step + 1))
+                return "trained"
+
+            nbddp.launch(train, nprocs=2)
+        """).assert_ok()
+        assert run.result() == "'trained'", run.describe()
+        widgets = [o for o in run.outputs if o.msg_type == "display_data"
+                   and "application/vnd.jupyter.widget-view+json" in o.content["data"]]
+        assert widgets, f"no widget panel, only text:\n{run.describe()}"
+    finally:
+        kernel.shutdown()

@@ -41,9 +41,10 @@ def test_worker_error_pickles_and_keeps_its_details():
     assert str(copy) == str(error)
 
 
-KERNEL_SIDE = {"_cell", "_config", "_devices", "_diagnosis", "_display", "_export", "_group",
-               "_history", "_job", "_launch", "_magic", "_output", "_process", "_session",
-               "_shape", "_slurm", "_slurm_options", "_source", "_standby", "_supervisor"}
+KERNEL_SIDE = {"_cell", "_cell_names", "_config", "_devices", "_diagnosis", "_display",
+               "_export", "_group", "_history", "_job", "_launch", "_magic", "_output",
+               "_process", "_session", "_shape", "_slurm", "_slurm_options", "_source",
+               "_standby", "_supervisor"}
 
 
 def loaded_nbddp_modules():
