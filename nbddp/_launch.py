@@ -160,9 +160,10 @@ def _start_here(config: RunConfig, payload: Packed, options: RankOptions) -> Job
     def after(job: Job) -> None:
         STANDBY.refill(shape, job._note, sent, job._result_bytes)
 
-    records, notice = Records.create(), None
     taken = STANDBY.take(shape)
+    records, notice = None, None
     if taken is not None:
+        records = Records.create()  # kept for fresh ranks if these cannot take the run
         try:
             return _start(taken[0], config, payload, options, records, taken[1], warm=True,
                           after=after)
