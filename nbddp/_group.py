@@ -349,7 +349,9 @@ class LocalGroup(RankGroup):
     def _roll_call(self) -> set[int]:
         """Ask the ranks that wait for their Start to answer (at once, from the rank's
         listening thread); those ranks. A rank still starting is not asked: like a cold
-        launch's ranks, it gets its Start when it is up."""
+        launch's ranks, it gets its Start when it is up. Raises ``RanksGone`` if a
+        process of a group already up has stopped (a cold group's early end is the
+        run's to tell, with torchrun's output)."""
         with self._lock:
             called = {rank for rank in self.ready if rank in self._pids}
             self._calls += 1
@@ -358,7 +360,7 @@ class LocalGroup(RankGroup):
             for rank in sorted(called):
                 if not self._server.send(rank, RollCall(self._calls)):
                     self._lose(f"rank {rank} had stopped")
-            if called and self._gone is not None:
+            if self._pids and self._gone is not None:
                 raise RanksGone(self._gone)
         return called
 
