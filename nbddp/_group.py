@@ -5,6 +5,9 @@ connect, import torch, join their gloo group if the run will use one, and wait f
 ``Start`` (this is what standby ranks are). ``hand_over`` gives a group its run: the
 payload, the records folder, the rank options and what changed in the notebook since
 the ranks started. A session's group (``reusable``) is handed one run after another.
+Any of a waiting group's processes may have died while idle: before the Start, the
+ranks that wait for it answer a roll call, and a group that lost one is not handed the
+run (``RanksGone``: the caller stops it and starts fresh ranks).
 A SLURM group has no standby: handing it over submits the batch job.
 
 The run (``Job``) reads a group's ``events``, and ends it with ``stop`` (every process)
@@ -33,8 +36,19 @@ from ._config import RunConfig
 from ._dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
 from ._errors import NbddpError
 from ._mailbox import MailboxReader
-from ._messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start, encode
-from ._process import LocalLauncher
+from ._messages import (
+    Disconnected,
+    Failure,
+    Hello,
+    Present,
+    RankOptions,
+    Ready,
+    RollCall,
+    Sequenced,
+    Start,
+    encode,
+)
+from ._process import LocalLauncher, stopping
 from ._records import Records
 from ._rundir import RunDir
 from ._shape import GroupShape, Handover
@@ -165,6 +179,23 @@ class RankGroup:
             self.run_dir.remove()
 
 
+ROLL_CALL_WAIT = 3.0
+"""How long a waiting rank may take to answer its roll call. An idle rank answers within
+a millisecond; one that has not answered by then is taken for stuck, and its group for
+unfit to run."""
+
+
+class RanksGone(NbddpError):
+    """A waiting group cannot take its run: one of its processes stopped while it waited
+    (a rank, or torchrun), or a rank did not answer its roll call. No rank was sent the
+    Start; the group is to be stopped, and fresh ranks started."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the waiting ranks cannot take the run: {why}")
+        self.why = why
+        """What happened, e.g. ``"rank 1 had stopped"``."""
+
+
 _LOCAL_GROUPS: set[LocalGroup] = set()
 _LOCAL_GROUPS_LOCK = threading.Lock()
 
@@ -198,6 +229,11 @@ class LocalGroup(RankGroup):
         self._start: Start | None = None
         self._lock = threading.Lock()
         self._settled = threading.Event()  # every rank is ready, or the group broke
+        self._gone: str | None = None
+        """Why the group can no longer run anything: a rank or torchrun stopped."""
+        self._calls = 0  # roll calls so far: the number of the latest
+        self._present: set[int] = set()  # who answered the latest
+        self._answered = threading.Condition(self._lock)
         self._payload_file: Path | None = None
         self._rooms: dict[str, Room] = {}
         self._rooms_closed = False
@@ -249,6 +285,13 @@ class LocalGroup(RankGroup):
         """Keep track of the ranks (the channel's threads call this), then queue it."""
         inner = message.message if isinstance(message, Sequenced) else message
         with self._lock:
+            if isinstance(inner, Present):  # the hand-over's business, not the run's
+                if inner.call == self._calls:
+                    self._present.add(inner.rank)
+                    self._answered.notify_all()
+                return
+            if isinstance(inner, Disconnected):
+                self._lose(f"rank {inner.rank} had stopped")
             if isinstance(inner, Hello):
                 self._torchrun.add_rank(inner.pid)
                 self._pids[inner.rank] = inner.pid
@@ -265,8 +308,14 @@ class LocalGroup(RankGroup):
         code = launcher.wait()
         with self._lock:
             self.broken = self.broken or self._start is None
+            self._lose("torchrun had stopped")
         self.events.put(LauncherExited(code))
         self._changed()
+
+    def _lose(self, why: str) -> None:
+        """(Under the lock) The group lost a process: it can take no run from now on."""
+        self._gone = self._gone or why
+        self._answered.notify_all()
 
     def _changed(self) -> None:
         if self.is_ready or self.broken:
@@ -277,9 +326,12 @@ class LocalGroup(RankGroup):
 
     def hand_over(self, payload: Packed, records: Records, options: RankOptions,
                   handover: Handover) -> None:
-        """Write the payload (into shared memory if it fits), then send every rank its
-        Start (a rank that has not said hello yet gets it when it does). A session's
-        group is handed one run after another: each replaces the last one's payload."""
+        """Call the roll of the ranks that wait for their Start, write the payload (into
+        shared memory if it fits) while they answer, then send every rank its Start (a
+        rank that has not said hello yet gets it when it does). Raises ``RanksGone``, and
+        sends no Start, if the waiting ranks are not all there. A session's group is
+        handed one run after another: each replaces the last one's payload."""
+        called = self._roll_call()
         if self._payload_file is not None:
             self._payload_file.unlink(missing_ok=True)
         size = dataplane.size_of(payload)
@@ -288,13 +340,50 @@ class LocalGroup(RankGroup):
             if room is None else room.parent
         self._payload_file = folder / self.run_dir.payload.name
         dataplane.write(self._payload_file, payload, room)
-        self.records = records
         start = self._start_message(self._payload_file, records, options, handover)
         with self._lock:
+            self._await_answers(called)
+            self.records = records
             self._start = start
             assert self._server is not None
             for rank in self._pids:
                 self._server.send(rank, start)
+
+    def _roll_call(self) -> set[int]:
+        """Ask the ranks that wait for their Start to answer (at once, from the rank's
+        listening thread); those ranks. A rank still starting is not asked: like a cold
+        launch's ranks, it gets its Start when it is up. Raises ``RanksGone`` if a
+        process of a group already up has stopped (a cold group's early end is the
+        run's to tell, with torchrun's output)."""
+        with self._lock:
+            called = {rank for rank in self.ready if rank in self._pids}
+            self._calls += 1
+            self._present = set()
+            assert self._server is not None
+            for rank in sorted(called):
+                if not self._server.send(rank, RollCall(self._calls)):
+                    self._lose(f"rank {rank} had stopped")
+            if self._pids and self._gone is not None:
+                raise RanksGone(self._gone)
+        return called
+
+    def _await_answers(self, called: set[int]) -> None:
+        """(Under the lock) Wait until every rank ``called`` has answered; RanksGone if
+        the group lost a process, or a rank stays silent for ``ROLL_CALL_WAIT`` s."""
+        if not called:
+            return
+        every = self._answered.wait_for(
+            lambda: self._gone is not None or called <= self._present, ROLL_CALL_WAIT)
+        if self._gone is not None:
+            raise RanksGone(self._gone)
+        if not every:
+            silent = ", ".join(str(rank) for rank in sorted(called - self._present))
+            raise RanksGone(f"rank {silent} did not answer within {ROLL_CALL_WAIT:g} s")
+        if stopping(self._torchrun.process.pid):  # killed: the ranks die of it next
+            raise RanksGone("torchrun had stopped")
+        for rank in sorted(called):
+            if stopping(self._pids[rank]):  # killed since it answered
+                raise RanksGone(f"rank {rank} had stopped")
 
     def make_room(self, payload: int, result: int = 0) -> None:
         """Allocate shared memory in the background for the next payload and result

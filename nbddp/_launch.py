@@ -1,8 +1,9 @@
 """``launch()``: run a function on every rank of a fresh torchrun process group.
 
 A local launch runs on the standby group when one waits with a shape it can take up,
-and on a group started now otherwise; a SLURM launch submits a batch job. Either way
-the group is handed the payload and a ``Job`` follows the run.
+and on a group started now otherwise (also when the standby group lost a process while
+it waited: it is stopped, and the run says so); a SLURM launch submits a batch job.
+Either way the group is handed the payload and a ``Job`` follows the run.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from typing import Any, Literal, TypeVar, overload
 
 from ._config import DEFAULT_STALL_AFTER, RunConfig
 from ._dataplane import Packed
-from ._group import LocalGroup, RankGroup, SlurmGroup
+from ._group import LocalGroup, RankGroup, RanksGone, SlurmGroup
 from ._job import Job
 from ._messages import RankOptions
 from ._payload import Payload
+from ._records import Records
 from ._rundir import RunDir
 from ._shape import GroupShape, Handover
 from ._slurm import find_run_dir
@@ -153,21 +155,38 @@ def _start_here(config: RunConfig, payload: Packed, options: RankOptions) -> Job
     """On the standby group if it can take the run, else on a group started now; the
     run's end starts the next standby group."""
     shape = GroupShape.of(config)
-    taken = STANDBY.take(shape)
-    group, handover = taken if taken is not None else (LocalGroup(shape), Handover())
     sent = payload.buffer_bytes  # the next launch likely sends and gets as much again
-    return _start(group, config, payload, options, handover, warm=taken is not None,
-                  after=lambda job: STANDBY.refill(shape, job._note, sent, job._result_bytes))
+
+    def after(job: Job) -> None:
+        STANDBY.refill(shape, job._note, sent, job._result_bytes)
+
+    taken = STANDBY.take(shape)
+    records, notice = None, None
+    if taken is not None:
+        records = Records.create()  # kept for fresh ranks if these cannot take the run
+        try:
+            return _start(taken[0], config, payload, options, records, taken[1], warm=True,
+                          after=after)
+        except RanksGone as gone:  # it is being stopped; no rank had the run
+            notice = f"nbddp: standby ranks replaced ({gone.why}); this run starts on fresh ranks"
+    group = LocalGroup(shape)
+    group.notice = notice
+    return _start(group, config, payload, options, records, after=after)
 
 
 def _start(group: RankGroup, config: RunConfig, payload: Packed, options: RankOptions,
-           handover: Handover | None = None, warm: bool = False,
-           after: Callable[[Job], None] | None = None) -> Job:
-    """Hand ``group`` the run and follow it; if that fails, stop the group."""
+           records: Records | None = None, handover: Handover | None = None,
+           warm: bool = False, after: Callable[[Job], None] | None = None) -> Job:
+    """Hand ``group`` the run and follow it; if that fails, stop the group (standby
+    ranks that cannot take the run: in the background, while fresh ones start)."""
     try:
-        records = group.new_records()
+        records = records or group.new_records()
         group.hand_over(payload, records, options, handover or Handover())
         return Job(group, config, records, warm=warm, after=after)
+    except RanksGone:
+        assert isinstance(group, LocalGroup)
+        STANDBY.retire(group)
+        raise
     except BaseException:
         group.stop()
         group.close()

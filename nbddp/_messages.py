@@ -7,9 +7,10 @@ authenticated peers or from private (0600) files.
 Tensor and array bytes do not travel in messages: they are in data files (``_dataplane``)
 that a message names.
 
-    rank -> kernel   Hello, Ready, Metrics, RankStats, StopRequested, DebugPrompt, DebugDone,
-                     Assigned, and a report: Result, Failure or Requeueing (each Sequenced)
-    kernel -> rank   Start, DebugInput
+    rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StopRequested, DebugPrompt,
+                     DebugDone, Assigned, and a report: Result, Failure or Requeueing (each
+                     Sequenced)
+    kernel -> rank   RollCall, Start, DebugInput
     kernel only      Disconnected (a rank's connection closed)
 """
 
@@ -53,6 +54,14 @@ class Ready:
     """A rank has imported torch (and joined its gloo group, if asked) and waits for Start."""
 
     rank: int
+
+
+@dataclass(frozen=True)
+class Present:
+    """A rank's answer to a ``RollCall``: it is alive and reads the kernel's messages."""
+
+    rank: int
+    call: int
 
 
 @dataclass(frozen=True)
@@ -164,6 +173,16 @@ class Sequenced:
 
 
 # --- kernel -> rank -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RollCall:
+    """Sent to ranks that wait for their ``Start`` (standby, a session at rest) just
+    before it: each answers ``Present`` at once, so a run is never handed to a group
+    that lost a process while idle (that group is stopped, and fresh ranks take it)."""
+
+    call: int
+    """Which roll call: an answer to an earlier one does not count."""
 
 
 @dataclass(frozen=True)

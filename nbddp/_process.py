@@ -22,6 +22,8 @@ from ._restarts import torchrun_environment
 from ._rundir import RunDir
 from ._shape import GroupShape
 
+_PF_EXITING = 0x4  # a process's flags (/proc/PID/stat) while it exits
+_SIGKILL = 1 << (signal.SIGKILL - 1)  # in a pending-signals mask (/proc/PID/status)
 _TERM_GRACE = 0.5
 _KILL_WAIT = 5.0
 _CLEAN_EXIT_WAIT = 10.0  # every rank returned: torchrun exits by itself within this
@@ -133,3 +135,19 @@ def _start_time(pid: int) -> str | None:
         return None
     fields = stat[stat.rindex(")") + 2:].split()
     return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def stopping(pid: int) -> bool:
+    """True if ``pid`` is gone, a zombie, exiting, or killed a moment ago (SIGKILL
+    pending): it runs no more code. A process killed while others wait on it (torchrun's
+    ranks die of its death, see ``_worker``) is seen before they can notice."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
+        return True
+    return any(int(line.split()[1], 16) & _SIGKILL for line in status.splitlines()
+               if line.startswith(("SigPnd:", "ShdPnd:")))

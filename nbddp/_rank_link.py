@@ -1,14 +1,17 @@
 """A rank's link to the kernel: its messages out, its ``Start`` in.
 
 A local rank talks over the kernel's Unix socket in both directions; a closed connection
-means the kernel is gone, and the rank stops. A SLURM job's rank also writes every
-message to its mailbox file, reads its ``Start`` from the run folder, and carries on
-without the kernel: the job outlives a kernel restart and can be re-attached. Messages
-are numbered, so the kernel keeps one copy of what arrives both ways.
+means the kernel is gone, and the rank stops. It answers the kernel's roll call (sent to
+waiting ranks before their ``Start``) at once, from the thread that listens. A SLURM
+job's rank also writes every message to its mailbox file, reads its ``Start`` from the
+run folder, and carries on without the kernel: the job outlives a kernel restart and can
+be re-attached. Messages are numbered, so the kernel keeps one copy of what arrives both
+ways.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
@@ -18,7 +21,16 @@ from typing import Any
 
 from ._channel import ChannelClient
 from ._mailbox import MailboxWriter, mailbox_path
-from ._messages import DebugInput, DebugPrompt, Sequenced, Start, decode, split_frames
+from ._messages import (
+    DebugInput,
+    DebugPrompt,
+    Present,
+    RollCall,
+    Sequenced,
+    Start,
+    decode,
+    split_frames,
+)
 from ._restarts import requeue_count, restart_count
 from ._rundir import RunDir
 
@@ -31,8 +43,9 @@ REQUEUE = requeue_count()
 class KernelLink:
     """Where this rank's messages go (socket and/or mailbox), and where its Start comes from."""
 
-    def __init__(self, channel: ChannelClient | None, mailbox: MailboxWriter | None,
+    def __init__(self, rank: int, channel: ChannelClient | None, mailbox: MailboxWriter | None,
                  run_dir: RunDir) -> None:
+        self.rank = rank
         self._channel, self._mailbox, self._run_dir = channel, mailbox, run_dir
         self._seq = 0
         self._lock = threading.Lock()
@@ -43,17 +56,18 @@ class KernelLink:
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
 
     @classmethod
-    def local(cls, run_dir: RunDir) -> KernelLink:
+    def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
         """Connect to the kernel; if it goes away while the rank is busy, stop the rank."""
-        link = cls(ChannelClient(run_dir.socket, run_dir.key.read_bytes()), None, run_dir)
+        link = cls(rank, ChannelClient(run_dir.socket, run_dir.key.read_bytes()), None,
+                   run_dir)
         threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
         return link
 
     @classmethod
     def slurm(cls, run_dir: RunDir, rank: int) -> KernelLink:
         """The kernel's TCP channel if it can be reached, and the mailbox file always."""
-        return cls(_reach_kernel(run_dir), MailboxWriter(mailbox_path(run_dir.path, rank)),
-                   run_dir)
+        return cls(rank, _reach_kernel(run_dir),
+                   MailboxWriter(mailbox_path(run_dir.path, rank)), run_dir)
 
     def send(self, message: Any) -> None:
         with self._lock:
@@ -89,7 +103,10 @@ class KernelLink:
         try:
             while True:
                 message = self._channel.receive()
-                if isinstance(message, Start):
+                if isinstance(message, RollCall):  # answered here: the main thread may wait
+                    with contextlib.suppress(OSError):  # (the next receive says why)
+                        self.send(Present(self.rank, message.call))
+                elif isinstance(message, Start):
                     self._starts.put(message)
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)

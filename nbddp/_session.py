@@ -6,7 +6,9 @@ and its process group. Runs are handed to the group one at a time; each is a ``J
 with its own records, panel and history. A run that ends early (a rank raised, an
 interrupt, a timeout) keeps the ranks if every one comes back to rest; otherwise, and
 when a rank dies, the ranks are stopped, fresh ones start, and the error says that the
-state is gone. An idle session waits as long as it is open.
+state is gone. An idle session waits as long as it is open; if one of its processes dies
+meanwhile, the next run finds out before it starts (the ranks' roll call, see
+``_group``), and runs on fresh ranks, saying that the state is gone.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
 from ._config import DEFAULT_STALL_AFTER, RunConfig
+from ._dataplane import Packed
 from ._errors import NbddpError
-from ._group import LocalGroup
-from ._job import Job
+from ._group import LocalGroup, RanksGone
+from ._job import LOST, Job
 from ._messages import RankOptions
 from ._payload import Payload
+from ._records import Records
 from ._shape import GroupShape
 from ._standby import STANDBY, START_TIMEOUT
 
@@ -102,9 +106,9 @@ class Session:
         self._group = self._new_group()
         self._wait_ready()
 
-    def _new_group(self) -> LocalGroup:
+    def _new_group(self, standby: bool = True) -> LocalGroup:
         shape = GroupShape.of(self.config)
-        taken = STANDBY.take(shape)  # ranks already waiting become the session's
+        taken = STANDBY.take(shape) if standby else None  # waiting ranks become the session's
         group = taken[0] if taken is not None else LocalGroup(shape)
         group.reusable, group.where = True, "session"
         self._started = time.monotonic()
@@ -155,19 +159,42 @@ class Session:
             self._busy = True
             self._room = payload.buffer_bytes  # the next cell likely sends as much again
             try:
-                group = self._group
-                handover, left_out = group.shape.take_up(GroupShape.of(config))
-                self._warn_left_out(left_out)
-                records = group.new_records()
-                group.hand_over(payload, records, RankOptions(config.init, config.backend,
-                                                              all_ranks), handover)
-                job: Job = Job(group, config, records, stdout=stdout, warm=True,
+                records = Records.create()
+                warm = self._hand_over(config, payload, records)
+                job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
                                after=self._after_run)
+                self._group.notice = None  # said once, under this run
             except BaseException:
                 self._busy = False
                 raise
             self._running = job
             return job
+
+    def _hand_over(self, config: RunConfig, payload: Packed, records: Records) -> bool:
+        """(Under the lock) Give the ranks the run; if one of their processes died while
+        they were idle, give it to fresh ranks, and say so. True: the session's ranks
+        (not fresh ones) took it."""
+        options = RankOptions(config.init, config.backend, config.all_ranks)
+        try:
+            self._hand_to(config, payload, records, options)
+            return True
+        except RanksGone as gone:
+            self._stop_group()
+            self.names = frozenset()
+            self._warned.clear()
+            self.restarts += 1
+            self._group = self._new_group(standby=False)
+            lost = LOST if self.runs else "this first run starts on fresh ranks"
+            self._group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
+        self._hand_to(config, payload, records, options)
+        return False
+
+    def _hand_to(self, config: RunConfig, payload: Packed, records: Records,
+                 options: RankOptions) -> None:
+        group = self._group
+        handover, left_out = group.shape.take_up(GroupShape.of(config))
+        self._warn_left_out(left_out)
+        group.hand_over(payload, records, options, handover)
 
     def _warn_left_out(self, names: list[str]) -> None:
         """Once per variable: a notebook change the running ranks cannot take up."""

@@ -5,8 +5,11 @@ a group of the same shape starts in the background: torchrun and its ranks, torc
 imported, the gloo group joined if the run will use gloo, connected to the kernel and
 waiting for a ``Start``. A launch whose shape the group can take up (see
 ``GroupShape.handover``) is handed to it and starts in a fraction of a second; any other
-launch starts cold, and the waiting group is stopped. An interrupt, a cancel or a timeout
-starts none: the user stopped things on purpose.
+launch starts cold, and the waiting group is stopped. So is a group that lost a process
+while it waited (a rank or torchrun killed, e.g. by the out-of-memory killer): it is no
+longer offered once that is seen, and a launch that takes it before finds out from the
+roll call of its hand-over (see ``_group``) and starts cold. An interrupt, a cancel or a
+timeout starts none: the user stopped things on purpose.
 
 One group waits per kernel. It stops after ``idle_timeout`` seconds unused, on
 ``standby(False)``, when the kernel exits, and with the kernel's death (torchrun's
@@ -78,7 +81,7 @@ class Standby:
             return None
         handover = None if group.broken else group.shape.handover(shape)
         if handover is None:
-            self._retire(group)
+            self.retire(group)
             return None
         return group, handover
 
@@ -95,7 +98,7 @@ class Standby:
             self._restart_timer(START_TIMEOUT, "standby: stopped; the ranks were not ready "
                                                f"after {_minutes(START_TIMEOUT)}")
         if old is not None:
-            self._retire(old)
+            self.retire(old)
         note(f"standby: starting {shape.nprocs} ranks for the next launch")
         group.on_change = self._changed
 
@@ -119,7 +122,7 @@ class Standby:
             else:
                 return
         if group.broken:
-            self._retire(group)
+            self.retire(group)
         if note is not None:
             note(line)
 
@@ -158,12 +161,13 @@ class Standby:
             group.stop()
             group.close()
         else:
-            self._retire(group)
+            self.retire(group)
         if note is not None:
             note(line)
 
-    def _retire(self, group: LocalGroup) -> None:
-        """Stop a group that will not be used, in the background."""
+    def retire(self, group: LocalGroup) -> None:
+        """Stop a group that will not be used (e.g. one that lost a rank), in the
+        background; the kernel's exit waits for it."""
         def stop() -> None:
             try:
                 group.stop()

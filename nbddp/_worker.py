@@ -117,7 +117,7 @@ def main(argv: list[str]) -> None:
     _redirect_output(run_dir.rank_log(rank))
     answer_stacks(run_dir.stacks_file(rank))
     _die_with_launcher()
-    link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir)
+    link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir, rank)
     link.send(Hello(rank, os.getpid()))
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
     install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook

@@ -267,6 +267,27 @@ time.sleep(30)
     assert cell(fresh_session, "'lost' in dir()").assert_ok().result() == "False"
 
 
+def test_a_rank_killed_while_idle_means_fresh_ranks_for_the_next_cell(fresh_session):
+    """The out-of-memory killer picks idle processes too: the next cell runs on fresh
+    ranks and says the state is gone, whether nbddp has seen the death yet or not."""
+    for victim, seen in ((1, False), (0, True)):
+        cell(fresh_session, "lost = 'soon gone'").assert_ok()
+        idle = _snapshot(descendants(fresh_session.pid))  # torchrun and the ranks
+        fresh_session.run(f"import signal\nos.kill({session_pids(fresh_session)[victim]}, "
+                          "signal.SIGKILL)").assert_ok()
+        if seen:  # torchrun has stopped the other rank, and the kernel knows
+            wait_until(lambda idle=idle: not _alive(idle), timeout=15)
+        run = cell(fresh_session, "import os\n('lost' in dir(), os.getpid())").assert_ok()
+        lost, pid = eval(run.result())  # noqa: S307 - our own repr
+        assert not lost and pid not in idle
+        assert (f"nbddp: session: rank {victim} had stopped while idle; the session was "
+                "restarted: variables defined in earlier cells are gone") in run.stream_text()
+        assert not _alive(idle)
+        assert set(session_pids(fresh_session).values()) < descendants(fresh_session.pid)
+    status = fresh_session.run("_status = %ddp_session\n_status.restarts").assert_ok()
+    assert status.result() == "2"
+
+
 SETTLE_AND_MORE = 12  # longer than the 10 s a failed cell's ranks get, and standby's 1 s
 
 

@@ -8,6 +8,8 @@ results, PIDs, timings of the cell, the panel's last line, and what is left runn
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -259,6 +261,34 @@ def test_standby_false_stops_the_group_at_once(skernel):
     assert not descendants(skernel.pid), "a run started standby ranks while standby was off"
 
 
+@pytest.mark.parametrize("victim", ["a rank", "torchrun"])
+def test_a_launch_right_after_a_standby_process_died_runs_on_fresh_ranks(skernel, victim):
+    """The out-of-memory killer picks idle processes too: a launch that follows at once,
+    before nbddp has seen the death, still runs (cold) and leaves nothing behind."""
+    before = local_run_dirs()
+    skernel.run("import signal\nnbddp.launch(world, nprocs=2)").assert_ok()
+    for _ in range(3):  # not one lucky timing
+        pids = wait_ready(skernel)  # torchrun, then the ranks
+        waiting = _snapshot(pids)
+        run = skernel.run(f"""
+            os.kill({pids[0] if victim == "torchrun" else pids[-1]}, signal.SIGKILL)
+            _job = nbddp.launch(world, nprocs=2, wait=False)
+            _job.result(), _job.warm
+        """)
+        run.assert_ok()
+        (pid, size, total), warm = eval(run.result())  # noqa: S307 - our own repr
+        assert (size, total, warm) == (2, 2.0, False) and pid not in waiting
+        text = run.stream_text()
+        assert "nbddp: standby ranks replaced (" in text, run.describe()
+        assert "had stopped); this run starts on fresh ranks" in text, text
+        wait_until(lambda waiting=waiting: not _alive(waiting), timeout=15)
+    fresh = wait_ready(skernel)  # the last run's end started the next group, and only that
+    command = _cmdline(fresh[0]).split()
+    fresh_dir = command[command.index("nbddp._torchrun") + 1]
+    wait_until(lambda: descendants(skernel.pid) == set(fresh)
+               and local_run_dirs() - before == {fresh_dir}, timeout=15)
+
+
 def test_standby_is_off_where_the_environment_says_so(kernel):
     assert kernel.run("nbddp.standby().status").result() == "'off'"  # NBDDP_STANDBY=0
 
@@ -359,3 +389,16 @@ def test_a_stranger_on_the_standby_channel_changes_nothing(standby_on):
         ChannelClient(Path(standby_dir, "channel.sock"), new_key())
     job = nbddp.launch(world_size, 2, wait=False)
     assert job.warm and job.result() == 2
+
+
+def test_a_standby_rank_that_does_not_answer_is_replaced(standby_on, monkeypatch, capsys):
+    monkeypatch.setattr(nbddp._group, "ROLL_CALL_WAIT", 0.5)
+    nbddp.launch(world_size, 2)
+    pids = wait_ready_here().pids  # torchrun, then the ranks
+    waiting = _snapshot(pids)
+    os.kill(pids[-1], signal.SIGSTOP)  # alive, but it cannot answer its roll call
+    job = nbddp.launch(world_size, 2, wait=False, timeout=60)
+    assert job.result() == 2 and not job.warm
+    out = capsys.readouterr().out
+    assert "standby ranks replaced (rank " in out and "did not answer within 0.5 s)" in out
+    wait_until(lambda: not _alive(waiting), timeout=15)  # stopped (SIGKILL stops it)

@@ -1,0 +1,27 @@
+"""Processes by PID: whether one still runs code (pure logic over /proc, real processes)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from nbddp._process import stopping
+
+from .conftest import wait_until
+
+
+def test_stopping_tells_a_live_process_from_a_killed_one():
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert not stopping(child.pid) and not stopping(os.getpid())
+        os.kill(child.pid, signal.SIGSTOP)  # stopped is not stopping: it may go on
+        assert not stopping(child.pid)
+        os.kill(child.pid, signal.SIGKILL)
+        assert stopping(child.pid)  # at once: SIGKILL pending, exiting, or a zombie
+        wait_until(lambda: child.poll() is not None)
+    finally:
+        child.kill()
+        child.wait()
+    assert stopping(child.pid)  # reaped: gone
