@@ -123,7 +123,7 @@ def log_call_cost(calls: int) -> dict[str, float]:
     function called the same way; wall time (``*_us``) and the rank process's CPU time
     (``*_cpu_us``). Every rank runs the loops; the reporter is live."""
     import nbddp
-    from nbddp import _metrics
+    from nbddp._rank import metrics as _metrics
 
     if _metrics._reporter is None:
         raise RuntimeError("nbddp's reporter is not active: not a launched run?")

@@ -34,8 +34,8 @@ import _workloads  # noqa: E402
 import torch  # noqa: E402
 
 import nbddp  # noqa: E402
-from nbddp._config import RunConfig  # noqa: E402
-from nbddp._shape import rank_environment  # noqa: E402
+from nbddp._run.config import RunConfig  # noqa: E402
+from nbddp._run.shape import rank_environment  # noqa: E402
 
 NPROCS = 2
 TIMEOUT = 600.0

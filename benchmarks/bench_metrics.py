@@ -32,7 +32,7 @@ import torch
 from bench_launch import NPROCS, TIMEOUT, alternate, run_nbddp, write_json
 
 import nbddp
-from nbddp._history import STALE_SECONDS
+from nbddp._wire.history import STALE_SECONDS
 
 LOG_TARGET_US = 20.0  # one nbddp.log call on a rank: at most
 STEPS_TARGET = 0.98  # steps/s with nbddp.log every step / without: at least

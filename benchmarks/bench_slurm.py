@@ -26,8 +26,8 @@ import _workloads
 from bench_launch import HERE, alternate, summary, write_json
 
 import nbddp
-from nbddp._config import RunConfig
-from nbddp._shape import rank_environment
+from nbddp._run.config import RunConfig
+from nbddp._run.shape import rank_environment
 
 NPROCS = 2
 WALL_TARGET = 1.10  # nbddp/plain wall time: at most

@@ -11,18 +11,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ._errors import NbddpError, PayloadError, WorkerError
-from ._metrics import log, progress
-from ._requeue import requeue, stop_requested
-from ._restarts import restart_count
+from ._rank.metrics import log, progress
+from ._rank.requeue import requeue, stop_requested
+from ._rank.restarts import restart_count
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from ._export import export
-    from ._job import Job
+    from ._export.script import export
     from ._launch import attach, last_job, launch
+    from ._local.standby import StandbyState, standby
+    from ._run.job import Job
     from ._session import Session, SessionStatus
-    from ._slurm_options import Slurm
-    from ._standby import StandbyState, standby
+    from ._slurm.options import Slurm
 
 __all__ = [
     "Job",
@@ -46,10 +46,10 @@ __all__ = [
 ]
 
 _ON_FIRST_USE = {
-    "Job": "._job", "Session": "._session", "SessionStatus": "._session",
-    "Slurm": "._slurm_options", "StandbyState": "._standby",
-    "attach": "._launch", "export": "._export", "last_job": "._launch", "launch": "._launch",
-    "standby": "._standby",
+    "Job": "._run.job", "Session": "._session", "SessionStatus": "._session",
+    "Slurm": "._slurm.options", "StandbyState": "._local.standby",
+    "attach": "._launch", "export": "._export.script", "last_job": "._launch",
+    "launch": "._launch", "standby": "._local.standby",
 }
 
 

@@ -14,18 +14,20 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
-from ._config import DEFAULT_STALL_AFTER, RunConfig
-from ._dataplane import Packed
-from ._group import LocalGroup, RankGroup, RanksGone, SlurmGroup
-from ._job import Job
-from ._messages import RankOptions
-from ._payload import Payload
-from ._records import Records
-from ._rundir import RunDir
-from ._shape import GroupShape, Handover
-from ._slurm import find_run_dir
-from ._slurm_options import Slurm, SlurmOptions
-from ._standby import STANDBY
+from ._local.group import LocalGroup
+from ._local.standby import STANDBY
+from ._run.config import DEFAULT_STALL_AFTER, RunConfig
+from ._run.group import RankGroup, RanksGone
+from ._run.job import Job
+from ._run.records import Records
+from ._run.shape import GroupShape, Handover
+from ._slurm.group import SlurmGroup
+from ._slurm.launcher import find_run_dir
+from ._slurm.options import Slurm, SlurmOptions
+from ._wire.dataplane import Packed
+from ._wire.messages import RankOptions
+from ._wire.payload import Payload
+from ._wire.rundir import RunDir
 
 R = TypeVar("R")
 

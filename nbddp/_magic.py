@@ -20,14 +20,14 @@ from IPython.core.magic import (
 )
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ._cell import Cell, CellResult
-from ._config import DEFAULT_STALL_AFTER
-from ._devices import visible_gpu_count
 from ._errors import NbddpError
-from ._export import export
+from ._export.script import export
 from ._launch import launch
+from ._rank.cell import Cell, CellResult
+from ._run.config import DEFAULT_STALL_AFTER
+from ._run.devices import visible_gpu_count
 from ._session import Session
-from ._slurm_options import Slurm
+from ._slurm.options import Slurm
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
 

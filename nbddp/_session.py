@@ -1,14 +1,14 @@
 """Sessions: ranks that keep their state from one run to the next.
 
 A session is one rank group whose ranks go back to rest after each run instead of
-exiting. Each rank keeps one namespace for the notebook code it runs (see ``_scope``),
+exiting. Each rank keeps one namespace for the notebook code it runs (see ``_rank.scope``),
 and its process group. Runs are handed to the group one at a time; each is a ``Job``
 with its own records, panel and history. A run that ends early (a rank raised, an
 interrupt, a timeout) keeps the ranks if every one comes back to rest; otherwise, and
 when a rank dies, the ranks are stopped, fresh ones start, and the error says that the
 state is gone. An idle session waits as long as it is open; if one of its processes dies
 meanwhile, the next run finds out before it starts (the ranks' roll call, see
-``_group``), and runs on fresh ranks, saying that the state is gone.
+``_local.group``), and runs on fresh ranks, saying that the state is gone.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
-from ._config import DEFAULT_STALL_AFTER, RunConfig
-from ._dataplane import Packed
 from ._errors import NbddpError
-from ._group import LocalGroup, RanksGone
-from ._job import LOST, Job
-from ._messages import RankOptions
-from ._payload import Payload
-from ._records import Records
-from ._shape import GroupShape
-from ._standby import STANDBY, START_TIMEOUT
+from ._local.group import LocalGroup
+from ._local.standby import STANDBY, START_TIMEOUT
+from ._run.config import DEFAULT_STALL_AFTER, RunConfig
+from ._run.group import RanksGone
+from ._run.job import LOST, Job
+from ._run.records import Records
+from ._run.shape import GroupShape
+from ._wire.dataplane import Packed
+from ._wire.messages import RankOptions
+from ._wire.payload import Payload
 
 R = TypeVar("R")
 

@@ -1,79 +1,9 @@
-"""torchrun itself, run in-process so the kernel learns exactly how each rank ended.
+"""``python -m nbddp._torchrun``: torchrun as nbddp starts it on each machine (see
+``_rank.torchrun``). The name stays short and stable: it is what ``ps`` shows."""
 
-``python -m nbddp._torchrun RUN_DIR LIFELINE_FD TORCHRUN_ARGS...`` parses and runs
-torchrun's own command line (``torch.distributed.run``). Additions only:
-
-- when ranks fail, torchrun's structured failures (rank, exit code, signal) are written
-  to ``failures-<host>-<pid>.json`` (one per machine) instead of being left as text for
-  the kernel to parse;
-- torchrun's own logs go inside the run dir (``--log-dir``), not into a temp dir;
-- the kernel holds the write end of a pipe (the lifeline); if the kernel dies the pipe
-  closes and this process stops torchrun, so no rank outlives the notebook. A SLURM job
-  has no lifeline (``-``): it outlives a kernel restart, and can be re-attached.
-"""
-
-from __future__ import annotations
-
-import contextlib
-import json
-import os
-import signal
 import sys
-import threading
-import time
-from pathlib import Path
 
-from ._rundir import RunDir
-
-_GRACE_SECONDS = 5.0
-
-
-def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event) -> None:
-    """Block until the kernel's end of the pipe closes, then stop everything."""
-    while os.read(fd, 4096):
-        pass
-    lost.set()
-    print("nbddp: the notebook kernel went away; stopping torchrun", file=sys.stderr)
-    run_dir.remove()  # first: a torchrun still starting dies of the SIGTERM at once
-    os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
-    time.sleep(_GRACE_SECONDS)
-    run_dir.remove()
-    os.kill(os.getpid(), signal.SIGKILL)  # ranks die with us (PR_SET_PDEATHSIG)
-
-
-def _write_failures(run_dir: RunDir, error) -> None:
-    """How each failed rank ended, for the kernel's diagnosis (if it still listens: a
-    kernel done with the run may have removed the run dir already)."""
-    failures = {
-        rank: {"exitcode": f.exitcode, "pid": f.pid, "timestamp": f.timestamp,
-               "signal": f.signal_name() if f.exitcode < 0 else None}
-        for rank, f in error.failures.items()
-    }
-    path = run_dir.failures_file()
-    tmp = path.with_suffix(".tmp")
-    with contextlib.suppress(FileNotFoundError):
-        tmp.write_text(json.dumps(failures))
-        tmp.replace(path)
-
-
-def main(argv: list[str]) -> int:
-    run_dir, lost = RunDir.existing(Path(argv[0])), threading.Event()
-    if argv[1] != "-":
-        threading.Thread(target=_watch_lifeline, args=(int(argv[1]), run_dir, lost),
-                         daemon=True).start()
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    try:
-        run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *argv[2:]]))
-    except ChildFailedError as error:
-        _write_failures(run_dir, error)
-        return 1
-    finally:
-        if lost.is_set():  # nobody else is left to clean up: torchrun stopped its ranks
-            run_dir.remove()
-    return 0
-
+from ._rank.torchrun import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

@@ -7,7 +7,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from nbddp._chart import (
+from nbddp._panel.chart import (
     best,
     chart_svg,
     charts_html,

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import nbddp
-from nbddp import _dataplane as dataplane
-from nbddp._messages import HEADER_SIZE, Hello, body_size, encode
+from nbddp._wire import dataplane as dataplane
+from nbddp._wire.messages import HEADER_SIZE, Hello, body_size, encode
 
 from .conftest import SHM, wait_until
 

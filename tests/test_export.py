@@ -10,15 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._export import (
-    cell_main,
-    function_main,
-    sbatch_text,
-    script_text,
-    submission_sbatch_text,
-)
-from nbddp._slurm_options import SlurmOptions
-from nbddp._source import Standalone
+from nbddp._export.script import cell_main, function_main, script_text
+from nbddp._export.source import Standalone
+from nbddp._slurm.options import SlurmOptions
+from nbddp._slurm.sbatch import sbatch_text, submission_sbatch_text
 
 from .conftest import wait_until
 from .slurm import job_ended, job_info, submit

@@ -1,7 +1,7 @@
 """What frameworks print on rank 0 looks right under the cell: Lightning's progress bars
 in a real kernel (nested bars, cursor-up codes) and in the text fallback.
 
-The ranks' terminal output is played on a screen model in the kernel (``_terminal``):
+The ranks' terminal output is played on a screen model in the kernel (``_panel.terminal``):
 the cell keeps final lines, and bars still running are updated in place in a display.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import nbddp
-from nbddp._devices import visible_gpu_count
+from nbddp._run.devices import visible_gpu_count
 
 GPUS = visible_gpu_count()
 pytestmark = pytest.mark.gpu

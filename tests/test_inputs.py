@@ -8,8 +8,8 @@ import warnings
 import pytest
 
 import nbddp
-from nbddp import _payload
-from nbddp._config import CPU_DEFAULT_NPROCS, RunConfig
+from nbddp._run.config import CPU_DEFAULT_NPROCS, RunConfig
+from nbddp._wire import payload as _payload
 
 from .conftest import descendants, run_dirs
 

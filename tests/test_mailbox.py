@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from nbddp import _mailbox
-from nbddp._mailbox import MailboxReader, MailboxWriter, frame, mailbox_path, split
-from nbddp._messages import (
+from nbddp._wire import mailbox as _mailbox
+from nbddp._wire.mailbox import MailboxReader, MailboxWriter, frame, mailbox_path, split
+from nbddp._wire.messages import (
     Failure,
     Hello,
     Metrics,
@@ -101,7 +101,7 @@ def test_a_frame_torn_by_a_killed_rank_costs_only_that_message(tmp_path, reader,
     torn = written(tmp_path, Sequenced(3, Result(0, b"x" * 1000)))
     with open(path, "ab") as f:
         f.write(torn[:len(torn) // 2])  # the rank was killed here
-    caplog.set_level(logging.WARNING, logger="nbddp._mailbox")
+    caplog.set_level(logging.WARNING, logger="nbddp._wire.mailbox")
     reader.poll()
     assert reader.got == first and not caplog.records  # maybe still being written
     later = [chatter(seq, attempt=1) for seq in range(3)] + [

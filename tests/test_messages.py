@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbddp._messages import (
+from nbddp._wire.messages import (
     Failure,
     Hello,
     RankOptions,

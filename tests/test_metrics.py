@@ -8,7 +8,7 @@ import time
 import pytest
 
 import nbddp
-from nbddp._history import History, read_history
+from nbddp._wire.history import History, read_history
 
 
 def train_and_log(steps):
@@ -147,7 +147,7 @@ def test_a_late_rank_is_left_out_once_and_a_restarted_step_counter_makes_new_row
 
 
 def test_late_records_are_recognised_after_the_step_is_forgotten(tmp_path, monkeypatch):
-    from nbddp import _history
+    from nbddp._wire import history as _history
 
     monkeypatch.setattr(_history, "_RECENT", 10)  # remember only the last 10 averaged steps
     history = History(nprocs=2, path=tmp_path / "m.jsonl")
@@ -177,8 +177,8 @@ def test_a_record_for_all_ranks_is_shown_at_once_not_waited_for(tmp_path):
 
 
 def test_a_script_run_keeps_the_for_all_mark_through_its_files(tmp_path):
-    from nbddp._messages import Metrics
-    from nbddp._script_metrics import ScriptReporter
+    from nbddp._rank.script_metrics import ScriptReporter
+    from nbddp._wire.messages import Metrics
 
     reporter = ScriptReporter(0, 2, tmp_path)
     reporter._write(Metrics(0, [(0, {"a": 1.0})], None, [(0, {"loss": 2.0})]))

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import nbddp
-from nbddp._whole import make_whole
+from nbddp._rank.whole import make_whole
 
 STEPS = 3
 

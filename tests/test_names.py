@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from nbddp._cell_names import names_read_from_outside
-from nbddp._payload import global_names
+from nbddp._wire.cell_names import names_read_from_outside
+from nbddp._wire.payload import global_names
 
 
 def reads(source: str) -> set[str]:

@@ -131,7 +131,7 @@ def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
 
 CHOOSES = """
 import sys
-from nbddp._display import make_panel
+from nbddp._panel.display import make_panel
 
 def chosen():
     return type(make_panel()).__name__

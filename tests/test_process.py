@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 
-from nbddp._process import stopping
+from nbddp._local.launcher import stopping
 
 from .conftest import wait_until
 

@@ -41,10 +41,11 @@ def test_worker_error_pickles_and_keeps_its_details():
     assert str(copy) == str(error)
 
 
-KERNEL_SIDE = {"_cell", "_cell_names", "_config", "_devices", "_diagnosis", "_display",
-               "_export", "_group", "_history", "_job", "_launch", "_magic", "_output",
-               "_process", "_session", "_shape", "_slurm", "_slurm_options", "_source",
-               "_standby", "_supervisor"}
+KERNEL_SIDE = ("nbddp._run", "nbddp._panel", "nbddp._local", "nbddp._slurm", "nbddp._export",
+               "nbddp._launch", "nbddp._session", "nbddp._magic",
+               "nbddp._wire.cell_names", "nbddp._wire.history")
+"""The kernel's packages and modules, and the two of ``_wire`` only the kernel needs
+(a rank of a script reads history, a cell's names are picked in the kernel)."""
 
 
 def loaded_nbddp_modules():
@@ -57,5 +58,7 @@ def test_ranks_load_none_of_the_kernel_side():
     """A rank runs ``python -m nbddp._worker``: it must not load the kernel's machinery
     (the launcher, the panel, SLURM), only what talks to the kernel and runs the code."""
     on_rank = nbddp.launch(loaded_nbddp_modules, 2)
-    assert "nbddp._rank_link" in on_rank  # (the worker itself runs as __main__)
-    assert not {f"nbddp.{name}" for name in KERNEL_SIDE} & set(on_rank), on_rank
+    assert "nbddp._rank.link" in on_rank  # (the worker itself runs as __main__)
+    loaded = [name for name in on_rank
+              if any(name == side or name.startswith(side + ".") for side in KERNEL_SIDE)]
+    assert loaded == [], on_rank

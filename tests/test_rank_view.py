@@ -16,9 +16,9 @@ import threading
 import pytest
 
 import nbddp
-from nbddp import _rank_stats
-from nbddp._messages import RankStats
-from nbddp._rank_view import RankView
+from nbddp._rank import stats as _rank_stats
+from nbddp._run.rank_view import RankView
+from nbddp._wire.messages import RankStats
 
 from .conftest import wait_until
 
@@ -99,7 +99,7 @@ def test_a_silent_run_says_it_looks_stalled_then_moves_on(capfd):
 
 
 def test_stall_after_must_be_positive_or_none():
-    from nbddp._config import RunConfig
+    from nbddp._run.config import RunConfig
 
     with pytest.raises(ValueError, match="stall_after must be a positive number"):
         nbddp.launch(print, stall_after=0)
@@ -187,8 +187,8 @@ def test_quiet_counts_from_the_last_step_or_output():
 
 
 def test_the_panel_marks_a_rank_behind():
-    from nbddp._display import PanelState, _header_html
-    from nbddp._history import History
+    from nbddp._panel.display import PanelState, _header_html
+    from nbddp._wire.history import History
 
     state = PanelState(2, History(2))
     state.ranks = ["running", "running"]

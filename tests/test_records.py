@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbddp._records import KEEP_RUNS, Records
+from nbddp._run.records import KEEP_RUNS, Records
 
 
 def new_records_dir():

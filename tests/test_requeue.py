@@ -19,9 +19,9 @@ import pytest
 
 import nbddp
 from nbddp._errors import NbddpError
-from nbddp._export import submission_sbatch_text
-from nbddp._slurm import JobStatus, parse_status
-from nbddp._slurm_options import SlurmOptions
+from nbddp._slurm.launcher import JobStatus, parse_status
+from nbddp._slurm.options import SlurmOptions
+from nbddp._slurm.sbatch import submission_sbatch_text
 
 from .conftest import wait_until
 from .slurm import job_ended, job_info, slurm
@@ -182,7 +182,7 @@ def test_a_local_rank_that_calls_requeue_fails_clearly():
 
 WATCH = """
 import time, nbddp
-from nbddp._requeue import watch_for_stop
+from nbddp._rank.requeue import watch_for_stop
 watch_for_stop(lambda: print("told", nbddp.stop_requested(), flush=True))
 print("before", nbddp.stop_requested(), flush=True)
 time.sleep(30)

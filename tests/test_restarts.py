@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 
 import nbddp
-from nbddp._config import RunConfig
-from nbddp._export import submission_sbatch_text
-from nbddp._process import torchrun_command
-from nbddp._rundir import RunDir
-from nbddp._shape import GroupShape, without_allocation
-from nbddp._slurm_options import Slurm
+from nbddp._local.launcher import torchrun_command
+from nbddp._run.config import RunConfig
+from nbddp._run.shape import GroupShape, without_allocation
+from nbddp._slurm.options import Slurm
+from nbddp._slurm.sbatch import submission_sbatch_text
+from nbddp._wire.rundir import RunDir
 
 # --- functions the ranks run ---------------------------------------------------------
 

@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 import nbddp
-from nbddp._channel import (
+from nbddp._run.config import RunConfig
+from nbddp._slurm.options import SlurmOptions
+from nbddp._wire.channel import (
     MAC_BYTES,
     MAGIC,
     NONCE_BYTES,
@@ -24,9 +26,7 @@ from nbddp._channel import (
     ChannelServer,
     new_key,
 )
-from nbddp._config import RunConfig
-from nbddp._messages import DebugInput, Disconnected, Hello, Ready, encode
-from nbddp._slurm_options import SlurmOptions
+from nbddp._wire.messages import DebugInput, Disconnected, Hello, Ready, encode
 
 from .conftest import SHM, local_run_dirs, wait_until
 
@@ -399,7 +399,7 @@ def test_a_stranger_that_says_nothing_holds_up_no_rank(server):
 def test_a_slurm_runs_channel_listens_only_where_its_ranks_are_told(monkeypatch):
     """Not on every interface: on a login node, a port bound to all addresses is open
     to every network the node is on. The run's address file names where it listens."""
-    from nbddp._group import SlurmGroup
+    from nbddp._slurm.group import SlurmGroup
 
     monkeypatch.setenv("NBDDP_KERNEL_HOST", "127.0.0.1")
     group = SlurmGroup.for_submission(RunConfig(nprocs=1), SlurmOptions())
@@ -418,7 +418,7 @@ def test_a_slurm_runs_channel_listens_only_where_its_ranks_are_told(monkeypatch)
 def test_a_kernel_whose_name_does_not_resolve_opens_no_port(monkeypatch):
     """Rather than every interface: no channel at all, and the ranks report through
     their files (as when they cannot reach the kernel)."""
-    from nbddp._group import SlurmGroup
+    from nbddp._slurm.group import SlurmGroup
 
     monkeypatch.setenv("NBDDP_KERNEL_HOST", "unreachable.invalid")
     group = SlurmGroup.for_submission(RunConfig(nprocs=1), SlurmOptions())

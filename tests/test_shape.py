@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from nbddp._shape import GroupShape, Handover, read_at_start
+from nbddp._run.shape import GroupShape, Handover, read_at_start
 
 BASE = GroupShape(python="/usr/bin/python3", nprocs=2, cuda_visible_devices=None, gpus=0,
                   backend=None, init=True, env={"HOME": "/root", "OMP_NUM_THREADS": "1"},

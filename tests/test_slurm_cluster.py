@@ -12,7 +12,7 @@ import shlex
 
 import pytest
 
-from nbddp._slurm import job_status
+from nbddp._slurm.launcher import job_status
 
 from .conftest import wait_until
 from .slurm import alive, job_ended, job_info, slurm, start_time, submit

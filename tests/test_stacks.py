@@ -17,7 +17,7 @@ import time
 import pytest
 
 import nbddp
-from nbddp._stacks import read_dump, render, where
+from nbddp._wire.stacks import read_dump, render, where
 
 from .conftest import wait_until
 

@@ -378,7 +378,7 @@ def test_a_warm_launch_names_a_version_mismatch(standby_on, monkeypatch):
 
 
 def test_a_stranger_on_the_standby_channel_changes_nothing(standby_on):
-    from nbddp._channel import ChannelClient, new_key
+    from nbddp._wire.channel import ChannelClient, new_key
 
     before = local_run_dirs()
     nbddp.launch(world_size, 2)
@@ -392,7 +392,7 @@ def test_a_stranger_on_the_standby_channel_changes_nothing(standby_on):
 
 
 def test_a_standby_rank_that_does_not_answer_is_replaced(standby_on, monkeypatch, capsys):
-    monkeypatch.setattr(nbddp._group, "ROLL_CALL_WAIT", 0.5)
+    monkeypatch.setattr(nbddp._local.group, "ROLL_CALL_WAIT", 0.5)
     nbddp.launch(world_size, 2)
     pids = wait_ready_here().pids  # torchrun, then the ranks
     waiting = _snapshot(pids)

@@ -8,8 +8,8 @@ import re
 
 import pytest
 
-from nbddp._output import BoundedOutput, DisplayedLines, LogTail, SnapshotLines
-from nbddp._terminal import HOLD, Screen
+from nbddp._panel.output import BoundedOutput, DisplayedLines, LogTail, SnapshotLines
+from nbddp._panel.terminal import HOLD, Screen
 
 CURSOR_CODES = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhlnsu]")
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from accelerate.tracking import GeneralTracker
 
-from .._metrics import log_for_all
+from .._rank.metrics import log_for_all
 from ._numbers import chartable
 
 __all__ = ["NbddpTracker"]

@@ -14,8 +14,8 @@ from typing import Any
 from lightning.fabric.loggers import Logger
 from lightning.pytorch import Callback
 
-from .. import _metrics
-from .._metrics import log, set_progress
+from .._rank import metrics as _metrics
+from .._rank.metrics import log, set_progress
 from ._numbers import chartable
 
 __all__ = ["NbddpCallback", "NbddpLogger", "callbacks_in_a_run"]

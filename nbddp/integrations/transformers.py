@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .._metrics import log_for_all, set_progress
+from .._rank.metrics import log_for_all, set_progress
 from ._numbers import chartable
 
 __all__ = ["NbddpCallback"]

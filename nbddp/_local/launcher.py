@@ -1,0 +1,153 @@
+"""Start torchrun for a local rank group, and stop every process of it by PID.
+
+torchrun starts each rank in a session of its own, so stopping a group means signalling
+torchrun's process group and each rank's PID (learned when the rank says hello). A PID
+is only signalled while it still belongs to the process that connected, so a recycled
+PID is never hit. The kernel holds a pipe (the lifeline) whose closing, when the kernel
+dies, makes torchrun stop its ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from .._run.config import torchrun_environment
+from .._run.shape import GroupShape
+from .._wire.rundir import RunDir
+
+_PF_EXITING = 0x4  # a process's flags (/proc/PID/stat) while it exits
+_SIGKILL = 1 << (signal.SIGKILL - 1)  # in a pending-signals mask (/proc/PID/status)
+_TERM_GRACE = 0.5
+_KILL_WAIT = 5.0
+_CLEAN_EXIT_WAIT = 10.0  # every rank returned: torchrun exits by itself within this
+
+
+def torchrun_command(run_dir: RunDir, shape: GroupShape, lifeline: int) -> list[str]:
+    """The torchrun command line (run through ``nbddp._torchrun``) for one machine."""
+    worker = ["-m", "nbddp._worker", str(run_dir.path)]
+    if shape.prepare:
+        worker += ["--prepare", shape.prepare]
+    return [
+        shape.python, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline),
+        "--standalone", "--nnodes", "1", "--nproc-per-node", str(shape.nprocs),
+        "--max-restarts", str(shape.max_restarts), *worker,
+    ]
+
+
+class LocalLauncher:
+    """The running torchrun process, and the means to stop it and its ranks."""
+
+    def __init__(self, run_dir: RunDir, shape: GroupShape) -> None:
+        read_end, self._lifeline = os.pipe()
+        log = os.open(run_dir.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self.process = subprocess.Popen(
+                torchrun_command(run_dir, shape, read_end),
+                env={**shape.env, **torchrun_environment(shape.max_restarts)},
+                cwd=shape.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(read_end,), start_new_session=True,
+            )
+        except BaseException:
+            os.close(self._lifeline)
+            raise
+        finally:
+            os.close(read_end)
+            os.close(log)
+        self._ranks: dict[int, str] = {}  # pid -> start time, to recognise the process
+        self._stopping = threading.Lock()
+
+    def add_rank(self, pid: int) -> None:
+        start = _start_time(pid)
+        if start is not None:
+            self._ranks[pid] = start
+
+    def stopped_from_outside(self) -> str | None:
+        """A local run's ranks tell how they ended themselves (see ``diagnose``)."""
+        return None
+
+    def pids(self) -> list[int]:
+        """torchrun's PID and the live ranks' PIDs."""
+        return [self.process.pid, *self._alive_ranks()]
+
+    def interrupt(self, pids: list[int]) -> None:
+        """SIGINT to those of ``pids`` that are this launcher's live ranks."""
+        self.signal_ranks(pids, signal.SIGINT)
+
+    def signal_ranks(self, pids: Iterable[int], sig: signal.Signals) -> set[int]:
+        """``sig`` to those of ``pids`` that are this launcher's live ranks; those."""
+        sent = set()
+        for pid in set(pids) & set(self._alive_ranks()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+                sent.add(pid)
+        return sent
+
+    def _alive_ranks(self) -> list[int]:
+        return [pid for pid, start in list(self._ranks.items()) if _start_time(pid) == start]
+
+    def _signal(self, sig: signal.Signals) -> None:
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+        for pid in self._alive_ranks():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    def _wait_all(self, seconds: float) -> bool:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None and not self._alive_ranks():
+                return True
+            time.sleep(0.01)
+        return False
+
+    def wait(self) -> int:
+        """Block until torchrun exits; its exit code."""
+        return self.process.wait()
+
+    def stop(self, clean: bool = False) -> None:
+        """SIGTERM torchrun and every rank, SIGKILL what is left after half a second.
+        ``clean`` (every rank returned): first let torchrun exit by itself."""
+        with self._stopping:
+            if not (clean and self._wait_all(_CLEAN_EXIT_WAIT)):
+                self._signal(signal.SIGTERM)
+                if not self._wait_all(_TERM_GRACE):
+                    self._signal(signal.SIGKILL)
+                    self._wait_all(_KILL_WAIT)
+            self.process.wait()
+            if self._lifeline >= 0:  # torchrun is gone; nothing needs the pipe any more
+                os.close(self._lifeline)
+                self._lifeline = -1
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of a live (not zombie) process, or None if there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+def stopping(pid: int) -> bool:
+    """True if ``pid`` is gone, a zombie, exiting, or killed a moment ago (SIGKILL
+    pending): it runs no more code. A process killed while others wait on it (torchrun's
+    ranks die of its death, see ``_worker``) is seen before they can notice."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    fields = stat[stat.rindex(")") + 2:].split()
+    if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
+        return True
+    return any(int(line.split()[1], 16) & _SIGKILL for line in status.splitlines()
+               if line.startswith(("SigPnd:", "ShdPnd:")))

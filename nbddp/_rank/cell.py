@@ -1,0 +1,91 @@
+"""A notebook cell as something every rank can run.
+
+The cell travels as its source and the notebook names it reads before assigning them:
+imported modules go by name, notebook functions, classes and data by value, and names
+it does not use stay in the kernel. On a rank it runs like a notebook cell: statements
+in order, a trailing expression's value returned, line numbers the cell's own.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .scope import Scope
+
+
+@dataclass(frozen=True)
+class CellResult:
+    """A rank's view after the cell ran: its trailing expression and the ``--out`` names
+    (which rank 0 sends back, made whole: see ``_rank.whole``)."""
+
+    value: Any = None
+    outputs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """A cell's code with the notebook names it needs; calling it runs the cell."""
+
+    source: str
+    """The code, compiled as is; its line numbers are the ones the user sees."""
+    filename: str
+    """The name tracebacks show for the cell (IPython's name for it in a notebook)."""
+    namespace: dict[str, Any] = field(default_factory=dict)
+    """The notebook names the cell reads."""
+    outputs: tuple[str, ...] = ()
+    """Names whose values come back to the notebook after the run."""
+
+    @classmethod
+    def from_notebook(
+        cls, source: str, filename: str, user_ns: Mapping[str, Any],
+        hidden: Mapping[str, Any] | None = None, outputs: tuple[str, ...] = (),
+        ranks_own: Collection[str] = (),
+    ) -> Cell:
+        """Parse ``source`` (a SyntaxError points at the cell's line) and pick its names:
+        those it reads, except IPython's own and ``ranks_own`` (a session's names)."""
+        __tracebackhide__ = True
+        from .._wire.cell_names import names_read_from_outside  # the kernel's work, not a rank's
+
+        tree = ast.parse(source, filename)
+        hidden = hidden or {}
+        names = [n for n in sorted(names_read_from_outside(tree))
+                 if n in user_ns and n not in ranks_own
+                 and not (n in hidden and hidden[n] is user_ns[n])]
+        return cls(source, filename, {n: user_ns[n] for n in names}, outputs)
+
+    def __nbddp_captured__(self) -> Iterator[tuple[str, Any]]:
+        """What a user would recognise as shipped, for pickling errors and size warnings."""
+        for name, value in self.namespace.items():
+            yield f"notebook name {name!r}", value
+
+    def __call__(self) -> CellResult:
+        return self.run_in(Scope())
+
+    def run_in(self, scope: Scope) -> CellResult:
+        """Run the cell in ``scope`` (with the notebook names it brought); rank 0's view."""
+        scope.take(self.namespace)
+        namespace = scope.globals
+        tree = ast.parse(self.source, self.filename)
+        last = tree.body[-1] if tree.body else None
+        if isinstance(last, ast.Expr):  # like IPython: the last expression is the result
+            tree.body.pop()
+        value = None
+        try:
+            exec(compile(tree, self.filename, "exec"), namespace)
+            if isinstance(last, ast.Expr):
+                value = eval(compile(ast.Expression(last.value), self.filename, "eval"),
+                             namespace)
+        except SystemExit as exc:  # sys.exit() / exit() ends the cell, like a script
+            if exc.code not in (None, 0):
+                raise
+        outputs = {name: namespace[name] for name in self.outputs if name in namespace}
+        if int(os.environ.get("RANK", "0")) != 0:
+            return CellResult(value, outputs)  # dropped once it helped gather rank 0's
+        missing = [name for name in self.outputs if name not in namespace]
+        if missing:
+            raise NameError(f"--out names not defined by the cell: {', '.join(missing)}")
+        return CellResult(value, outputs)

@@ -1,0 +1,134 @@
+"""A rank's link to the kernel: its messages out, its ``Start`` in.
+
+A local rank talks over the kernel's Unix socket in both directions; a closed connection
+means the kernel is gone, and the rank stops. It answers the kernel's roll call (sent to
+waiting ranks before their ``Start``) at once, from the thread that listens. A SLURM
+job's rank also writes every message to its mailbox file, reads its ``Start`` from the
+run folder, and carries on without the kernel: the job outlives a kernel restart and can
+be re-attached. Messages are numbered, so the kernel keeps one copy of what arrives both
+ways.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import sys
+import threading
+from typing import Any
+
+from .._wire.channel import ChannelClient
+from .._wire.mailbox import MailboxWriter, mailbox_path
+from .._wire.messages import (
+    DebugInput,
+    DebugPrompt,
+    Present,
+    RollCall,
+    Sequenced,
+    Start,
+    decode,
+    split_frames,
+)
+from .._wire.rundir import RunDir
+from .restarts import requeue_count, restart_count
+
+ATTEMPT = restart_count()
+"""Which of torchrun's attempts this rank belongs to (0, or the restarts before it)."""
+REQUEUE = requeue_count()
+"""Which of SLURM's runs of the job this rank belongs to (0, or the requeues before it)."""
+
+
+class KernelLink:
+    """Where this rank's messages go (socket and/or mailbox), and where its Start comes from."""
+
+    def __init__(self, rank: int, channel: ChannelClient | None, mailbox: MailboxWriter | None,
+                 run_dir: RunDir) -> None:
+        self.rank = rank
+        self._channel, self._mailbox, self._run_dir = channel, mailbox, run_dir
+        self._seq = 0
+        self._lock = threading.Lock()
+        self._starts: queue.Queue[Start | None] = queue.Queue()
+        self._answers: queue.Queue[DebugInput] = queue.Queue()
+        self.busy = threading.Event()
+        """Set while the rank runs a Start: the kernel closing the link then means it
+        is gone (the rank stops); at rest it means the rank is no longer wanted."""
+
+    @classmethod
+    def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
+        """Connect to the kernel; if it goes away while the rank is busy, stop the rank."""
+        link = cls(rank, ChannelClient(run_dir.socket, run_dir.key.read_bytes()), None,
+                   run_dir)
+        threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
+        return link
+
+    @classmethod
+    def slurm(cls, run_dir: RunDir, rank: int) -> KernelLink:
+        """The kernel's TCP channel if it can be reached, and the mailbox file always."""
+        return cls(rank, _reach_kernel(run_dir),
+                   MailboxWriter(mailbox_path(run_dir.path, rank)), run_dir)
+
+    def send(self, message: Any) -> None:
+        with self._lock:
+            numbered = Sequenced(self._seq, message, ATTEMPT, REQUEUE)
+            self._seq += 1
+            if self._mailbox is not None:
+                self._mailbox.send(numbered)
+            if self._channel is not None:
+                try:
+                    self._channel.send(numbered)
+                except OSError:
+                    if self._mailbox is None:
+                        raise
+                    self._channel = None  # the kernel went; the mailbox carries on
+
+    def wait_start(self) -> Start | None:
+        """Block until the kernel says what to run (a SLURM rank reads it from its file);
+        None once the kernel has closed the link."""
+        if self._mailbox is not None:
+            bodies, _ = split_frames(self._run_dir.start.read_bytes())
+            return decode(bodies[0])
+        return self._starts.get()
+
+    def ask(self, prompt: DebugPrompt) -> DebugInput:
+        """Send pdb's prompt to the kernel and wait for the user's line."""
+        if self._mailbox is not None:
+            return DebugInput(None, "a SLURM job's ranks cannot take input from the notebook")
+        self.send(prompt)
+        return self._answers.get()
+
+    def _listen(self) -> None:
+        assert self._channel is not None
+        try:
+            while True:
+                message = self._channel.receive()
+                if isinstance(message, RollCall):  # answered here: the main thread may wait
+                    with contextlib.suppress(OSError):  # (the next receive says why)
+                        self.send(Present(self.rank, message.call))
+                elif isinstance(message, Start):
+                    self._starts.put(message)
+                elif isinstance(message, DebugInput):
+                    self._answers.put(message)
+        except (ConnectionError, EOFError, pickle.UnpicklingError):
+            pass
+        if self.busy.is_set():
+            print("nbddp: the notebook kernel went away; stopping this rank", file=sys.stderr)
+            os._exit(1)
+        self._starts.put(None)
+
+    def close(self) -> None:
+        for end in (self._channel, self._mailbox):
+            if end is not None:
+                end.close()
+
+
+def _reach_kernel(run_dir: RunDir) -> ChannelClient | None:
+    """A SLURM rank's TCP connection to the kernel, or None if it cannot be reached."""
+    try:
+        host, port = run_dir.address.read_text().split()
+        return ChannelClient((host, int(port)), run_dir.key.read_bytes())
+    except (OSError, ValueError, ConnectionError) as exc:
+        print(f"nbddp: cannot reach the notebook kernel ({exc}); reporting through files "
+              f"in {run_dir.path}", file=sys.stderr)
+        return None

@@ -1,0 +1,216 @@
+"""What a rank does with each ``Start``: take up the run, run the user's code, report.
+
+A one-off run ends the rank. A session's rank goes back to rest after each run and
+keeps what its code built: one ``Scope`` for the notebook code it runs, and the default
+process group, set up for the first run and kept. The kernel interrupts a session's run
+with SIGINT, which raises ``KeyboardInterrupt`` in the user's code (never in nbddp's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import secrets
+import signal
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any, Protocol, runtime_checkable
+
+from .._version import __version__
+from .._wire import dataplane
+from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
+from .._wire.payload import Payload, dumps_value
+from .metrics import start_reporting, stop_reporting
+from .requeue import RequeueRequested, mark_requeue
+from .scope import Scope
+from .stats import use_device
+from .whole import make_whole
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@runtime_checkable
+class RunsInScope(Protocol):
+    """Notebook code that runs in a rank's scope itself (a cell)."""
+
+    def run_in(self, scope: Scope) -> Any: ...
+
+
+class Interrupts:
+    """SIGINT raises ``KeyboardInterrupt`` while the user's code runs, and only then."""
+
+    def __init__(self) -> None:
+        self._armed = False
+        signal.signal(signal.SIGINT, self._handle)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._armed:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        self._armed = True
+        try:
+            yield
+        finally:
+            self._armed = False
+
+
+class Rank:
+    """One rank's state across the runs it is given."""
+
+    def __init__(self, rank: int, run_dir: Path, log: Path, prepared: str | None,
+                 move_log: Callable[[Path, Path], None]) -> None:
+        self.rank, self.run_dir, self.log, self.prepared = rank, run_dir, log, prepared
+        self._move_log = move_log
+        self._group_ready = False
+        self.scope = Scope()
+        self.interrupts = Interrupts()
+
+    def run(self, start: Start, send: Callable[[Any], None]) -> Result | Failure | Requeueing:
+        """Take up ``start``'s run, run it, and say how it went (never raises)."""
+        reporter = None
+        try:
+            self._adopt(start)
+            reporter = start_reporting(self.rank, send)
+            payload = Payload.unpack(dataplane.read(Path(start.payload)))
+            scope = self.scope if start.session else Scope()
+            with scope.tracking():
+                value = self._call(payload, start, scope)
+            wanted = self.rank == 0 or start.options.all_ranks
+            return self._result(value, start) if wanted else Result(self.rank)
+        except RequeueRequested:
+            mark_requeue()
+            return Requeueing(self.rank)
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
+            if isinstance(exc, SystemExit) and exc.code in (None, 0):
+                return Result(self.rank, dumps_value(None) if self.rank == 0 else None)
+            return failure(self.rank, exc)
+        finally:
+            if reporter is not None:
+                stop_reporting()  # what is still buffered goes before the report
+            if start.session and self.rank == 0:
+                send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
+
+    def _result(self, value: Any, start: Start) -> Result:
+        """The report of a value: in the message, or its tensor and array bytes in a
+        data file (in shared memory if it fits), which the kernel maps and removes."""
+        try:
+            packed = dataplane.pack(value, to_cpu=True)
+        except Exception as exc:
+            raise TypeError(f"the function's return value cannot be sent back to the "
+                            f"notebook: {type(exc).__name__}: {exc}") from exc
+        if not packed.buffers:
+            return Result(self.rank, packed.data)
+        shm = Path(start.data) if start.data else None
+        folder = dataplane.place(dataplane.size_of(packed), self.run_dir, shm)
+        path = folder / f"result-{self.rank}-{secrets.token_hex(4)}.data"
+        room = folder / dataplane.RESULT_ROOM if folder == shm and self.rank == 0 else None
+        dataplane.write(path, packed, room)  # into the room the kernel allocated, if any
+        return Result(self.rank, file=str(path))
+
+    def _adopt(self, start: Start) -> None:
+        """Take up the run: the notebook's nbddp, its records, directory and environment."""
+        if start.version != __version__:
+            raise RuntimeError(
+                f"this rank runs nbddp {__version__} ({sys.executable}), but the notebook "
+                f"sent its code with nbddp {start.version}: install the same nbddp where "
+                "the ranks run")
+        log = Path(start.records) / self.log.name
+        if log != self.log:
+            self._move_log(self.log, log)
+            self.log = log
+        if start.cwd is not None and start.cwd != os.getcwd():
+            started_in = os.getcwd()
+            os.chdir(start.cwd)
+            if sys.path and sys.path[0] == started_in:  # `python -m` put the old one first
+                sys.path[0] = start.cwd
+        for name, value in start.env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        importlib.invalidate_caches()  # modules written in the notebook since the last run
+
+    def _call(self, payload: Payload, start: Start, scope: Scope) -> Any:
+        """The user's code, in the process group it expects."""
+        if not self._group_ready:
+            _process_group(start.options, self.prepared)
+            self._group_ready = start.session  # a session keeps it; a one-off run ends it
+        fn = payload.fn
+        with self.interrupts.armed():
+            if isinstance(fn, RunsInScope):
+                value = fn.run_in(scope)
+            elif start.session:
+                value = scope.bind(fn)(*payload.args, **payload.kwargs)
+            else:
+                value = fn(*payload.args, **payload.kwargs)
+        value = _whole(value, start.options.all_ranks)  # (collective: while the group is up)
+        if start.options.init and not start.session:  # (after success only: a rank
+            import torch.distributed as dist  # that failed reports at once)
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        return value
+
+
+def _whole(value: Any, all_ranks: bool) -> Any:
+    """``value`` with its models and DTensors whole (see ``_rank.whole``); a cell's value and
+    each of its ``--out`` names on their own, on every rank in the same order."""
+    cell = sys.modules.get("nbddp._rank.cell")  # loaded by a cell's payload, not by a function's
+    if cell is not None and isinstance(value, cell.CellResult):
+        return cell.CellResult(make_whole(value.value, all_ranks, "the cell's value"),
+                               {name: make_whole(output, all_ranks, name)
+                                for name, output in value.outputs.items()})
+    return make_whole(value, all_ranks)
+
+
+def prepare(backend: str | None) -> str | None:
+    """Import torch, and join the default process group if the kernel expects gloo."""
+    import torch.distributed as dist
+
+    if backend != "gloo":
+        return None  # NCCL waits for Start: no CUDA context, no communicator while idle
+    dist.init_process_group("gloo")
+    return "gloo"
+
+
+def _process_group(options: RankOptions, prepared: str | None) -> None:
+    """The default process group the user's function expects, reusing a prepared one."""
+    import torch
+    import torch.distributed as dist
+
+    if not options.init:
+        if prepared:
+            dist.destroy_process_group()
+        return
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    on_gpu = (options.backend != "gloo" and torch.cuda.is_available()
+              and local_rank < torch.cuda.device_count())
+    if on_gpu:
+        torch.cuda.set_device(local_rank)
+        use_device(local_rank)  # the reporting thread's stats read this GPU, not the first
+    backend = options.backend or ("nccl" if on_gpu else "gloo")
+    if prepared == backend:
+        return
+    if prepared:
+        dist.destroy_process_group()
+    dist.init_process_group(backend)
+
+
+def failure(rank: int, exc: BaseException) -> Failure:
+    """Describe ``exc`` with a traceback that starts in the user's code, not in nbddp."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        tb = tb.tb_next
+    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        pickled = dumps_value(exc)
+    except Exception:
+        pickled = None
+    kind = type(exc)
+    return Failure(rank, kind.__qualname__, kind.__module__, str(exc), text, pickled)

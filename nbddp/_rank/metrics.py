@@ -1,0 +1,90 @@
+"""``nbddp.log`` and ``nbddp.progress``: metrics and progress from the ranks.
+
+On a rank of a launched run, ``log`` only appends to a buffer (no collective, no
+synchronisation, no waiting on the kernel); a background thread sends the buffer to
+the kernel about ten times a second, where values are averaged over ranks. Outside a
+launched run ``progress`` is a plain tqdm bar and ``log`` does nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from .reporter import Reporter
+
+T = TypeVar("T")
+
+_reporter: Reporter | None = None
+_script: Any = None  # the ScriptReporter of a script run, once a process group is up
+
+
+def log(step: int | None = None, **metrics: Any) -> None:
+    """Record metrics (numbers or 0-d tensors) for ``step``; the kernel averages them
+    over ranks per step and metric. ``step=None`` counts this rank's calls. Never blocks.
+
+    In a script run (an exported script under torchrun, srun or python) rank 0 prints
+    the averages and writes them as JSON lines; outside any run it does nothing."""
+    _record(step, metrics, for_all=False)
+
+
+def log_for_all(step: int | None, metrics: dict[str, Any]) -> None:
+    """Like ``log``, for values that speak for every rank (already reduced, or logged on
+    the main process only): the kernel shows them at once instead of waiting for the
+    other ranks' records of ``step``. For the framework integrations."""
+    _record(step, metrics, for_all=True)
+
+
+def _record(step: int | None, metrics: dict[str, Any], for_all: bool) -> None:
+    """To the kernel in a launched run, to files in a script run, else nowhere."""
+    global _script
+    if _reporter is not None:
+        _reporter.log(step, metrics, for_all)
+        return
+    if _script is None:  # asked again until a process group is up
+        from .script_metrics import script_reporter
+
+        _script = script_reporter()
+    if _script is not None:
+        _script.log(step, metrics, for_all)
+
+
+def set_progress(done: int, total: int | None, desc: str | None = None) -> None:
+    """Move the notebook's progress bar to ``done`` of ``total`` (for a framework's loop,
+    which ``progress`` cannot wrap). Does nothing outside a launched run."""
+    if _reporter is not None:
+        _reporter.set_position(done, total, desc)
+
+
+def progress(iterable: Iterable[T], total: int | None = None, desc: str | None = None
+             ) -> Iterable[T]:
+    """Wrap an iterable like tqdm; rank 0's position drives the notebook's progress bar."""
+    if _reporter is None:
+        from tqdm.auto import tqdm
+
+        rank = int(os.environ.get("RANK", "0"))  # in a script run, only rank 0 shows a bar
+        return tqdm(iterable, total=total, desc=desc, disable=rank != 0)
+    return _reporter.track(iterable, total, desc)
+
+
+def in_launched_run() -> bool:
+    """Is this a rank of a run launched from a notebook (``log`` reaches a kernel)?"""
+    return _reporter is not None
+
+
+def start_reporting(rank: int, send: Callable[[Any], None]) -> Reporter:
+    """Called by the worker: from now on ``log``/``progress`` report to the kernel, and
+    the rank's stats (memory, step) go with them about once a second."""
+    global _reporter
+    _reporter = Reporter(rank, send, stats=True)
+    _reporter.send_stats()  # where the rank runs, at once
+    return _reporter
+
+
+def stop_reporting() -> None:
+    """Called by the worker after a run: send what is left; ``log`` reports no more."""
+    global _reporter
+    if _reporter is not None:
+        _reporter.close()
+    _reporter = None

@@ -1,0 +1,101 @@
+"""One rank's metrics and progress, buffered and sent from a thread of its own.
+
+``log`` appends to a buffer and returns: no collective, no synchronisation, no waiting
+on the kernel. About ten times a second a background thread turns the values into
+numbers (a 0-d tensor's ``.item()`` happens there, off the training thread) and hands
+them to ``send``: the kernel's channel in a launched run, a file in a script run.
+About once a second it also sends the rank's own stats (``_rank.stats``), when asked to.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
+
+from .._wire.messages import Metrics
+from .stats import sample
+
+T = TypeVar("T")
+_SEND_INTERVAL = 0.1
+_STATS_INTERVAL = 1.0
+
+
+class Reporter:
+    """Buffers one rank's metrics and progress and sends them from a thread of its own."""
+
+    def __init__(self, rank: int, send: Callable[[Any], None], stats: bool = False) -> None:
+        self.rank, self._send, self._stats = rank, send, stats
+        self._stats_sent = 0.0
+        self._records: deque[tuple[int, dict[str, Any], bool]] = deque()
+        self._step = -1
+        self.position: tuple[int, int | None, str | None] | None = None
+        self._sent_position: tuple | None = None
+        self._stop = threading.Event()
+        self._warned = False
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-metrics")
+        self._thread.start()
+
+    def log(self, step: int | None, metrics: dict[str, Any], for_all: bool = False) -> None:
+        """Buffer ``metrics`` for ``step``; ``for_all``: they speak for every rank."""
+        self._step = self._step + 1 if step is None else step
+        for name, value in metrics.items():
+            if getattr(value, "requires_grad", False):  # keep no autograd graph alive
+                metrics[name] = value.detach()
+        self._records.append((self._step, metrics, for_all))
+
+    def set_position(self, done: int, total: int | None, desc: str | None) -> None:
+        """Where the run is, for a loop that ``track`` does not wrap (a framework's)."""
+        self.position = (done, total, desc)
+
+    def track(self, iterable: Iterable[T], total: int | None, desc: str | None) -> Iterator[T]:
+        if total is None and hasattr(iterable, "__len__"):
+            total = len(iterable)  # type: ignore[arg-type]
+        self.position = (0, total, desc)
+        for done, item in enumerate(iterable, start=1):
+            yield item
+            self.position = (done, total, desc)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(_SEND_INTERVAL):
+            self.flush()
+            if self._stats and time.monotonic() - self._stats_sent >= _STATS_INTERVAL:
+                self.send_stats()
+
+    def send_stats(self) -> None:
+        """Where this rank is and what it holds (its last step: logged, or its progress)."""
+        self._stats_sent = time.monotonic()
+        step = self._step if self._step >= 0 else (self.position or (None,))[0]
+        self._send(sample(self.rank, step))
+
+    def flush(self) -> None:
+        records: list[tuple[int, dict[str, float]]] = []
+        for_all: list[tuple[int, dict[str, float]]] = []
+        while self._records:
+            step, metrics, speaks_for_all = self._records.popleft()
+            (for_all if speaks_for_all else records).append((step, self._numbers(metrics)))
+        position = self.position
+        if records or for_all or position != self._sent_position:
+            self._sent_position = position
+            self._send(Metrics(self.rank, records, position, for_all))
+
+    def _numbers(self, metrics: dict[str, Any]) -> dict[str, float]:
+        numbers = {}
+        for name, value in metrics.items():
+            try:
+                numbers[name] = float(value)  # a 0-d tensor's .item(), off the training thread
+            except (TypeError, ValueError, RuntimeError):
+                if not self._warned:
+                    self._warned = True
+                    print(f"nbddp.log: {name}={value!r} is not a number or a 0-d tensor; "
+                          "such values are left out", file=sys.stderr)
+        return numbers
+
+    def close(self) -> None:
+        """Stop the thread and send what is left (before the rank reports its result)."""
+        self._stop.set()
+        self._thread.join()
+        self.flush()

@@ -1,0 +1,77 @@
+"""What a rank says of itself about once a second while it runs: where it is (host, pid),
+how far it got (its last step), what it holds (memory) and whether it still writes.
+
+Read from ``/proc`` and torch's allocator, on the rank's reporting thread: nothing here
+touches the training thread, and no CUDA context is created where there was none. That
+thread's current GPU is always the first (a thread does not inherit
+``torch.cuda.set_device``), so the GPU is named: the one the rank's main thread set up.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import sys
+
+from .._wire.messages import RankStats
+
+_MB = 2**20
+_device: int | None = None  # the GPU this rank's main thread chose (use_device)
+
+
+@functools.cache
+def _host_and_page() -> tuple[str, int]:
+    """Asked once, on the first sample (not when ``nbddp`` is imported)."""
+    return socket.gethostname(), os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _host_and_page()[1] / _MB
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def use_device(index: int) -> None:
+    """Called on the rank's main thread as it sets its GPU (``torch.cuda.set_device``):
+    the GPU whose memory the stats report from now on."""
+    global _device
+    _device = index
+
+
+def stats_device(device_count: int) -> int:
+    """The GPU whose memory this rank's stats report, whichever thread asks: the one its
+    main thread chose (``use_device``), else the one nbddp would choose: ``LOCAL_RANK``'s,
+    if the rank sees that many GPUs (a rank given one GPU of its own through
+    ``CUDA_VISIBLE_DEVICES`` sees it as the first)."""
+    if _device is not None:
+        return _device
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return local_rank if 0 <= local_rank < device_count else 0
+
+
+def gpu_mem_mb() -> float | None:
+    """What torch's CUDA allocator holds on this rank's GPU; None where CUDA is not in use."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    try:
+        return torch.cuda.memory_reserved(stats_device(torch.cuda.device_count())) / _MB
+    except (RuntimeError, ValueError, AssertionError):  # (an invalid device: an assertion)
+        return None
+
+
+def output_bytes() -> int:
+    """How much the rank has written to its log (stdout and stderr both go there)."""
+    try:
+        return os.fstat(1).st_size
+    except OSError:
+        return 0
+
+
+def sample(rank: int, step: int | None) -> RankStats:
+    host = _host_and_page()[0]
+    return RankStats(rank, host, os.getpid(), step, rss_mb(), gpu_mem_mb(), output_bytes())

@@ -1,0 +1,127 @@
+"""The entry point torchrun runs on every rank.
+
+``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox]``
+
+Bootstrap order matters. Output goes to a log file first, so even a crash is recorded.
+Then the rank connects to the kernel, says hello, and prepares while the kernel may not
+yet know what it will run: it imports torch and, with ``--prepare gloo``, joins the
+default gloo process group. Then it waits for its ``Start``: a standby rank waits here
+for the next launch. It creates no CUDA context and no NCCL communicator before that.
+
+Each ``Start`` is a run (see ``_rank.loop``): a one-off run ends the rank; a session's rank
+goes back to waiting, until the kernel closes the link. A SLURM job's rank
+(``--mailbox``) reads its ``Start`` from the run folder and carries on if the kernel
+goes (see ``_rank.link``). This module imports nothing of the kernel side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import ctypes
+import faulthandler
+import io
+import os
+import signal
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from .._wire.messages import Hello, Ready, Requeueing, Result, StopRequested
+from .._wire.rundir import RunDir
+from .._wire.stacks import answer_stacks
+from .debugger import install as install_pdb
+from .link import KernelLink
+from .loop import Rank, failure, prepare
+from .requeue import watch_for_stop
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _redirect_output(log: Path) -> None:
+    """Send this process's stdout and stderr (Python and C level) to ``log``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True)
+    faulthandler.enable(all_threads=False)  # a segfault still leaves a Python traceback
+
+
+def _output_mover(run_dir: RunDir) -> Callable[[Path, Path], None]:
+    """Moves the log to a run's records; what was written before the first run (in the
+    run dir) goes along."""
+
+    def move(old: Path, new: Path) -> None:
+        if old.parent == run_dir.path:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            with contextlib.suppress(FileNotFoundError), open(old, "rb") as before:
+                data = before.read()
+                if data:
+                    fd = os.open(new, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                    os.write(fd, data)
+                    os.close(fd)
+            old.unlink(missing_ok=True)  # a rank torchrun restarts must not copy it again
+        _redirect_output(new)
+
+    return move
+
+
+def _die_with_launcher() -> None:
+    """Ask Linux to kill this rank if torchrun dies (it starts ranks in new sessions)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _exit(code: int) -> None:
+    """Leave without C++ static destructors (gloo can abort in them after a clean run)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) -> int:
+    """Prepare, then run each Start until there is no more; the exit code."""
+    try:
+        prepared = prepare(backend)
+    except BaseException as exc:  # noqa: BLE001 - the kernel hears of it as a failure
+        link.send(failure(rank, exc))
+        return 1
+    link.send(Ready(rank))
+    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir))
+    while (start := link.wait_start()) is not None:
+        link.busy.set()
+        report = me.run(start, link.send)
+        link.send(report)
+        link.busy.clear()
+        if not start.session:
+            return 0 if isinstance(report, (Result, Requeueing)) else 1
+    return 0
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m nbddp._worker")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--prepare", choices=["gloo"])
+    parser.add_argument("--mailbox", action="store_true")
+    args = parser.parse_args(argv)
+    rank = int(os.environ["RANK"])
+    run_dir = RunDir(args.run_dir, shared=args.mailbox)
+    _redirect_output(run_dir.rank_log(rank))
+    answer_stacks(run_dir.stacks_file(rank))
+    _die_with_launcher()
+    link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir, rank)
+    link.send(Hello(rank, os.getpid()))
+    watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
+    install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
+    code = _serve(link, run_dir, rank, args.prepare)
+    link.close()
+    _exit(code)
+

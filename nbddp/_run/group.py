@@ -1,0 +1,181 @@
+"""Rank groups: the ranks of a run, their private run dir, the channel, their launcher.
+
+A group can exist before any payload. A local group starts torchrun at once; its ranks
+connect, import torch, join their gloo group if the run will use one, and wait for their
+``Start`` (this is what standby ranks are). ``hand_over`` gives a group its run: the
+payload, the records folder, the rank options and what changed in the notebook since
+the ranks started. A session's group (``reusable``) is handed one run after another.
+Any of a waiting group's processes may have died while idle: before the Start, the
+ranks that wait for it answer a roll call, and a group that lost one is not handed the
+run (``RanksGone``: the caller stops it and starts fresh ranks).
+A SLURM group has no standby: handing it over submits the batch job.
+
+The run (``Job``) reads a group's ``events``, and ends it with ``stop`` (every process)
+and ``close`` (channel, run dir). Whatever started the ranks, torchrun here or a batch
+job there, is a ``Launcher`` that the group waits on and stops: one protocol, no
+branches in the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import shutil
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .. import _version
+from .._errors import NbddpError
+from .._wire.channel import ChannelServer
+from .._wire.dataplane import Packed
+from .._wire.messages import (
+    RankOptions,
+    Start,
+)
+from .._wire.rundir import RunDir
+from .._wire.stacks import STACKS_WAIT
+from .records import Records
+from .shape import Handover
+
+if TYPE_CHECKING:
+    from .supervisor import Supervisor
+
+
+
+class Launcher(Protocol):
+    """What started a group's ranks, as the group sees it."""
+
+    def add_rank(self, pid: int) -> None:
+        """A rank said hello with its PID (a local launcher stops it by that PID)."""
+
+    def wait(self) -> int:
+        """Block until the launcher has ended; its exit code."""
+
+    def stop(self, clean: bool = False) -> None:
+        """Stop every process; ``clean`` (every rank returned): let it end by itself first."""
+
+    def stopped_from_outside(self) -> str | None:
+        """Why the ranks were stopped by someone else (e.g. SLURM's time limit), if so."""
+
+
+@dataclass(frozen=True)
+class LauncherExited:
+    """Kernel-side event: the group's launcher ended with ``code``."""
+
+    code: int
+
+
+class RankGroup:
+    """What every group has: ``nprocs`` ranks, a private run dir, their messages."""
+
+    where = ""
+    """Where the ranks run when not on this machine, for the panel."""
+    notice: str | None = None
+    """A line for the notebook when the run starts on this group."""
+    slurm_job_id: str | None = None
+    requeues_seen = 0
+    """The latest of SLURM's requeues of the job that the ranks' messages came from."""
+    ends_after_result = False
+    """After every rank returned, the run's value may be given before the launcher has
+    ended: true where the kernel owns the processes (and sees them off regardless)."""
+    reusable = False
+    """A session's group: its ranks go back to rest after each run, for the next."""
+
+    def __init__(self, nprocs: int, run_dir: RunDir) -> None:
+        self.nprocs, self.run_dir = nprocs, run_dir
+        self.events: queue.Queue[Any] = queue.Queue()
+        self.launcher: Launcher | None = None
+        self.records: Records | None = None
+        self._server: ChannelServer | None = None
+        self._closed = False
+        self._closing = threading.Lock()
+
+    def _follow_launcher(self, launcher: Launcher) -> None:
+        self.launcher = launcher
+        threading.Thread(target=self._wait_launcher, args=(launcher,), daemon=True,
+                         name="nbddp-launcher").start()
+
+    def _wait_launcher(self, launcher: Launcher) -> None:
+        self.events.put(LauncherExited(launcher.wait()))
+
+    def _start_message(self, payload: Path, records: Records, options: RankOptions,
+                       handover: Handover) -> Start:
+        twin = self.run_dir.twin
+        return Start(_version.__version__, str(records.path), str(payload), options,
+                     handover.cwd, dict(handover.env), session=self.reusable,
+                     data=str(twin) if twin is not None else None)
+
+    def new_records(self) -> Records:
+        """The records folder for the run this group is about to be given."""
+        return Records.create()
+
+    def interrupt(self, ranks: set[int]) -> None:
+        """Interrupt the user's code on ``ranks`` (a session's; others are stopped)."""
+
+    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
+        """Every live rank's Python stacks; empty where the kernel cannot ask (a SLURM
+        job's ranks run on other machines)."""
+        return {}
+
+    def hand_over(self, payload: Packed, records: Records, options: RankOptions,
+                  handover: Handover) -> None:
+        raise NotImplementedError
+
+    def event_handlers(self, supervisor: Supervisor) -> dict[type, Callable[[Any], None]]:
+        """The events of this group's own (beside the ranks' messages) and, for each, what
+        ``supervisor`` does with it."""
+        return {}
+
+    def sync(self) -> None:
+        """Read now whatever the ranks sent through slower links (mailbox files)."""
+
+    def requeues(self) -> int:
+        """How many times SLURM has requeued the job by now (0 where no SLURM job runs)."""
+        return 0
+
+    def send_to_rank(self, rank: int, message: Any) -> bool:
+        """Tell one rank something (pdb's input); False if it cannot be reached."""
+        return self._server is not None and self._server.send(rank, message)
+
+    def stopped_from_outside(self) -> str | None:
+        return self.launcher.stopped_from_outside() if self.launcher else None
+
+    def stop(self, clean: bool = False) -> None:
+        """Stop every process of the group (and wait until they are gone)."""
+        if self.launcher is not None:
+            self.launcher.stop(clean)
+
+    def retire(self) -> None:
+        """Every rank returned: see the processes off (they are ending by themselves),
+        and close the channel and the run dir."""
+        self.stop(clean=True)
+        self.close()
+
+    def close(self) -> None:
+        """After ``stop``: close the channel, keep torchrun's log with the run's records,
+        remove the run dir. A second caller waits until the first is done."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            if self._server is not None:
+                self._server.close()
+            if self.records is not None and \
+                    self.records.launcher_log != self.run_dir.launcher_log:
+                with contextlib.suppress(OSError):
+                    shutil.copyfile(self.run_dir.launcher_log, self.records.launcher_log)
+            self.run_dir.remove()
+
+
+class RanksGone(NbddpError):
+    """A waiting group cannot take its run: one of its processes stopped while it waited
+    (a rank, or torchrun), or a rank did not answer its roll call. No rank was sent the
+    Start; the group is to be stopped, and fresh ranks started."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(f"the waiting ranks cannot take the run: {why}")
+        self.why = why
+        """What happened, e.g. ``"rank 1 had stopped"``."""

@@ -1,0 +1,340 @@
+"""``Job``: one run on a rank group, from hand-over to teardown, followed in a thread.
+
+A ``Supervisor`` follows the run's messages and says how it ended. Then the job ends
+the group. A run whose ranks all returned has its value at once, and its processes
+(already exiting) are seen off in the background: ``result()`` returns, and ``done()``
+turns true once they are gone. Any other ending stops every process, closes the
+channel and removes the run dir before anyone is told; a rank's failure becomes one
+``WorkerError`` that names the root cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TextIO, TypeVar
+
+from .._errors import NbddpError, WorkerError
+from .._panel.display import PanelState
+from .._wire.history import read_history
+from .config import RunConfig
+from .diagnosis import describe, diagnose
+from .group import RankGroup
+from .records import Records
+from .supervisor import Ending, Supervisor
+
+logger = logging.getLogger(__name__)
+R = TypeVar("R")
+
+SETTLE_SECONDS = 10.0
+"""How long a session's ranks may take to come back to rest after a failure, an
+interrupt or a timeout before they are restarted (a rank stuck in a collective whose
+peer left never comes back by itself)."""
+KEPT = "the session's ranks are back at rest, with their state"
+LOST = "the session was restarted: variables defined in earlier cells are gone"
+
+
+def with_session_note(error: BaseException, kept: bool) -> BaseException:
+    """``error``, saying whether the session's state was kept."""
+    note = KEPT if kept else LOST
+    if isinstance(error, WorkerError):
+        error.note = note
+        return error
+    if isinstance(error, KeyboardInterrupt):
+        return KeyboardInterrupt(f"every rank was interrupted; {note}")
+    message = str(error).replace("; every rank was stopped", "")
+    renamed = type(error)(f"{message}; {note}") if message else type(error)(note)
+    renamed.__cause__ = error.__cause__
+    return renamed
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended for its caller: a value, or the error to raise."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+class Job(Generic[R]):
+    """A launched run. ``result()`` waits for it; ``cancel()`` stops it; ``done()`` asks."""
+
+    slurm_job_id: str | None = None
+    """The SLURM job id of a run submitted with ``slurm=``; None for a local run."""
+    warm: bool = False
+    """True if the run was handed to standby ranks that were already waiting for it."""
+    state_kept: bool | None = None
+    """For a run on a session: whether its ranks kept their state (None until it ended,
+    and for other runs)."""
+    ended_by: str | None = None
+    """``"returned"``, ``"failed"`` (a rank raised or died) or ``"stopped"`` (interrupt,
+    cancel, timeout) once the run has ended."""
+    session_names: tuple[str, ...] | None = None
+    """For a run on a session: the names its ranks' code has bound, after the run."""
+    _latest: Job | None = None  # what last_job() returns
+
+    def __init__(self, group: RankGroup, config: RunConfig, records: Records, *,
+                 stdout: TextIO | None = None, warm: bool = False,
+                 after: Callable[[Job], None] | None = None) -> None:
+        """Follow the run ``group`` was handed; ``after`` runs once the ranks have ended
+        it themselves (returned or failed), before the caller is told."""
+        self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
+        self._group, self._records, self._after = group, records, after
+        self._cancel_reason: str | None = None
+        self._outcome: Outcome | None = None
+        self._ended = threading.Event()  # the outcome is known
+        self._finished = threading.Event()  # ... and every process is gone
+        self._started = time.monotonic()
+        self._context = contextvars.copy_context()
+        self._supervisor = Supervisor(group, config, records, stdout or sys.stdout)
+        Job._latest = self
+        # The caller's context goes along, so a notebook routes the output to the cell
+        # that launched the run even while other cells execute (ipykernel >= 7).
+        threading.Thread(target=self._context.copy().run, args=(self._supervise,),
+                         daemon=True, name="nbddp-supervisor").start()
+
+    # --- public ---------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """True once the run has ended and everything it started is gone."""
+        return self._finished.is_set()
+
+    def cancel(self) -> bool:
+        """Stop every rank and wait until they are gone; False if the run had already ended."""
+        if self._ended.is_set():
+            self._finished.wait()
+            return False
+        self._cancel_reason = self._cancel_reason or "cancelled"
+        self._supervisor.wake()
+        self._finished.wait()
+        return True
+
+    def result(self, timeout: float | None = None) -> R:
+        """Rank 0's return value (every rank's with ``all_ranks``), or the run's error.
+
+        ``timeout`` bounds this wait only. Interrupting the wait (Ctrl-C, the
+        notebook's stop button) stops the run and re-raises ``KeyboardInterrupt``.
+        """
+        __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
+        deadline = None if timeout is None else time.monotonic() + timeout
+        debugger = self._supervisor.debugger
+        debugger.serving.set()  # a rank's pdb may ask this thread for input
+        try:
+            while not self._ended.wait(0.1):
+                debugger.serve()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the run is still going after {timeout} s")
+        except KeyboardInterrupt:
+            self._cancel_reason = "interrupted"
+            self.cancel()
+            if self._outcome is not None and isinstance(self._outcome.error, KeyboardInterrupt):
+                raise self._outcome.error from None  # it may say what became of a session
+            raise
+        finally:
+            debugger.stop_serving()
+        assert self._outcome is not None
+        if self._outcome.error is not None:
+            raise self._outcome.error
+        return self._outcome.value
+
+    @property
+    def state(self) -> PanelState:
+        """What the live panel shows now: status, each rank's state, progress, metrics."""
+        return self._supervisor.state
+
+    @property
+    def logs(self) -> dict[int, str]:
+        """Every rank's output so far, by rank, read from the run's records folder."""
+        return self._records.read_logs(self.config.nprocs)
+
+    @property
+    def records(self) -> Path:
+        """The folder that keeps this run's full per-rank logs and metrics history."""
+        return self._records.path
+
+    @property
+    def history(self) -> list[dict[str, Any]]:
+        """Every step's rank-averaged metrics so far: dicts with ``step``, ``ranks`` and
+        each metric (read from the run's records, so complete however long the run)."""
+        return read_history(self._records.metrics)
+
+    def stacks(self) -> dict[int, str]:
+        """``{rank: text}``: every running rank's Python stacks (all threads, the main
+        one first), taken while the run goes on, e.g. to see where a run hangs. Empty
+        once the ranks are gone, and for a SLURM job (its ranks are on other machines)."""
+        return self._group.stacks()
+
+    @property
+    def restarts(self) -> int:
+        """How many times torchrun has restarted every rank in this run (``max_restarts``)."""
+        return self._supervisor.attempt
+
+    @property
+    def ranks(self) -> dict[int, dict[str, Any]]:
+        """``{rank: {...}}``, live and after the run: ``state``, ``step`` (its last step
+        logged, or its progress), ``steps_per_s``, ``rss_mb``, ``gpu_mem_mb`` (None without
+        CUDA), ``pid``, ``host``, and ``behind`` (its step trails the others')."""
+        return self._supervisor.view.ranks(list(self._supervisor.state.ranks))
+
+    @property
+    def requeues(self) -> int:
+        """How many times SLURM has requeued this run's job (each runs it again)."""
+        return self._supervisor.requeue
+
+    @property
+    def _result_bytes(self) -> int:
+        """The size of rank 0's result data file (0 without one)."""
+        return self._supervisor.result_bytes
+
+    # --- ending ---------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        try:
+            ending = self._watch()
+            self.ended_by = ending.kind
+            if self._group.reusable:
+                self._end_on_session(ending)
+            elif ending.kind == "returned":
+                self._returned()
+            else:
+                self._stopped(ending)
+        except BaseException as exc:  # a bug here must not leave the run going
+            logger.exception("nbddp could not end the run cleanly")
+            with contextlib.suppress(BaseException):
+                self._group.stop()
+                self._group.close()
+            if self._group.reusable and self.state_kept is None:
+                self.state_kept = False
+                self._call_after()  # the session starts fresh ranks
+            self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
+        finally:
+            self._finished.set()
+
+    def _watch(self) -> Ending:
+        deadline = None if self.config.timeout is None else self._started + self.config.timeout
+        try:
+            return self._supervisor.watch(deadline, lambda: self._cancel_reason)
+        except Exception as exc:
+            logger.exception("nbddp supervisor failed")
+            return Ending("stopped", NbddpError(f"nbddp supervisor failed: {exc!r}"))
+
+    def _returned(self) -> None:
+        """Every rank returned: the panel's last word, the value, then the processes seen
+        off. A local run gives its value first: its processes are ending by themselves,
+        and nothing of them can outlive the kernel."""
+        self._supervisor.drain()
+        outcome = self._value()
+        self._call_after()
+        self._end_panel(outcome)
+        if self._group.ends_after_result:
+            self._publish(outcome)
+        self._group.retire()
+        self._publish(outcome)
+
+    def _stopped(self, ending: Ending) -> None:
+        """Stop every process first, then explain a failure from every report."""
+        sup = self._supervisor
+        try:
+            self._group.stop()
+            sup.drain()
+            error = ending.error
+            if error is None:
+                error = diagnose(sup.failures, sup.results, self._group.run_dir,
+                                 self._records, self.config.nprocs, self.logs)
+                if isinstance(error, WorkerError) and sup.attempt:
+                    error.attempts = sup.attempt + 1
+                    error.earlier = [describe(cause) for cause in sup.causes]
+        finally:
+            self._group.close()
+        outcome = Outcome(error=error)
+        if ending.kind == "failed":
+            self._call_after()
+        self._end_panel(outcome)
+        self._publish(outcome)
+
+    def _end_on_session(self, ending: Ending) -> None:
+        """A session's run: its ranks stay for the next run if every one is back at rest
+        (interrupted if need be, within ``SETTLE_SECONDS``); if not, they are stopped
+        and the session starts fresh ones (``after``)."""
+        sup = self._supervisor
+        kept = ending.kind == "returned" or self._bring_back()
+        if not kept:
+            self._group.stop()
+        sup.drain()
+        if ending.kind == "returned":
+            outcome = self._value()
+        else:
+            error = ending.error or diagnose(sup.failures, sup.results, self._group.run_dir,
+                                             self._records, self.config.nprocs, self.logs)
+            outcome = Outcome(error=with_session_note(error, kept))
+        if not kept:
+            self._group.close()
+        self.state_kept, self.session_names = kept, sup.assigned
+        self._call_after()
+        self._end_panel(outcome)
+        self._publish(outcome)
+
+    def _value(self) -> Outcome:
+        """Every rank returned: the value the caller gets (an error if it cannot be read)."""
+        try:
+            return Outcome(self._supervisor.results_value())
+        except NbddpError as exc:
+            return Outcome(error=exc)
+
+    def _bring_back(self) -> bool:
+        """Interrupt the ranks still in the run; True once every rank is back at rest."""
+        sup = self._supervisor
+        if sup.lost:
+            return False
+        self._group.interrupt(set(range(self.config.nprocs)) - sup.reported)
+        return sup.wait_reports(SETTLE_SECONDS)
+
+    def _call_after(self) -> None:
+        if self._after is not None:
+            try:
+                self._after(self)
+            except Exception:  # e.g. standby ranks that could not start: not this run's
+                logger.exception("nbddp: after-run hook failed")
+
+    def _publish(self, outcome: Outcome) -> None:
+        """Tell ``result()`` (once: the first outcome stands)."""
+        if not self._ended.is_set():
+            self._outcome = outcome
+            self._ended.set()
+
+    def _end_panel(self, outcome: Outcome) -> None:
+        sup = self._supervisor
+        sup.pump_output()
+        sup.close_output()
+        state = sup.state
+        state.ended = time.monotonic()
+        state.status, state.message = _describe(outcome)
+        state.ranks = [s if s != "running" else "stopped" for s in state.ranks]
+        sup.panel.close(state)
+
+    def _note(self, line: str) -> None:
+        """Show ``line`` as the panel's last line (standby ranks' state), even after the
+        run: it goes under the cell that launched the run."""
+        self._context.copy().run(self._supervisor.note, line)
+
+
+def _describe(outcome: Outcome) -> tuple[str, str]:
+    """The panel's status word and message for how the run ended."""
+    error = outcome.error
+    if error is None:
+        return "finished", ""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", "every rank was stopped"
+    if isinstance(error, CancelledError):
+        return "cancelled", "every rank was stopped"
+    if isinstance(error, TimeoutError):
+        return "timed out", str(error)
+    return "failed", str(error).splitlines()[0] if str(error) else type(error).__name__

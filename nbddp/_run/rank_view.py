@@ -1,0 +1,129 @@
+"""The kernel's view of each rank while a run goes on: its state, step, speed, memory,
+where it runs; which rank falls behind; and whether the run still moves at all.
+
+Fed by the ranks' ``RankStats`` (about once a second) and the supervisor's rank states.
+Speeds are measured over the last few seconds, so a rank that slows down shows it soon.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from .._wire.messages import RankStats
+
+_RATE_WINDOW = 10.0  # seconds of step samples a speed is measured over
+_BEHIND_SECONDS = 2.0  # behind: the leader is this many seconds (at the median speed) ahead
+_BEHIND_MIN_STEPS = 2
+
+
+class RankView:
+    """Per rank: the latest stats and a few seconds of (time, step) samples."""
+
+    def __init__(self, nprocs: int) -> None:
+        self.nprocs = nprocs
+        self._stats: dict[int, RankStats] = {}
+        self._steps: dict[int, deque[tuple[float, int]]] = {r: deque() for r in range(nprocs)}
+        self.last_activity = time.monotonic()
+        """When a rank last started, wrote output or advanced its step."""
+        self.running = False
+        """A rank has begun the user's code (its first stats came): start-up is no stall."""
+        self._lock = threading.Lock()  # the supervisor writes, the user's thread reads
+
+    def add(self, stats: RankStats, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self.running = True
+            before = self._stats.get(stats.rank)
+            if before is None or (stats.step, stats.output_bytes) != (before.step,
+                                                                      before.output_bytes):
+                self.last_activity = now
+            self._stats[stats.rank] = stats
+            samples = self._steps[stats.rank]
+            if stats.step is not None:
+                samples.append((now, stats.step))
+                while samples and now - samples[0][0] > _RATE_WINDOW:
+                    samples.popleft()
+
+    def touch(self) -> None:
+        """Something moved (a rank started, the job began to run): not stalled."""
+        self.last_activity = time.monotonic()
+
+    def restart(self) -> None:
+        """A new attempt (or a requeued job's next run): speeds start again, and its
+        start-up is no stall either."""
+        with self._lock:
+            self.running = False
+            self._stats.clear()
+            for samples in self._steps.values():
+                samples.clear()
+        self.touch()
+
+    def quiet_for(self, now: float | None = None) -> float:
+        """Seconds since any rank wrote output or advanced (0 until the code runs)."""
+        if not self.running:
+            return 0.0
+        return (time.monotonic() if now is None else now) - self.last_activity
+
+    def steps_per_s(self, rank: int) -> float | None:
+        samples = list(self._steps[rank])
+        if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
+            return None
+        return (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
+
+    def behind(self, rates: dict[int, float | None] | None = None) -> set[int]:
+        """Ranks whose step trails the leading rank's by more than a couple of seconds'
+        worth of steps (at the ranks' median speed; ``rates``, if already measured)."""
+        if rates is None:
+            rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
+        steps = {r: s.step for r, s in list(self._stats.items()) if s.step is not None}
+        speeds = [rate for r in steps if (rate := rates[r])]
+        if len(steps) < 2 or not speeds:
+            return set()
+        lead = max(steps.values())
+        allowed = max(_BEHIND_MIN_STEPS, _BEHIND_SECONDS * statistics.median(speeds))
+        return {r for r, step in steps.items() if lead - step > allowed}
+
+    def ranks(self, states: list[str]) -> dict[int, dict[str, Any]]:
+        """``{rank: {state, step, steps_per_s, rss_mb, gpu_mem_mb, pid, host, behind}}``."""
+        with self._lock:
+            return self._ranks(states)
+
+    def _ranks(self, states: list[str]) -> dict[int, dict[str, Any]]:
+        rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
+        behind = self.behind(rates)
+        view = {}
+        for rank in range(self.nprocs):
+            stats, rate = self._stats.get(rank), rates[rank]
+            view[rank] = {
+                "state": states[rank],
+                "step": stats.step if stats else None,
+                "steps_per_s": round(rate, 3) if rate is not None else None,
+                "rss_mb": round(stats.rss_mb, 1) if stats and stats.rss_mb is not None
+                else None,
+                "gpu_mem_mb": round(stats.gpu_mem_mb, 1)
+                if stats and stats.gpu_mem_mb is not None else None,
+                "pid": stats.pid if stats else None,
+                "host": stats.host if stats else None,
+                "behind": rank in behind and states[rank] == "running",
+            }
+        return view
+
+    @staticmethod
+    def summary(info: dict[str, Any]) -> str:
+        """A few words for the panel: ``step 12, 3.1 steps/s, 1.2 GB``."""
+        parts = []
+        if info["step"] is not None:
+            parts.append(f"step {info['step']}")
+        if info["steps_per_s"]:
+            parts.append(f"{info['steps_per_s']:.3g} steps/s")
+        memory = info["gpu_mem_mb"] if info["gpu_mem_mb"] is not None else info["rss_mb"]
+        if memory is not None:
+            where = "GPU " if info["gpu_mem_mb"] is not None else ""
+            parts.append(f"{where}{memory / 1024:.1f} GB")
+        if info["behind"]:
+            parts.append("behind")
+        return ", ".join(parts)

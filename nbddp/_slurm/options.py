@@ -1,0 +1,120 @@
+"""What a SLURM job asks for: the user's ``Slurm`` choices and the ``#SBATCH`` options.
+
+``Slurm`` is what a user passes to ``launch(slurm=...)``; ``SlurmOptions`` is the full
+set of ``#SBATCH`` choices that export and submission write (``Slurm.options`` adds the
+ranks and GPUs per node that ``launch`` decides).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .._run.config import check_max_restarts
+
+
+@dataclass(frozen=True)
+class SlurmOptions:
+    """The ``#SBATCH`` choices for an exported job."""
+
+    nodes: int = 1
+    """Machines; one torchrun per machine."""
+    nprocs_per_node: int = 1
+    """Ranks per machine (one per GPU on GPU nodes)."""
+    gpus_per_node: int = 0
+    """GPUs to request per machine (0 for CPU jobs)."""
+    cpus_per_task: int | None = None
+    """CPUs for each machine's torchrun and its ranks."""
+    time: str | None = None
+    """Wall-clock limit, e.g. ``"01:00:00"``."""
+    partition: str | None = None
+    """The SLURM partition to submit to."""
+    extra: tuple[str, ...] = ()
+    """More ``#SBATCH`` lines, without the prefix, e.g. ``("--account=proj",)``."""
+    port: int | None = None
+    """The c10d rendezvous port on the first node: None derives it from the job id
+    (``rendezvous_port``), so that jobs sharing a first node do not collide; a number is
+    that port for every job (e.g. the one a firewall opens), kept free by whoever chose it."""
+    max_restarts: int = 0
+    """torchrun's restarts of every rank after one fails (``--max-restarts``)."""
+    requeue: bool = False
+    """``--requeue``: SLURM may put the job back in the queue (preemption, node failure)."""
+    signal_before: int | None = None
+    """Seconds before the time limit at which the ranks are told to stop (submissions)."""
+
+    def __post_init__(self) -> None:
+        if self.port is not None and (isinstance(self.port, bool) or not isinstance(
+                self.port, int) or not 0 < self.port < 65536):  # it goes into a shell script
+            raise ValueError(f"the rendezvous port is a number from 1 to 65535, got "
+                             f"{self.port!r}")
+
+
+_MAX_SIGNAL_TIME = 65535  # sbatch --signal's limit
+PORT_BASE, PORT_SPAN = 20000, 20000
+"""A job's rendezvous port is ``PORT_BASE + job id % PORT_SPAN``: two jobs that share a
+first node get different ports unless their ids are a multiple of ``PORT_SPAN`` apart."""
+
+
+def rendezvous_port(port: int | None) -> str:
+    """The rendezvous port as a batch script writes it: ``port`` if one was chosen, else
+    computed by the script from ``$SLURM_JOB_ID`` (known only once the job runs)."""
+    if port is not None:
+        return str(port)
+    return f"$(({PORT_BASE} + SLURM_JOB_ID % {PORT_SPAN}))"
+
+
+@dataclass(frozen=True)
+class Slurm:
+    """Submit the run as a SLURM batch job: ``launch(fn, nprocs=2, slurm=Slurm(nodes=2))``.
+
+    ``nprocs`` (or ``gpus``) given to ``launch`` counts ranks per node. ``sbatch`` adds
+    ``#SBATCH`` lines such as ``"--account=proj"``. The run folder (payload, logs,
+    metrics) must be on a filesystem the nodes share: ``$NBDDP_RUNS_DIR``, by default
+    ``~/.cache/nbddp/runs``.
+    """
+
+    nodes: int = 1
+    """Machines; one torchrun per machine, joined by c10d rendezvous."""
+    time: str | None = None
+    """The job's time limit, e.g. ``"01:00:00"``."""
+    partition: str | None = None
+    """The partition to submit to (the cluster's default if not given)."""
+    cpus_per_task: int | None = None
+    """CPUs for each machine's torchrun and its ranks."""
+    sbatch: Sequence[str] = field(default=())
+    """More ``#SBATCH`` options, each one line without the prefix."""
+    max_restarts: int = 0
+    """torchrun's restarts of every rank after one fails (as ``launch(max_restarts=)``)."""
+    requeue: bool = False
+    """Let SLURM put the job back in the queue (``--requeue``), e.g. when it is preempted;
+    the notebook follows it through each requeue. Without it the cluster's default holds."""
+    signal_before: int | None = None
+    """Seconds before the time limit at which ``nbddp.stop_requested()`` turns true on
+    every rank (SLURM may signal up to a minute earlier). Save, then ``nbddp.requeue()``."""
+
+    def __post_init__(self) -> None:
+        check_max_restarts(self.max_restarts)
+        if not isinstance(self.requeue, bool):
+            raise TypeError(f"Slurm(requeue=...) is True or False, got {self.requeue!r}")
+        if self.signal_before is not None and (
+                isinstance(self.signal_before, bool) or not isinstance(self.signal_before, int)
+                or not 0 < self.signal_before <= _MAX_SIGNAL_TIME):
+            raise ValueError(f"Slurm(signal_before=...) is a number of seconds from 1 to "
+                             f"{_MAX_SIGNAL_TIME}, got {self.signal_before!r}")
+        if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
+            raise ValueError(f"Slurm(nodes=...) must be a positive int, got {self.nodes!r}")
+        if self.cpus_per_task is not None and (
+                isinstance(self.cpus_per_task, bool) or not isinstance(self.cpus_per_task, int)
+                or self.cpus_per_task < 1):
+            raise ValueError(f"Slurm(cpus_per_task=...) must be a positive int, got "
+                             f"{self.cpus_per_task!r}")
+        if isinstance(self.sbatch, str) or not all(isinstance(s, str) for s in self.sbatch):
+            raise TypeError(f"Slurm(sbatch=...) takes a list of lines, got {self.sbatch!r}")
+        object.__setattr__(self, "sbatch", tuple(self.sbatch))
+
+    def options(self, nprocs_per_node: int, gpus_per_node: int) -> SlurmOptions:
+        return SlurmOptions(nodes=self.nodes, nprocs_per_node=nprocs_per_node,
+                            gpus_per_node=gpus_per_node, cpus_per_task=self.cpus_per_task,
+                            time=self.time, partition=self.partition, extra=tuple(self.sbatch),
+                            max_restarts=self.max_restarts, requeue=self.requeue,
+                            signal_before=self.signal_before)

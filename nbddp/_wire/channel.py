@@ -1,0 +1,302 @@
+"""The authenticated link between the ranks and the kernel, in both directions.
+
+The kernel listens on a Unix socket inside the run's private (0700) directory, or, for
+ranks on other machines (a SLURM job), on a TCP port of the address the ranks are told
+to use. Either way the only secret is the run's random key (a 0600 file), and a peer
+must prove it holds the key before anything it sends is unpickled.
+
+The handshake keeps the order of ``multiprocessing.connection``'s
+``deliver_challenge``/``answer_challenge``, with HMAC-SHA256: the kernel proves nothing
+until the rank has proved itself, so a stranger cannot use the kernel to answer the
+kernel's own challenge::
+
+    kernel -> rank    MAGIC, kernel nonce
+    rank -> kernel    rank nonce, HMAC(key, "rank" | kernel nonce | rank nonce)
+    kernel            checks it; a wrong answer closes the connection, nothing more is said
+    kernel -> rank    HMAC(key, "kernel" | kernel nonce | rank nonce)
+    rank              checks it
+
+Both nonces are fresh on every connection, so a recorded handshake cannot be replayed.
+Every frame after it (a ``_wire.messages`` frame) is followed by an HMAC under a key of this
+connection and direction, over the frame and its sequence number: a frame injected,
+altered, replayed or reordered on the way fails its check and closes the connection
+before it is unpickled. (A Unix socket in a private directory needs none of this; one
+code path for both transports keeps it simple, and costs microseconds a message.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import logging
+import os
+import pickle
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .messages import HEADER_SIZE, Disconnected, body_size, decode, encode
+
+logger = logging.getLogger(__name__)
+
+KEY_BYTES = 32
+NONCE_BYTES = 32
+MAC_BYTES = 32  # HMAC-SHA256
+MAGIC = b"nbddp-channel/2\n"
+"""The kernel's first bytes: a rank connected to something else fails at once."""
+_HANDSHAKE_TIMEOUT = 10.0
+
+
+def new_key() -> bytes:
+    return secrets.token_bytes(KEY_BYTES)
+
+
+def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+    mac = hmac.new(key, label + b"\0", hashlib.sha256)
+    for part in parts:
+        mac.update(part)
+    return mac.digest()
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, remaining = [], n
+    while remaining:
+        chunk = sock.recv(min(remaining, 1 << 20))
+        if not chunk:
+            raise ConnectionError("connection closed")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+class _Link:
+    """An authenticated connection: whole messages, each frame sealed by a MAC under
+    this connection's key for its direction and numbered, so none can be forged,
+    altered, replayed or reordered. ``send`` is thread-safe; one thread ``receive``s."""
+
+    def __init__(self, sock: socket.socket, send_key: bytes, receive_key: bytes) -> None:
+        self.sock = sock
+        self._send_key, self._receive_key = send_key, receive_key
+        self._sent = self._received = 0
+        self._send_lock = threading.Lock()
+
+    def send(self, message: Any) -> None:
+        frame = encode(message)
+        with self._send_lock:
+            tag = _mac(self._send_key, b"frame", self._sent.to_bytes(8, "big"), frame)
+            self._sent += 1
+            self.sock.sendall(frame + tag)
+
+    def receive(self) -> Any:
+        """The next message; ConnectionError if the link closed or a frame was forged."""
+        header = _recv_exact(self.sock, HEADER_SIZE)
+        body = _recv_exact(self.sock, body_size(header))
+        tag = _recv_exact(self.sock, MAC_BYTES)
+        expected = _mac(self._receive_key, b"frame", self._received.to_bytes(8, "big"),
+                        header, body)
+        if not hmac.compare_digest(tag, expected):
+            raise ConnectionError("a frame failed its authentication check")
+        self._received += 1
+        return decode(body)
+
+
+def _keys(key: bytes, kernel_nonce: bytes, rank_nonce: bytes) -> tuple[bytes, bytes]:
+    """This connection's frame keys: (rank to kernel, kernel to rank)."""
+    return (_mac(key, b"rank->kernel", kernel_nonce, rank_nonce),
+            _mac(key, b"kernel->rank", kernel_nonce, rank_nonce))
+
+
+def _challenge_rank(sock: socket.socket, key: bytes) -> _Link:
+    """The kernel's half of the handshake: check the rank's proof, then give its own."""
+    kernel_nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(MAGIC + kernel_nonce)
+    reply = _recv_exact(sock, NONCE_BYTES + MAC_BYTES)
+    rank_nonce, proof = reply[:NONCE_BYTES], reply[NONCE_BYTES:]
+    if not hmac.compare_digest(proof, _mac(key, b"rank", kernel_nonce, rank_nonce)):
+        raise ConnectionError("peer does not hold the run's key")
+    sock.sendall(_mac(key, b"kernel", kernel_nonce, rank_nonce))
+    from_rank, to_rank = _keys(key, kernel_nonce, rank_nonce)
+    return _Link(sock, send_key=to_rank, receive_key=from_rank)
+
+
+def _answer_kernel(sock: socket.socket, key: bytes) -> _Link:
+    """A rank's half of the handshake: prove it holds the key, then check the kernel."""
+    hello = _recv_exact(sock, len(MAGIC) + NONCE_BYTES)
+    if not hello.startswith(MAGIC):
+        raise ConnectionError("the address does not lead to an nbddp kernel")
+    kernel_nonce = hello[len(MAGIC):]
+    rank_nonce = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(rank_nonce + _mac(key, b"rank", kernel_nonce, rank_nonce))
+    try:
+        proof = _recv_exact(sock, MAC_BYTES)
+    except ConnectionError as exc:
+        raise ConnectionError("the kernel refused this rank's proof: its key is not the "
+                              "run's key") from exc
+    if not hmac.compare_digest(proof, _mac(key, b"kernel", kernel_nonce, rank_nonce)):
+        raise ConnectionError("the kernel's end does not hold the run's key")
+    from_rank, to_rank = _keys(key, kernel_nonce, rank_nonce)
+    return _Link(sock, send_key=from_rank, receive_key=to_rank)
+
+
+Address = Path | tuple[str, int]
+"""A Unix socket's path, or a TCP (host, port)."""
+
+
+def tcp_address(host: str) -> str:
+    """The IP address ``host`` names here: the kernel listens there alone (not on every
+    interface) and tells the ranks to connect to it. IPv4 first, as ranks resolve it."""
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        raise ConnectionError(f"cannot resolve the kernel's host name {host!r}: {exc}") \
+            from exc
+    found.sort(key=lambda entry: entry[0] != socket.AF_INET)
+    return str(found[0][4][0])
+
+
+def _new_socket(address: Address) -> tuple[socket.socket, str | tuple[str, int]]:
+    """A stream socket for ``address``, and the address in the form ``socket`` takes."""
+    if isinstance(address, Path):
+        return socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), str(address)
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    return socket.socket(family, socket.SOCK_STREAM), address
+
+
+# --- kernel side ----------------------------------------------------------------------
+
+
+class ChannelServer:
+    """Accepts authenticated rank connections, hands each message to ``deliver``, and
+    sends messages to a rank once it has spoken (its first message names its rank).
+
+    ``address`` is a socket path, or a TCP (host, port) to bind (port 0: any free one;
+    ``port`` says which). Each connection is served by a thread of its own, so one
+    that says nothing holds up no other (and is dropped after the handshake timeout).
+    A rank's closed connection is delivered as ``Disconnected``.
+    """
+
+    def __init__(self, address: Address, key: bytes, deliver: Callable[[Any], None]) -> None:
+        self.address, self._key, self._deliver = address, key, deliver
+        self._listener, where = _new_socket(address)
+        self._listener.bind(where)
+        if isinstance(address, Path):
+            os.chmod(address, 0o600)
+        self.port: int | None = None if isinstance(address, Path) else \
+            self._listener.getsockname()[1]
+        self._listener.listen(64)
+        self._connections: set[socket.socket] = set()
+        self._peers: dict[int, _Link] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name="nbddp-channel-accept")
+        self._accepter.start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            threading.Thread(target=self._serve, args=(sock,), daemon=True,
+                             name="nbddp-channel-reader").start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return
+            self._connections.add(sock)
+        rank = None
+        attempt = requeue = 0
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            link = _challenge_rank(sock, self._key)
+            sock.settimeout(None)
+            while True:
+                message = link.receive()
+                if rank is None and hasattr(message, "rank"):
+                    rank = self._register(message.rank, link)
+                    attempt = getattr(message, "attempt", 0)
+                    requeue = getattr(message, "requeue", 0)
+                self._deliver(message)
+        except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
+            logger.debug("channel connection ended: %r", exc)
+        finally:
+            self._forget(sock, rank)
+            if rank is not None:
+                self._deliver(Disconnected(rank, attempt, requeue))
+
+    def _register(self, rank: int, link: _Link) -> int:
+        with self._lock:
+            self._peers[rank] = link
+        return rank
+
+    def _forget(self, sock: socket.socket, rank: int | None) -> None:
+        with self._lock:
+            self._connections.discard(sock)
+            if rank is not None and getattr(self._peers.get(rank), "sock", None) is sock:
+                del self._peers[rank]
+        sock.close()
+
+    def send(self, rank: int, message: Any) -> bool:
+        """Send ``message`` to ``rank``; False if that rank is not connected (any more)."""
+        with self._lock:
+            link = self._peers.get(rank)
+        if link is None:
+            return False
+        try:
+            link.send(message)
+        except OSError:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop listening, drop every connection and remove the socket file."""
+        with self._lock:
+            self._closed = True
+            connections = list(self._connections)
+        for sock in [self._listener, *connections]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        self._accepter.join(timeout=5)
+        if isinstance(self.address, Path):
+            self.address.unlink(missing_ok=True)
+
+
+# --- rank side ------------------------------------------------------------------------
+
+
+class ChannelClient:
+    """A rank's authenticated connection to the kernel; ``send`` is thread-safe, and
+    one thread at a time may ``receive``."""
+
+    def __init__(self, address: Address, key: bytes) -> None:
+        sock, where = _new_socket(address)
+        try:
+            sock.settimeout(_HANDSHAKE_TIMEOUT)
+            sock.connect(where)
+            self._link = _answer_kernel(sock, key)
+            sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
+
+    def send(self, message: Any) -> None:
+        self._link.send(message)
+
+    def receive(self) -> Any:
+        """The kernel's next message; ConnectionError once the kernel has closed the link
+        (or a frame on the way was forged)."""
+        try:
+            return self._link.receive()
+        except OSError as exc:
+            raise ConnectionError(f"the kernel's link broke: {exc}") from exc
+
+    def close(self) -> None:
+        self._link.sock.close()

@@ -1,0 +1,265 @@
+"""What the kernel and the ranks tell each other, and the one way it is framed.
+
+Every message is a small frozen dataclass. A frame is an 8-byte length and the pickled
+message; the channel's sockets and the start file carry these frames (a mailbox file
+marks and checksums each message instead: ``_wire.mailbox``). Frames are only decoded from
+authenticated peers or from private (0600) files.
+Tensor and array bytes do not travel in messages: they are in data files (``_wire.dataplane``)
+that a message names.
+
+    rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StopRequested, DebugPrompt,
+                     DebugDone, Assigned, and a report: Result, Failure or Requeueing (each
+                     Sequenced)
+    kernel -> rank   RollCall, Start, DebugInput
+    kernel only      Disconnected (a rank's connection closed)
+"""
+
+from __future__ import annotations
+
+import pickle
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+_HEADER = struct.Struct("!Q")  # any length
+HEADER_SIZE = _HEADER.size
+
+
+@dataclass(frozen=True)
+class RankOptions:
+    """How a rank runs the user's function."""
+
+    init: bool = True
+    """Initialise (and destroy) the default process group around the function."""
+    backend: str | None = None
+    """The process group's backend; None: NCCL on a GPU rank, gloo otherwise."""
+    all_ranks: bool = False
+    """Every rank sends its return value back, not only rank 0."""
+
+
+# --- rank -> kernel -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """A rank is up and connected."""
+
+    rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A rank has imported torch (and joined its gloo group, if asked) and waits for Start."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Present:
+    """A rank's answer to a ``RollCall``: it is alive and reads the kernel's messages."""
+
+    rank: int
+    call: int
+
+
+@dataclass(frozen=True)
+class Assigned:
+    """A session's rank 0, after each run: the names its session code has bound, which
+    the notebook therefore no longer sends."""
+
+    rank: int
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Result:
+    """A rank finished; its return value when the kernel wants it: pickled in ``value``,
+    or, with tensor or array bytes, in the data file ``file``."""
+
+    rank: int
+    value: bytes | None = None
+    file: str | None = None
+
+
+@dataclass(frozen=True)
+class Failure:
+    """A rank raised. ``exception`` is the pickled exception when it could be pickled."""
+
+    rank: int
+    type_name: str
+    module: str
+    message: str
+    traceback: str
+    exception: bytes | None = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class RankStats:
+    """A running rank about once a second: where it runs, its last step (logged, or its
+    progress), its memory, and how much output it has written (for stall detection)."""
+
+    rank: int
+    host: str
+    pid: int
+    step: int | None
+    rss_mb: float | None
+    gpu_mem_mb: float | None
+    output_bytes: int
+
+
+@dataclass(frozen=True)
+class DebugPrompt:
+    """A rank's pdb wants a line: what it printed since its last one, ending in its prompt."""
+
+    rank: int
+    text: str
+
+
+@dataclass(frozen=True)
+class DebugDone:
+    """A rank's pdb let the code go on (``c`` or ``q``): the next rank may be served."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Requeueing:
+    """A rank of a SLURM job ended its attempt with ``nbddp.requeue()``: once every rank
+    has ended, the job goes back to the queue and runs again."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class StopRequested:
+    """SLURM told the job its time limit is near (``Slurm(signal_before=...)``); the
+    rank's ``nbddp.stop_requested()`` is now true."""
+
+    rank: int
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """A batch of one rank's ``nbddp.log`` records and its ``nbddp.progress`` position."""
+
+    rank: int
+    records: list[tuple[int, dict[str, float]]]
+    position: tuple[int, int | None, str | None] | None = None
+    for_all: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    """Records that speak for every rank (already reduced, or logged on the main
+    process only, as Accelerate's ``log`` is): averaged at once, not waited for."""
+
+
+@dataclass(frozen=True)
+class Sequenced:
+    """A rank's message and its place in that rank's stream. A rank may send each
+    message on two links (socket and mailbox file); the kernel keeps the first copy."""
+
+    seq: int
+    message: Any
+    attempt: int = 0
+    """Which of torchrun's attempts sent it (``TORCHELASTIC_RESTART_COUNT``): after a
+    restart, what the failed attempt still sends is stale."""
+    requeue: int = 0
+    """How many times SLURM had requeued the job when it was sent (``SLURM_RESTART_COUNT``);
+    each requeue starts torchrun's attempts again from 0."""
+
+    @property
+    def rank(self) -> int:
+        return self.message.rank
+
+
+# --- kernel -> rank -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RollCall:
+    """Sent to ranks that wait for their ``Start`` (standby, a session at rest) just
+    before it: each answers ``Present`` at once, so a run is never handed to a group
+    that lost a process while idle (that group is stopped, and fresh ranks take it)."""
+
+    call: int
+    """Which roll call: an answer to an earlier one does not count."""
+
+
+@dataclass(frozen=True)
+class Start:
+    """Run this: the payload file, where the run's records go, and what changed in the
+    notebook since the rank started (working directory, environment)."""
+
+    version: str
+    """The kernel's nbddp version; a rank with another one refuses to run."""
+    records: str
+    """The run's records folder: the rank moves its log there."""
+    payload: str
+    """The payload's data file (private: in the run dir, or its twin in shared memory)."""
+    options: RankOptions
+    cwd: str | None = None
+    """The notebook's working directory, if the rank started in another."""
+    env: dict[str, str | None] = field(default_factory=dict)
+    """Environment changes since the rank started (None: unset)."""
+    session: bool = False
+    """Keep the namespace and the process group, and wait for the next Start after this."""
+    data: str | None = None
+    """The run dir's twin in shared memory, where a result's data file goes if it fits."""
+
+
+@dataclass(frozen=True)
+class DebugInput:
+    """The notebook's answer to a ``DebugPrompt``: the user's line for pdb, or None and
+    why nobody can answer (the rank then goes on)."""
+
+    line: str | None
+    reason: str = ""
+
+
+# --- kernel-side events ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """A rank's connection closed."""
+
+    rank: int
+    attempt: int = 0
+    requeue: int = 0
+
+
+# --- frames ---------------------------------------------------------------------------
+
+
+def encode(message: Any) -> bytes:
+    """One frame: the length, then the pickled message."""
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+def body_size(header: bytes) -> int:
+    """The length a frame's header announces."""
+    return _HEADER.unpack(header)[0]
+
+
+def decode(body: bytes) -> Any:
+    """The message in a frame's body."""
+    return pickle.loads(body)
+
+
+def split_frames(data: bytes) -> tuple[list[bytes], int]:
+    """The bodies of the complete frames at the start of ``data``, and the bytes they use."""
+    bodies, used = [], 0
+    while len(data) - used >= HEADER_SIZE:
+        end = used + HEADER_SIZE + body_size(data[used:used + HEADER_SIZE])
+        if end > len(data):
+            break  # the rest of this frame is still being written
+        bodies.append(data[used + HEADER_SIZE:end])
+        used = end
+    return bodies, used
+
+
+def pickled(message: Any) -> bytes:
+    """A message's bytes without a frame's length: what a mailbox frame carries, behind
+    a marker and a checksum of its own (``_wire.mailbox``)."""
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

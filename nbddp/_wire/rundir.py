@@ -1,0 +1,121 @@
+"""A rank group's private directory: key, channel socket, payload, start file, logs.
+
+A local group's run dir has a twin in shared memory (``/dev/shm``), of the same name
+and as private, for data files: the payload's and results' tensor and array bytes.
+
+The directory is 0700 and every file in it 0600, so only the user who launched the
+ranks can read the payload or reach the channel. A local group's directory is temporary
+and removed when the group ends; a rank writes its output here until its ``Start``
+names the run's records folder. A SLURM job's ranks run on other machines, so its run
+directory is its records folder, on the shared filesystem; only its secrets are removed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from .dataplane import shm_root
+
+_MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
+
+STOP_FILE = "stop-requested"
+"""In a SLURM job's run folder: empty until SLURM's signal; the batch script empties it
+each run."""
+REQUEUE_FILE = "requeue-requested"
+"""In a SLURM job's run folder: a rank ended with ``requeue()``; the batch script
+requeues the job."""
+STOP_FILE_ENV = "NBDDP_STOP_FILE"
+"""Names the stop file for the ranks (set by the batch script)."""
+REQUEUE_FILE_ENV = "NBDDP_REQUEUE_FILE"
+"""Names the requeue file for the ranks (set by the batch script)."""
+
+
+class RunDir:
+    """Paths of one rank group's files; a run dir made by ``create`` is private to the user."""
+
+    def __init__(self, path: Path, shared: bool = False, twin: Path | None = None) -> None:
+        self.path = path
+        self.shared = shared
+        """A SLURM job's run dir: it is the records folder, and outlives the run."""
+        self.twin = twin
+        """Its twin in shared memory, for data files (tensors, arrays), if there is one."""
+        self.payload = path / "payload.pkl"
+        self.key = path / "key"
+        self.socket = path / "channel.sock"
+        self.address = path / "channel.address"  # a SLURM job's: "host port" of the kernel
+        self.start = path / "start.msg"  # a SLURM job's Start (its ranks may not reach us)
+        self.job = path / "job.json"  # a SLURM job's id and shape, to re-attach
+        self.launcher_log = path / "torchrun.log"
+
+    @classmethod
+    def create(cls) -> RunDir:
+        """A new private run dir, and its twin in shared memory where there is one."""
+        path = Path(tempfile.mkdtemp(prefix="nbddp-"))  # mode 0700
+        if len(str(path / "channel.sock")) > _MAX_SOCKET_PATH:
+            path.rmdir()
+            path = Path(tempfile.mkdtemp(prefix="nbddp-", dir="/tmp"))
+        root = shm_root()
+        twin = None if root is None else root / path.name
+        if twin is not None:
+            try:
+                twin.mkdir(mode=0o700)
+            except OSError:
+                twin = None
+        return cls(path, twin=twin)
+
+    @classmethod
+    def existing(cls, path: Path) -> RunDir:
+        """A local run dir made by ``create`` (in a process started with the same
+        environment: its twin is found the same way)."""
+        root = shm_root()
+        twin = None if root is None else root / path.name
+        return cls(path, twin=twin if twin is not None and twin.is_dir() else None)
+
+    @classmethod
+    def of_job(cls, path: Path) -> RunDir:
+        """The run dir of a SLURM job, which is also its records folder."""
+        return cls(path, shared=True)
+
+    def stacks_file(self, rank: int) -> Path:
+        """Where a rank dumps its threads' stacks when asked (``Job.stacks``)."""
+        return self.path / f"stacks-{rank}.txt"
+
+    def rank_log(self, rank: int) -> Path:
+        """Where a rank writes its output until its ``Start`` names the run's records."""
+        return self.path / f"rank-{rank}.log"
+
+    def failures_file(self) -> Path:
+        """Where this torchrun (one per machine) records how its ranks ended."""
+        return self.path / f"failures-{_this_torchrun()}.json"
+
+    def torchrun_log_dir(self) -> Path:
+        """This torchrun's own log dir (``--log-dir``), kept inside the run dir."""
+        return self.path / f"torchelastic-{_this_torchrun()}"
+
+    def failure_files(self) -> list[Path]:
+        return sorted(self.path.glob("failures-*.json"))
+
+    def write_private(self, path: Path, data: bytes) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+
+    def remove(self) -> None:
+        """Remove the run dir; a shared one (the records) keeps all but its secrets."""
+        if self.shared:
+            for secret in (self.payload, self.key, self.address, self.start):
+                secret.unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self.path, ignore_errors=True)
+        if self.twin is not None:
+            shutil.rmtree(self.twin, ignore_errors=True)
+
+
+def _this_torchrun() -> str:
+    """Names the files of one machine's torchrun apart from another's (SLURM's virtual
+    nodes can share a host name, so the PID goes in too)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
