@@ -1,0 +1,132 @@
+"""The house's rules, read from the imports of every module (also those inside functions).
+
+Packages sit in floors; a package imports only the ones its rule names, so a change that
+would make a rank load the kernel's machinery, or the neutral core depend on a backend,
+fails here rather than in a review. See docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "nbddp"
+FLOOR = {"_errors", "_version"}
+"""Leaf modules every package may use: the exceptions a user catches, and the version."""
+FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_worker", "_torchrun"}
+ALLOWED = {
+    "_wire": set(),
+    "_rank": {"_wire"},
+    "_panel": {"_wire"},
+    "_run": {"_panel", "_wire"},
+    "_local": {"_run", "_panel", "_wire"},
+    "_slurm": {"_run", "_panel", "_wire"},
+    "_export": {"_slurm", "_rank", "_run", "_wire"},
+    "integrations": {"_rank", "_wire"},
+}
+"""What each package may import besides itself and the floor. The front door (the
+public API and the two entry modules) may import anything."""
+ENTRY_MODULES = {"_worker": {"_rank"}, "_torchrun": {"_rank"}}
+"""``python -m nbddp._worker`` and ``-m nbddp._torchrun`` run on a rank's machine: thin
+modules that hand over to ``_rank``."""
+
+
+def _room(module: str) -> str:
+    """The package (or front-door module) a dotted name under nbddp belongs to."""
+    return module.split(".")[0]
+
+
+def _imports(path: Path, package_root: Path) -> set[str]:
+    """Every nbddp module ``path`` imports, as a dotted name under nbddp."""
+    here = path.relative_to(package_root).with_suffix("").parts
+    package = list(here[:-1]) if here[-1] != "__init__" else list(here[:-1])
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[:len(package) - (node.level - 1)]
+            elif (node.module or "").split(".")[0] == "nbddp":
+                base = []
+                node = ast.ImportFrom(node.module.removeprefix("nbddp").lstrip("."),
+                                      node.names, 1)
+            else:
+                continue
+            if node.module:
+                found.add(".".join([*base, node.module]))
+            else:  # from . import x: each name is a module (or a package's attribute)
+                found.update(".".join([*base, alias.name]) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.removeprefix("nbddp.") for alias in node.names
+                         if alias.name.startswith("nbddp."))
+    return {name for name in found if name}
+
+
+def _violations(package_root: Path = PACKAGE) -> list[str]:
+    problems = []
+    for path in sorted(package_root.rglob("*.py")):
+        module = ".".join(path.relative_to(package_root).with_suffix("").parts)
+        imported = _imports(path, package_root)
+        room = _room(module)
+        if room in FRONT_DOOR - set(ENTRY_MODULES) or room in FLOOR:
+            if room in FLOOR and imported:
+                problems.append(f"{module} is on the floor but imports {sorted(imported)}")
+            continue
+        allowed = ENTRY_MODULES.get(room, ALLOWED.get(room))
+        if allowed is None:
+            problems.append(f"{module} is in no room of the house (add it to a package)")
+            continue
+        for target in sorted(imported):
+            target_room = _room(target)
+            if target_room not in {room, *allowed, *FLOOR}:
+                problems.append(f"{module} imports {target}")
+    return problems
+
+
+def test_every_module_keeps_to_the_rules_of_its_package():
+    assert _violations() == []
+
+
+def test_the_rules_see_imports_inside_functions_and_relative_ones(tmp_path):
+    """The reader is what the rules stand on: it must see every way of importing."""
+    fake = tmp_path / "nbddp"
+    (fake / "_rank").mkdir(parents=True)
+    (fake / "_rank" / "bad.py").write_text(
+        "from .._run.job import Job\n"
+        "def later():\n"
+        "    from .. import _session\n"
+        "    import nbddp._panel.chart\n"
+        "    from nbddp._local import standby\n")
+    (fake / "_wire").mkdir()
+    (fake / "_wire" / "fine.py").write_text("from . import messages\nfrom .._errors import X\n")
+    (fake / "stray.py").write_text("")
+    assert _violations(fake) == [
+        "_rank.bad imports _local",
+        "_rank.bad imports _panel.chart",
+        "_rank.bad imports _run.job",
+        "_rank.bad imports _session",
+        "stray is in no room of the house (add it to a package)",
+    ]
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_each_package_says_what_it_owns(package):
+    init = PACKAGE / package / "__init__.py"
+    assert init.exists() and ast.get_docstring(ast.parse(init.read_text()))
+
+
+def test_no_module_is_left_in_the_flat_folder_but_the_front_door():
+    flat = {path.stem for path in PACKAGE.glob("*.py")}
+    assert flat == FRONT_DOOR | FLOOR
+
+
+def test_the_architecture_page_states_these_rules():
+    """docs/architecture.md's table of packages says what this test enforces."""
+    page = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    stated = {}
+    for row in re.findall(r"^\| `(\w+)` \|[^|]*\| ([^|]*) \|$", page, re.M):
+        package, may = row
+        stated[package] = set() if may.strip() == "nothing" else set(re.findall(r"`(\w+)`", may))
+    assert stated == ALLOWED
