@@ -16,7 +16,7 @@ from typing import Any, Literal, TypeVar, overload
 
 from ._local.group import LocalGroup
 from ._local.standby import STANDBY
-from ._run.config import DEFAULT_STALL_AFTER, RunConfig
+from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
 from ._run.group import RankGroup, RanksGone
 from ._run.job import Job
 from ._run.records import Records
@@ -25,7 +25,6 @@ from ._slurm.group import SlurmGroup
 from ._slurm.launcher import find_run_dir
 from ._slurm.options import Slurm, SlurmOptions
 from ._wire.dataplane import Packed
-from ._wire.messages import RankOptions
 from ._wire.payload import Payload
 from ._wire.rundir import RunDir
 
@@ -136,24 +135,21 @@ def launch(
     seconds, ``PayloadError`` when something cannot be sent; nothing is left running.
     """
     __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
-    settings: dict[str, Any] = dict(backend=backend, timeout=timeout, init=init,
-                                    all_ranks=all_ranks, env=dict(env or {}), output=output,
-                                    max_restarts=max_restarts, stall_after=stall_after)
-    options = RankOptions(init=init, backend=backend, all_ranks=all_ranks)
+    options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, timeout=timeout, init=init,
+                         all_ranks=all_ranks, env=env, output=output,
+                         max_restarts=max_restarts, stall_after=stall_after)
     if slurm is not False:
-        config, cluster = _cluster_run(nprocs, gpus, Slurm() if slurm is True else slurm,
-                                       settings)
+        config, cluster = _cluster_run(options, Slurm() if slurm is True else slurm)
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
-        job: Job[R] = _start(SlurmGroup.for_submission(config, cluster), config, payload,
-                             options)
+        job: Job[R] = _start(SlurmGroup.for_submission(config, cluster), config, payload)
     else:
-        config = RunConfig.resolve(nprocs, gpus, **settings)
+        config = options.on_this_machine()
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
-        job = _start_here(config, payload, options)
+        job = _start_here(config, payload)
     return _follow(job, wait)
 
 
-def _start_here(config: RunConfig, payload: Packed, options: RankOptions) -> Job:
+def _start_here(config: RunConfig, payload: Packed) -> Job:
     """On the standby group if it can take the run, else on a group started now; the
     run's end starts the next standby group."""
     shape = GroupShape.of(config)
@@ -167,23 +163,22 @@ def _start_here(config: RunConfig, payload: Packed, options: RankOptions) -> Job
     if taken is not None:
         records = Records.create()  # kept for fresh ranks if these cannot take the run
         try:
-            return _start(taken[0], config, payload, options, records, taken[1], warm=True,
-                          after=after)
+            return _start(taken[0], config, payload, records, taken[1], warm=True, after=after)
         except RanksGone as gone:  # it is being stopped; no rank had the run
             notice = f"nbddp: standby ranks replaced ({gone.why}); this run starts on fresh ranks"
     group = LocalGroup(shape)
     group.notice = notice
-    return _start(group, config, payload, options, records, after=after)
+    return _start(group, config, payload, records, after=after)
 
 
-def _start(group: RankGroup, config: RunConfig, payload: Packed, options: RankOptions,
-           records: Records | None = None, handover: Handover | None = None,
-           warm: bool = False, after: Callable[[Job], None] | None = None) -> Job:
+def _start(group: RankGroup, config: RunConfig, payload: Packed, records: Records | None = None,
+           handover: Handover | None = None, warm: bool = False,
+           after: Callable[[Job], None] | None = None) -> Job:
     """Hand ``group`` the run and follow it; if that fails, stop the group (standby
     ranks that cannot take the run: in the background, while fresh ones start)."""
     try:
         records = records or group.new_records()
-        group.hand_over(payload, records, options, handover or Handover())
+        group.hand_over(payload, records, config.rank_options, handover or Handover())
         return Job(group, config, records, warm=warm, after=after)
     except RanksGone:
         assert isinstance(group, LocalGroup)
@@ -195,23 +190,23 @@ def _start(group: RankGroup, config: RunConfig, payload: Packed, options: RankOp
         raise
 
 
-def _cluster_run(nprocs: int | None, gpus: Any, slurm: Slurm,
-                 settings: dict[str, Any]) -> tuple[RunConfig, SlurmOptions]:
+def _cluster_run(options: RunOptions, slurm: Slurm) -> tuple[RunConfig, SlurmOptions]:
     """A SLURM job's shape: ``nprocs`` or ``gpus`` count ranks per node (the nodes'
     GPUs, not this machine's); default one rank per node."""
     if not isinstance(slurm, Slurm):
         raise TypeError(f"slurm must be True or nbddp.Slurm(...), got {slurm!r}")
+    nprocs, gpus = options.nprocs, options.gpus
     if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
         raise ValueError(f"with slurm, gpus is a count of GPUs per node, got {gpus!r}")
     if nprocs is not None and gpus is not None and nprocs != gpus:
         raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
     per_node = nprocs or gpus or 1
-    restarts = settings["max_restarts"]
+    restarts = options.max_restarts
     if slurm.max_restarts and restarts and slurm.max_restarts != restarts:
         raise ValueError(f"max_restarts={restarts} disagrees with Slurm(max_restarts="
                          f"{slurm.max_restarts}); give one or the other")
     restarts = slurm.max_restarts or restarts
-    config = RunConfig(nprocs=per_node * slurm.nodes, **{**settings, "max_restarts": restarts})
+    config = options.config(per_node * slurm.nodes, max_restarts=restarts)
     return config, dataclasses.replace(slurm, max_restarts=restarts).options(per_node, gpus or 0)
 
 

@@ -8,7 +8,8 @@ starts, stops, restarts and describes the kernel's one session.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from IPython.core.error import UsageError
 from IPython.core.magic import (
@@ -24,32 +25,46 @@ from ._errors import NbddpError
 from ._export.script import export
 from ._launch import launch
 from ._rank.cell import Cell, CellResult
-from ._run.config import DEFAULT_STALL_AFTER
-from ._run.devices import visible_gpu_count
+from ._run.config import RunOptions
+from ._run.devices import GpusNotVisible
+from ._run.flags import argparse_arguments, flag_values
 from ._session import Session
 from ._slurm.options import Slurm
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
+F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _parse_gpus(text: str | None) -> int | list[int] | None:
-    """``"2"``: two GPUs; ``"0,2"`` (or ``"1,"``): those GPUs."""
-    if text is None:
-        return None
+def _flags(options: type, session: bool = False) -> list[argument]:
+    """The flags made from an options dataclass's fields (see ``_run.flags``): each
+    stores its value under the field's name."""
+    return [argument(name, **keywords) for name, keywords in argparse_arguments(options, session)]
+
+
+def _arguments(*arguments: argument) -> Callable[[F], F]:
+    """Give a magic ``arguments``, in this order (as ``@argument`` lines would)."""
+    def add(magic: F) -> F:
+        for each in reversed(arguments):  # the last applied comes first
+            magic = each(magic)
+        return magic
+    return add
+
+
+def _values(options: type, args: Any, session: bool = False) -> dict[str, Any]:
+    """The keyword arguments of ``options`` that the parsed flags give."""
     try:
-        if "," in text:
-            return [int(part) for part in text.split(",") if part.strip()]
-        return int(text)
-    except ValueError:
-        raise UsageError(f"--gpus takes a count (2) or GPU indices (0,2), not {text!r}") from None
+        return flag_values(options, args, session)
+    except ValueError as exc:  # e.g. --gpus two
+        raise UsageError(str(exc)) from None
 
 
-def _check_gpus(gpus: int | list[int], typed: str) -> None:
-    available = visible_gpu_count()
-    wanted = gpus if isinstance(gpus, int) else max(gpus, default=-1) + 1
-    if wanted > available:
-        raise UsageError(f"--gpus {typed} asks for more GPUs than the {available} visible; "
-                         f"{_CPU_HINT}")
+def _usage_error(exc: ValueError | TypeError, gpus: str | None) -> UsageError:
+    """A bad option value that ``launch`` or ``Session`` refused, before anything started,
+    in the magic's words: GPUs that are not visible are named as ``--gpus`` asked."""
+    if isinstance(exc, GpusNotVisible):
+        return UsageError(f"--gpus {gpus} asks for more GPUs than the {exc.available} visible; "
+                          f"{_CPU_HINT}")
+    return UsageError(str(exc))
 
 
 def _parse_names(text: str) -> tuple[str, ...]:
@@ -60,23 +75,31 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _stall_after(args: Any) -> float | None:
-    """``--stall-after``: the default when not given; 0 never says the run is stalled."""
-    if args.stall_after is None:
-        return DEFAULT_STALL_AFTER
-    return args.stall_after or None
+def _check_combination(args: Any) -> None:
+    """Flags that mean something only beside others: the SLURM job's."""
+    cluster_only = (args.nodes != 1 or args.time or args.partition or args.sbatch
+                    or args.cpus_per_task)
+    if cluster_only and not (args.export or args.slurm):
+        raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
+                         "add --slurm to submit the cell, or --export PATH to write it")
+    if args.export and args.slurm:
+        raise UsageError("--export writes the job's files and --slurm submits it: "
+                         "choose one")
+    if (args.requeue or args.signal_before is not None) and not args.slurm:
+        raise UsageError("--requeue and --signal-before are for a job submitted from "
+                         "the notebook: add --slurm")
 
 
-def _session_conflicts(args: Any, gpus: int | list[int] | None, session: Session) -> list[str]:
+def _session_conflicts(run: dict[str, Any], slurm: bool, session: Session) -> list[str]:
     """The ``%%ddp`` options that ask for ranks other than the open session's."""
     config = session.config
     wanted = {
-        "--nprocs": args.nprocs is not None and args.nprocs != config.nprocs,
-        "--gpus": gpus is not None,
-        "--backend": args.backend is not None and args.backend != config.backend,
-        "--no-init": args.no_init and config.init,
-        "--slurm": args.slurm,
-        "--max-restarts": args.max_restarts != 0,
+        "--nprocs": run["nprocs"] is not None and run["nprocs"] != config.nprocs,
+        "--gpus": run["gpus"] is not None,
+        "--backend": run["backend"] is not None and run["backend"] != config.backend,
+        "--no-init": not run["init"] and config.init,
+        "--slurm": slurm,
+        "--max-restarts": run["max_restarts"] != 0,
     }
     return [option for option, conflicts in wanted.items() if conflicts]
 
@@ -89,50 +112,22 @@ class DDPMagics(Magics):
     """The session ``%%ddp`` cells run on while it is open."""
 
     @magic_arguments()
-    @argument("-h", "--help", action="store_true", help="show this help")
-    @argument("--gpus", metavar="N|I,J",
-              help="one rank per GPU: a count (--gpus 2) or GPU indices (--gpus 0,2)")
-    @argument("--nprocs", type=int, metavar="N",
-              help="N ranks on whatever devices exist (gloo on CPU); default: one per "
-                   "visible GPU, or 2 on a machine without one")
-    @argument("--backend", help="process-group backend (default: nccl on GPU, gloo on CPU)")
-    @argument("--timeout", type=float, metavar="SECONDS",
-              help="stop every rank and raise TimeoutError after this many seconds")
-    @argument("--no-init", action="store_true",
-              help="do not initialise the default process group (your code does)")
-    @argument("--max-restarts", type=int, default=0, metavar="N",
-              help="when a rank fails, torchrun restarts every rank, up to N times (the "
-                   "cell runs again from its start)")
-    @argument("--stall-after", type=float, metavar="SECONDS",
-              help="say the run looks stalled when no rank has printed or advanced for "
-                   "this long (default 120; 0: never)")
-    @argument("--out", default="", metavar="NAMES",
-              help="comma-separated names whose rank-0 values are bound in the notebook "
-                   "after the run (a DDP model comes back as its module; tensors on CPU)")
-    @argument("--all-ranks", action="store_true",
-              help="show every rank's output live, each line prefixed with its rank")
-    @argument("--export", metavar="PATH",
-              help="do not run: write the cell as a script for torchrun/srun/python at PATH, "
-                   "an sbatch file beside it (and a payload file for data without source)")
-    @argument("--slurm", action="store_true",
-              help="submit the cell as a SLURM batch job (sbatch) and follow it here: queue "
-                   "state, output, metrics, result; interrupting the cell runs scancel")
-    @argument("--nodes", type=int, default=1, metavar="N",
-              help="with --slurm or --export: machines for the job (ranks per node: --nprocs "
-                   "or --gpus; default one)")
-    @argument("--time", help="with --slurm or --export: the job's time limit, e.g. 01:00:00")
-    @argument("--partition", help="with --slurm or --export: the SLURM partition")
-    @argument("--cpus-per-task", type=int, metavar="N",
-              help="with --slurm or --export: CPUs per node for its torchrun and ranks")
-    @argument("--sbatch", action="append", default=[], metavar="LINE",
-              help="with --slurm or --export: an extra #SBATCH line, e.g. "
-                   "--sbatch=--account=proj (repeatable)")
-    @argument("--requeue", action="store_true",
-              help="with --slurm: SLURM may requeue the job (preemption, a failed node); "
-                   "the cell follows it through each requeue")
-    @argument("--signal-before", type=int, metavar="SECONDS",
-              help="with --slurm: nbddp.stop_requested() turns true this long before the "
-                   "time limit (save, then nbddp.requeue())")
+    @_arguments(
+        argument("-h", "--help", action="store_true", help="show this help"),
+        *_flags(RunOptions),
+        argument("--out", default="", metavar="NAMES",
+                 help="comma-separated names whose rank-0 values are bound in the notebook "
+                      "after the run (a DDP model comes back as its module; tensors on CPU)"),
+        argument("--export", metavar="PATH",
+                 help="do not run: write the cell as a script for torchrun/srun/python at "
+                      "PATH, an sbatch file beside it (and a payload file for data without "
+                      "source)"),
+        argument("--slurm", action="store_true",
+                 help="submit the cell as a SLURM batch job (sbatch) and follow it here: "
+                      "queue state, output, metrics, result; interrupting the cell runs "
+                      "scancel"),
+        *_flags(Slurm),
+    )
     @output_can_be_silenced  # a trailing ';' hides the result, as in any cell
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
@@ -151,23 +146,11 @@ class DDPMagics(Magics):
         if cell is None:
             raise UsageError("%%ddp is a cell magic: put it on the first line of the cell "
                              "to run on every rank (%ddp -h lists the options)")
-        gpus = _parse_gpus(args.gpus)
-        if gpus is not None and not (args.export or args.slurm):  # else: the cluster's GPUs
-            _check_gpus(gpus, args.gpus)
-        cluster_only = (args.nodes != 1 or args.time or args.partition or args.sbatch
-                        or args.cpus_per_task)
-        if cluster_only and not (args.export or args.slurm):
-            raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
-                             "add --slurm to submit the cell, or --export PATH to write it")
-        if args.export and args.slurm:
-            raise UsageError("--export writes the job's files and --slurm submits it: "
-                             "choose one")
-        if (args.requeue or args.signal_before is not None) and not args.slurm:
-            raise UsageError("--requeue and --signal-before are for a job submitted from "
-                             "the notebook: add --slurm")
+        run = _values(RunOptions, args)
+        _check_combination(args)
         session = self.session if self.session and not self.session.closed else None
         if session is not None and not args.export:
-            conflicts = _session_conflicts(args, gpus, session)
+            conflicts = _session_conflicts(run, args.slurm, session)
             if conflicts:
                 raise UsageError(
                     f"{', '.join(conflicts)} would need other ranks than the open session's "
@@ -179,33 +162,28 @@ class DDPMagics(Magics):
         except SyntaxError as exc:  # shown at the cell's line, before anything starts
             raise exc.with_traceback(None) from None
         if args.export:
-            return _export_cell(code, args, gpus)
+            return _export_cell(code, args.export, run, _values(Slurm, args))
         if session is not None:
-            job = session.submit(code, timeout=args.timeout,
-                                 output="all" if args.all_ranks else None,
-                                 stall_after=_stall_after(args))
+            job = session.submit(code, timeout=run["timeout"],  # None: the session's
+                                 output=None if run["output"] == "rank0" else run["output"],
+                                 stall_after=run["stall_after"])
             result = job.result()
         else:
-            result = self._launch(code, args, gpus)
+            result = self._launch(code, args, run)
         self._shell.user_ns.update(result.outputs)
         return result.value
 
-    def _launch(self, code: Cell, args: Any, gpus: int | list[int] | None) -> CellResult:
+    def _launch(self, code: Cell, args: Any, run: dict[str, Any]) -> CellResult:
         __tracebackhide__ = True
         try:
-            slurm = args.slurm and Slurm(nodes=args.nodes, time=args.time,
-                                         partition=args.partition, sbatch=args.sbatch,
-                                         cpus_per_task=args.cpus_per_task,
-                                         requeue=args.requeue, signal_before=args.signal_before)
-            return launch(code, args.nprocs, gpus=_per_node(gpus) if args.slurm else gpus,
-                          backend=args.backend, timeout=args.timeout, init=not args.no_init,
-                          output="all" if args.all_ranks else "rank0",
-                          max_restarts=args.max_restarts, slurm=slurm,
-                          stall_after=_stall_after(args))
+            slurm = args.slurm and Slurm(**_values(Slurm, args))
+            if args.slurm:
+                run = {**run, "gpus": _per_node(run["gpus"])}
+            return launch(code, **run, slurm=slurm)
         except (ValueError, TypeError) as exc:
             if isinstance(exc, NbddpError):
                 raise
-            raise UsageError(str(exc)) from None  # a bad option value, before any start
+            raise _usage_error(exc, args.gpus) from None  # a bad option value, before any start
 
     @property
     def _shell(self) -> Any:
@@ -225,13 +203,7 @@ class DDPMagics(Magics):
               choices=["start", "stop", "restart", "status"],
               help="start ranks that keep their state from cell to cell, stop or restart "
                    "them, or say what runs (the default)")
-    @argument("--nprocs", type=int, metavar="N", help="N ranks (as %%ddp --nprocs)")
-    @argument("--gpus", metavar="N|I,J", help="one rank per GPU (as %%ddp --gpus)")
-    @argument("--backend", help="process-group backend (default: nccl on GPU, gloo on CPU)")
-    @argument("--no-init", action="store_true",
-              help="do not initialise the default process group (your cells do)")
-    @argument("--timeout", type=float, metavar="SECONDS",
-              help="default time limit of each cell (%%ddp --timeout overrides it)")
+    @_arguments(*_flags(RunOptions, session=True))
     @line_magic
     def ddp_session(self, line: str) -> Any:
         """Ranks that keep their state between ``%%ddp`` cells.
@@ -275,16 +247,12 @@ def _running_cell_number(shell: Any) -> int:
 
 
 def _start_session(args: Any) -> Session:
-    gpus = _parse_gpus(args.gpus)
-    if gpus is not None:
-        _check_gpus(gpus, args.gpus)
     try:
-        return Session(args.nprocs, gpus=gpus, backend=args.backend, init=not args.no_init,
-                       timeout=args.timeout)
+        return Session(**_values(RunOptions, args, session=True))
     except (ValueError, TypeError) as exc:
         if isinstance(exc, NbddpError):
             raise
-        raise UsageError(str(exc)) from None
+        raise _usage_error(exc, args.gpus) from None
 
 
 def _per_node(gpus: int | list[int] | None) -> int | None:
@@ -292,19 +260,19 @@ def _per_node(gpus: int | list[int] | None) -> int | None:
     return len(gpus) if isinstance(gpus, list) else gpus
 
 
-def _export_cell(code: Cell, args: Any, gpus: int | list[int] | None) -> None:
+def _export_cell(code: Cell, path: str, run: dict[str, Any], job: dict[str, Any]) -> None:
     """``--export``: write the script and sbatch file, say how to run them."""
-    gpu_count = _per_node(gpus) or 0
+    gpu_count = _per_node(run["gpus"]) or 0
     try:
-        written = export(code, args.export, nodes=args.nodes, nprocs=args.nprocs,
-                         gpus=gpu_count, time=args.time, partition=args.partition,
-                         cpus_per_task=args.cpus_per_task, sbatch=args.sbatch,
-                         max_restarts=args.max_restarts)
+        written = export(code, path, nodes=job["nodes"], nprocs=run["nprocs"], gpus=gpu_count,
+                         time=job["time"], partition=job["partition"],
+                         cpus_per_task=job["cpus_per_task"], sbatch=job["sbatch"],
+                         max_restarts=run["max_restarts"])
     except (ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
     script = written[0]
     print("wrote " + ", ".join(str(p) for p in written))
-    print(f"run it with: torchrun --nproc_per_node {args.nprocs or gpu_count or 2} {script}, "
+    print(f"run it with: torchrun --nproc_per_node {run['nprocs'] or gpu_count or 2} {script}, "
           f"python {script}, or sbatch {written[1]}")
 
 

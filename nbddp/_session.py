@@ -25,13 +25,12 @@ from typing import Any, Literal, TextIO, TypeVar
 from ._errors import NbddpError
 from ._local.group import LocalGroup
 from ._local.standby import STANDBY, START_TIMEOUT
-from ._run.config import DEFAULT_STALL_AFTER, RunConfig
+from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
 from ._run.group import RanksGone
 from ._run.job import LOST, Job
 from ._run.records import Records
 from ._run.shape import GroupShape
 from ._wire.dataplane import Packed
-from ._wire.messages import RankOptions
 from ._wire.payload import Payload
 
 R = TypeVar("R")
@@ -91,8 +90,8 @@ class Session:
                  backend: str | None = None, init: bool = True, timeout: float | None = None,
                  env: Mapping[str, str] | None = None,
                  output: Literal["rank0", "all", "none"] = "rank0") -> None:
-        self.config = RunConfig.resolve(nprocs, gpus, backend=backend, timeout=timeout,
-                                        init=init, env=dict(env or {}), output=output)
+        self.config = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
+                                 timeout=timeout, env=env, output=output).on_this_machine()
         self._lock = threading.Lock()
         self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
         self._warned: set[str] = set()
@@ -144,7 +143,8 @@ class Session:
 
     def submit(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None, *, all_ranks: bool = False,
-               timeout: float | None = None, output: str | None = None,
+               timeout: float | None = None,
+               output: Literal["rank0", "all", "none"] | None = None,
                stdout: TextIO | None = None,
                stall_after: float | None = DEFAULT_STALL_AFTER) -> Job:
         """Hand one run to the ranks and return its ``Job`` at once (``%%ddp`` uses this).
@@ -175,9 +175,8 @@ class Session:
         """(Under the lock) Give the ranks the run; if one of their processes died while
         they were idle, give it to fresh ranks, and say so. True: the session's ranks
         (not fresh ones) took it."""
-        options = RankOptions(config.init, config.backend, config.all_ranks)
         try:
-            self._hand_to(config, payload, records, options)
+            self._hand_to(config, payload, records)
             return True
         except RanksGone as gone:
             self._stop_group()
@@ -187,15 +186,14 @@ class Session:
             self._group = self._new_group(standby=False)
             lost = LOST if self.runs else "this first run starts on fresh ranks"
             self._group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
-        self._hand_to(config, payload, records, options)
+        self._hand_to(config, payload, records)
         return False
 
-    def _hand_to(self, config: RunConfig, payload: Packed, records: Records,
-                 options: RankOptions) -> None:
+    def _hand_to(self, config: RunConfig, payload: Packed, records: Records) -> None:
         group = self._group
         handover, left_out = group.shape.take_up(GroupShape.of(config))
         self._warn_left_out(left_out)
-        group.hand_over(payload, records, options, handover)
+        group.hand_over(payload, records, config.rank_options, handover)
 
     def _warn_left_out(self, names: list[str]) -> None:
         """Once per variable: a notebook change the running ranks cannot take up."""

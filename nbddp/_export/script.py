@@ -18,7 +18,6 @@ from typing import Any
 import cloudpickle
 
 from .._rank.cell import Cell
-from .._run.config import check_max_restarts
 from .._slurm.options import PORT_BASE, PORT_SPAN, SlurmOptions
 from .._slurm.sbatch import sbatch_text
 from .source import Standalone, is_literal, standalone, standalone_names
@@ -160,12 +159,13 @@ def export(
     ``#SBATCH`` lines; ``max_restarts`` is torchrun's ``--max-restarts`` in the sbatch
     file. Returns the paths written.
     """
+    # The defaults are Slurm's, RunOptions' and SlurmOptions' (tests/test_options.py pins
+    # them); SlurmOptions checks the values.
     if not isinstance(fn, (types.FunctionType, Cell)):
         raise TypeError(f"export takes a function defined in the notebook, got {fn!r}")
-    if nodes < 1 or (nprocs is not None and nprocs < 1) or gpus < 0 or (
-            cpus_per_task is not None and cpus_per_task < 1):
-        raise ValueError("nodes, nprocs and cpus_per_task must be at least 1, gpus at least 0")
-    check_max_restarts(max_restarts)
+    options = SlurmOptions(nodes=nodes, nprocs_per_node=gpus or 1 if nprocs is None else nprocs,
+                           gpus_per_node=gpus, cpus_per_task=cpus_per_task, time=time,
+                           partition=partition, extra=tuple(sbatch), max_restarts=max_restarts)
     script = Path(path)
     if isinstance(fn, Cell):
         needs = standalone_names(fn.namespace)
@@ -176,9 +176,6 @@ def export(
         subject, main = f"`{fn.__name__}`", function_main(fn.__name__, call)
     payload = script.with_suffix(".payload.pkl")
     text = script_text(subject, script.name, needs, main, payload.name if needs.data else None)
-    options = SlurmOptions(nodes=nodes, nprocs_per_node=nprocs or gpus or 1, gpus_per_node=gpus,
-                           cpus_per_task=cpus_per_task, time=time, partition=partition,
-                           extra=tuple(sbatch), max_restarts=max_restarts)
     script.parent.mkdir(parents=True, exist_ok=True)
     script.write_text(text)
     written = [script, script.with_suffix(".sbatch")]

@@ -1,55 +1,109 @@
-"""The options of one run: a frozen dataclass, validated once, before anything starts."""
+"""The options of a run: one frozen dataclass, checked once, before anything starts.
+
+``RunOptions`` is the one place for each run option's name, default, check and help:
+``launch``, ``Session`` and ``export`` spell the options out in their signatures (for
+users, IDEs and ``launch``'s overloads; ``tests/test_options.py`` pins those to the
+fields) and build a ``RunOptions`` in one call, and the magics make their flags from the
+fields' ``Flag`` metadata. ``RunOptions.on_this_machine()`` counts the ranks and picks
+their GPUs (``devices`` checks them): a ``RunConfig``, what the rest of nbddp runs.
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal, get_args
 
-from .devices import _parse_visible_devices, visible_gpu_count
+from .._wire.messages import RankOptions
+from .devices import check_ranks_fit, select_gpus, visible_gpu_count
+from .flags import flag, no_flag
 
 #: Ranks started when no GPU is visible and ``nprocs`` is not given: two ranks are the
 #: fewest that exercise the distributed code paths (all-reduce, sharded samplers).
 CPU_DEFAULT_NPROCS = 2
 
-OUTPUT_CHOICES = ("rank0", "all", "none")
+Output = Literal["rank0", "all", "none"]
+OUTPUT_CHOICES: tuple[str, ...] = get_args(Output)
 #: Two minutes without a line of output or a step from any rank: long enough for a slow
 #: first batch or a compile, short enough to notice a hang while waiting for it.
 DEFAULT_STALL_AFTER = 120.0
-_CPU_HINT = "to run on the CPU instead, pass nprocs=N (ranks use gloo) and leave gpus unset"
 
 
-@dataclass(frozen=True)
-class RunConfig:
-    """What to start and how; ``RunConfig.resolve`` fills in the defaults."""
+def _gpus_from_text(text: str) -> int | list[int]:
+    """``--gpus``: ``"2"``, two GPUs; ``"0,2"`` (or ``"1,"``), those GPUs."""
+    try:
+        if "," in text:
+            return [int(part) for part in text.split(",") if part.strip()]
+        return int(text)
+    except ValueError:
+        raise ValueError(f"--gpus takes a count (2) or GPU indices (0,2), not {text!r}") from None
 
-    nprocs: int
-    """Number of ranks (processes) on this machine."""
-    backend: str | None = None
+
+def _never_if_zero(seconds: float) -> float | None:
+    """``--stall-after 0``: never say the run looks stalled."""
+    return seconds or None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions:
+    """A run's options as the user gives them (to ``launch``, ``Session`` or a magic).
+
+    The fields are in the order of ``%%ddp``'s help; ``launch``'s signature has the same
+    names and defaults.
+    """
+
+    gpus: int | Sequence[int] | None = field(default=None, metadata=flag(
+        "one rank per GPU: a count (--gpus 2) or GPU indices (--gpus 0,2)",
+        metavar="N|I,J", value=_gpus_from_text, session="one rank per GPU (as %%ddp --gpus)"))
+    """One rank per GPU: a count, or the indices of the GPUs to use."""
+    nprocs: int | None = field(default=None, metadata=flag(
+        "N ranks on whatever devices exist (gloo on CPU); default: one per visible GPU, or "
+        f"{CPU_DEFAULT_NPROCS} on a machine without one",
+        type=int, metavar="N", session="N ranks (as %%ddp --nprocs)"))
+    """Number of ranks (processes) on this machine; None: one per visible GPU (or per
+    GPU of ``gpus``), ``CPU_DEFAULT_NPROCS`` on a machine without one."""
+    backend: str | None = field(default=None, metadata=flag(
+        "process-group backend (default: nccl on GPU, gloo on CPU)",
+        session="process-group backend (default: nccl on GPU, gloo on CPU)"))
     """Process-group backend; ``None`` picks NCCL on a GPU rank, gloo otherwise."""
-    timeout: float | None = None
+    timeout: float | None = field(default=None, metadata=flag(
+        "stop every rank and raise TimeoutError after this many seconds",
+        type=float, metavar="SECONDS",
+        session="default time limit of each cell (%%ddp --timeout overrides it)"))
     """Seconds the whole run may take before every rank is stopped."""
-    init: bool = True
+    init: bool = field(default=True, metadata=flag(
+        "do not initialise the default process group (your code does)",
+        name="--no-init", action="store_false",
+        session="do not initialise the default process group (your cells do)"))
     """Initialise (and destroy) the default process group around the user's function."""
-    all_ranks: bool = False
-    """Return every rank's value, in rank order, instead of rank 0's."""
-    cuda_visible_devices: str | None = None
-    """``CUDA_VISIBLE_DEVICES`` for the ranks, when the user picked GPUs."""
-    env: Mapping[str, str] = field(default_factory=dict)
-    """Extra environment variables for every rank."""
-    output: str = "rank0"
-    """Whose output is shown live: ``"rank0"``, ``"all"`` (each line prefixed), ``"none"``."""
-    max_restarts: int = 0
+    max_restarts: int = field(default=0, metadata=flag(
+        "when a rank fails, torchrun restarts every rank, up to N times (the cell runs "
+        "again from its start)", type=int, metavar="N"))
     """How many times torchrun restarts every rank after one fails (``--max-restarts``)."""
-    stall_after: float | None = DEFAULT_STALL_AFTER
+    stall_after: float | None = field(default=DEFAULT_STALL_AFTER, metadata=flag(
+        "say the run looks stalled when no rank has printed or advanced for this long "
+        f"(default {DEFAULT_STALL_AFTER:g}; 0: never)",
+        type=float, metavar="SECONDS", value=_never_if_zero))
     """Seconds without output or progress from any rank after which the panel says the
     run looks stalled; None never says it."""
+    output: Output = field(default="rank0", metadata=flag(
+        "show every rank's output live, each line prefixed with its rank",
+        name="--all-ranks", action="store_const", const="all"))
+    """Whose output is shown live: ``"rank0"``, ``"all"`` (each line prefixed), ``"none"``."""
+    all_ranks: bool = field(default=False, metadata=no_flag(
+        "a cell's value is rank 0's; every rank's output is --all-ranks (output)"))
+    """Return every rank's value, in rank order, instead of rank 0's."""
+    env: Mapping[str, str] | None = field(default=None, metadata=no_flag(
+        "a cell's ranks get the kernel's environment"))
+    """Extra environment variables for every rank (a ``dict`` once checked, never None)."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int):
-            raise TypeError(f"nprocs must be an int, got {self.nprocs!r}")
-        if self.nprocs < 1:
-            raise ValueError(f"nprocs must be at least 1, got {self.nprocs}")
+        object.__setattr__(self, "env", dict(self.env or {}))
+        if self.nprocs is not None:
+            if isinstance(self.nprocs, bool) or not isinstance(self.nprocs, int):
+                raise TypeError(f"nprocs must be an int, got {self.nprocs!r}")
+            if self.nprocs < 1:
+                raise ValueError(f"nprocs must be at least 1, got {self.nprocs}")
         if self.backend is not None and (not isinstance(self.backend, str) or not self.backend):
             raise ValueError(
                 f"backend must be a name such as 'nccl' or 'gloo', got {self.backend!r}")
@@ -58,44 +112,64 @@ class RunConfig:
         ):
             raise ValueError(f"timeout must be a positive number of seconds, got {self.timeout!r}")
         check_max_restarts(self.max_restarts)
+        self._check_stall_after()
+        if self.output not in OUTPUT_CHOICES:
+            raise ValueError(f"output must be one of {OUTPUT_CHOICES}, got {self.output!r}")
+        bad_env = [k for k, v in (self.env or {}).items()
+                   if not (isinstance(k, str) and isinstance(v, str))]
+        if bad_env:
+            raise TypeError(f"env must map str to str; bad entries: {bad_env}")
+
+    def _check_stall_after(self) -> None:
         if self.stall_after is not None and (
                 isinstance(self.stall_after, bool) or not isinstance(self.stall_after, (int, float))
                 or self.stall_after <= 0):
             raise ValueError(f"stall_after must be a positive number of seconds or None, got "
                              f"{self.stall_after!r}")
-        if self.output not in OUTPUT_CHOICES:
-            raise ValueError(f"output must be one of {OUTPUT_CHOICES}, got {self.output!r}")
-        bad_env = [k for k, v in self.env.items()
-                   if not (isinstance(k, str) and isinstance(v, str))]
-        if bad_env:
-            raise TypeError(f"env must map str to str; bad entries: {bad_env}")
+
+    def on_this_machine(self) -> RunConfig:
+        """The run on this machine: ``nprocs``/``gpus`` made a rank count and a device
+        selection, checked against the GPUs that are visible."""
+        available = visible_gpu_count()
+        if self.gpus is not None:
+            devices = select_gpus(self.gpus, available)
+            if self.nprocs is not None and self.nprocs != len(devices):
+                raise ValueError(f"nprocs={self.nprocs} disagrees with gpus={self.gpus!r} "
+                                 f"({len(devices)} GPUs); give one or the other")
+            return self.config(len(devices), cuda_visible_devices=",".join(devices))
+        nprocs = self.nprocs
+        if nprocs is None:
+            nprocs = available if available and self.backend != "gloo" else CPU_DEFAULT_NPROCS
+        check_ranks_fit(nprocs, self.backend, available)
+        return self.config(nprocs)
+
+    def config(self, nprocs: int, **resolved: Any) -> RunConfig:
+        """These options as a run's ``RunConfig`` of ``nprocs`` ranks in all, with what was
+        resolved (``cuda_visible_devices``, a cluster job's ``max_restarts``)."""
+        given = {option.name: getattr(self, option.name) for option in fields(RunOptions)}
+        return RunConfig(**{**given, "nprocs": nprocs, **resolved})
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig(RunOptions):
+    """What to start and how: the options with the ranks counted and their GPUs chosen
+    (``RunOptions.on_this_machine``, or a SLURM job's shape)."""
+
+    nprocs: int
+    """Number of ranks (processes) in all."""
+    cuda_visible_devices: str | None = None
+    """``CUDA_VISIBLE_DEVICES`` for the ranks, when the user picked GPUs."""
 
     @classmethod
-    def resolve(
-        cls,
-        nprocs: int | None = None,
-        gpus: int | Sequence[int] | None = None,
-        **options,
-    ) -> RunConfig:
-        """Turn the user's ``nprocs``/``gpus`` into a rank count and device selection."""
-        available = visible_gpu_count()
-        if gpus is not None:
-            devices = _select_gpus(gpus, available)
-            if nprocs is not None and nprocs != len(devices):
-                raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus!r} "
-                                 f"({len(devices)} GPUs); give one or the other")
-            return cls(nprocs=len(devices), cuda_visible_devices=",".join(devices), **options)
-        backend = options.get("backend")
-        if nprocs is None:
-            nprocs = available if available and backend != "gloo" else CPU_DEFAULT_NPROCS
-        if backend == "nccl" and available == 0:
-            raise ValueError(f"backend='nccl' needs GPUs, and no GPU is visible; {_CPU_HINT}")
-        one_gpu_per_rank = available and backend in (None, "nccl")
-        if one_gpu_per_rank and isinstance(nprocs, int) and nprocs > available:
-            raise ValueError(
-                f"nprocs={nprocs} asks for one GPU per rank, but only {available} GPU(s) are "
-                "visible; lower nprocs, or pass backend='gloo' for CPU ranks")
-        return cls(nprocs=nprocs, **options)
+    def resolve(cls, nprocs: int | None = None, gpus: int | Sequence[int] | None = None,
+                **options: Any) -> RunConfig:
+        """``RunOptions(nprocs=..., gpus=..., **options).on_this_machine()``."""
+        return RunOptions(nprocs=nprocs, gpus=gpus, **options).on_this_machine()
+
+    @property
+    def rank_options(self) -> RankOptions:
+        """What each rank is told with the run's ``Start``."""
+        return RankOptions(self.init, self.backend, self.all_ranks)
 
 
 def check_max_restarts(value: object) -> None:
@@ -116,23 +190,3 @@ for nbddp's process group and for one a user's code creates."""
 def torchrun_environment(max_restarts: int) -> dict[str, str]:
     """What torchrun's environment needs for ``max_restarts``."""
     return dict(RESTART_SAFE_ENV) if max_restarts else {}
-
-
-def _select_gpus(gpus: int | Sequence[int], available: int) -> list[str]:
-    """The ``CUDA_VISIBLE_DEVICES`` entries for ``gpus`` (a count, or indices)."""
-    if isinstance(gpus, bool) or not isinstance(gpus, (int, Sequence)) or isinstance(gpus, str):
-        raise TypeError(f"gpus must be a count or a list of GPU indices, got {gpus!r}")
-    indices = list(range(gpus)) if isinstance(gpus, int) else list(gpus)
-    if not indices or any(not isinstance(i, int) or i < 0 for i in indices):
-        raise ValueError(f"gpus must be a positive count or non-negative indices, got {gpus!r}")
-    if len(set(indices)) != len(indices):
-        raise ValueError(f"gpus lists a GPU twice: {gpus!r}")
-    if max(indices) >= available:
-        wanted = f"{gpus} GPU(s)" if isinstance(gpus, int) else f"GPU(s) {indices}"
-        raise ValueError(
-            f"asked for {wanted}, but only {available} GPU(s) are visible; {_CPU_HINT}")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        return [str(i) for i in indices]
-    ids = _parse_visible_devices(visible)
-    return [ids[i] for i in indices]

@@ -1,7 +1,9 @@
-"""Count the GPUs the ranks will see, without importing torch or initialising CUDA.
+"""The GPUs the ranks will see, and every check of the GPUs a run asks for.
 
-The kernel must stay free of CUDA, so this asks NVML (the driver's management
+The kernel must stay free of CUDA, so the count asks NVML (the driver's management
 library, which creates no CUDA context) and applies ``CUDA_VISIBLE_DEVICES``.
+``launch``, ``Session`` and the magics all come here (through
+``RunOptions.on_this_machine``) to learn whether the GPUs asked for exist.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+from collections.abc import Sequence
 
 _UNSET = object()
 
@@ -51,3 +54,47 @@ def visible_gpu_count(visible: str | None | object = _UNSET) -> int:
     if not isinstance(visible, str):
         return physical
     return min(physical, len(_parse_visible_devices(visible)))
+
+
+CPU_HINT = "to run on the CPU instead, pass nprocs=N (ranks use gloo) and leave gpus unset"
+
+
+class GpusNotVisible(ValueError):
+    """``gpus`` names more GPUs than are visible (the magic says it in its flags' words)."""
+
+    available: int = 0
+    """The GPUs that are visible."""
+
+
+def select_gpus(gpus: int | Sequence[int], available: int) -> list[str]:
+    """The ``CUDA_VISIBLE_DEVICES`` entries for ``gpus`` (a count, or indices)."""
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, Sequence)) or isinstance(gpus, str):
+        raise TypeError(f"gpus must be a count or a list of GPU indices, got {gpus!r}")
+    indices = list(range(gpus)) if isinstance(gpus, int) else list(gpus)
+    if not indices or any(not isinstance(i, int) or i < 0 for i in indices):
+        raise ValueError(f"gpus must be a positive count or non-negative indices, got {gpus!r}")
+    if len(set(indices)) != len(indices):
+        raise ValueError(f"gpus lists a GPU twice: {gpus!r}")
+    if max(indices) >= available:
+        wanted = f"{gpus} GPU(s)" if isinstance(gpus, int) else f"GPU(s) {indices}"
+        error = GpusNotVisible(
+            f"asked for {wanted}, but only {available} GPU(s) are visible; {CPU_HINT}")
+        error.available = available
+        raise error
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return [str(i) for i in indices]
+    ids = _parse_visible_devices(visible)
+    return [ids[i] for i in indices]
+
+
+def check_ranks_fit(nprocs: int, backend: str | None, available: int) -> None:
+    """``nprocs`` ranks with ``backend`` (None: NCCL where there are GPUs) fit the
+    ``available`` GPUs: NCCL needs one, and one GPU per rank means enough of them."""
+    if backend == "nccl" and available == 0:
+        raise ValueError(f"backend='nccl' needs GPUs, and no GPU is visible; {CPU_HINT}")
+    one_gpu_per_rank = available and backend in (None, "nccl")
+    if one_gpu_per_rank and nprocs > available:
+        raise ValueError(
+            f"nprocs={nprocs} asks for one GPU per rank, but only {available} GPU(s) are "
+            "visible; lower nprocs, or pass backend='gloo' for CPU ranks")

@@ -68,7 +68,7 @@ def rank_environment(config: RunConfig) -> dict[str, str]:
     env["PYTHONPATH"] = _PACKAGE_ROOT + (os.pathsep + path if path else "")
     if config.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = config.cuda_visible_devices
-    env.update(config.env)
+    env.update(config.env or {})
     return env
 
 

@@ -1,8 +1,10 @@
 """What a SLURM job asks for: the user's ``Slurm`` choices and the ``#SBATCH`` options.
 
-``Slurm`` is what a user passes to ``launch(slurm=...)``; ``SlurmOptions`` is the full
+``Slurm`` is what a user passes to ``launch(slurm=...)``, and the one place of the
+``%%ddp`` flags that describe a SLURM job (``--nodes``...); ``SlurmOptions`` is the full
 set of ``#SBATCH`` choices that export and submission write (``Slurm.options`` adds the
-ranks and GPUs per node that ``launch`` decides).
+ranks and GPUs per node that ``launch`` decides; ``export`` builds one from its
+arguments, and its checks are here).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .._run.config import check_max_restarts
+from .._run.flags import flag, no_flag
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,11 @@ class SlurmOptions:
     """Seconds before the time limit at which the ranks are told to stop (submissions)."""
 
     def __post_init__(self) -> None:
+        if self.nodes < 1 or self.nprocs_per_node < 1 or self.gpus_per_node < 0 or (
+                self.cpus_per_task is not None and self.cpus_per_task < 1):
+            raise ValueError("nodes, nprocs and cpus_per_task must be at least 1, gpus at "
+                             "least 0")
+        check_max_restarts(self.max_restarts)
         if self.port is not None and (isinstance(self.port, bool) or not isinstance(
                 self.port, int) or not 0 < self.port < 65536):  # it goes into a shell script
             raise ValueError(f"the rendezvous port is a number from 1 to 65535, got "
@@ -73,22 +81,35 @@ class Slurm:
     ``~/.cache/nbddp/runs``.
     """
 
-    nodes: int = 1
+    nodes: int = field(default=1, metadata=flag(
+        "with --slurm or --export: machines for the job (ranks per node: --nprocs or --gpus; "
+        "default one)", type=int, metavar="N"))
     """Machines; one torchrun per machine, joined by c10d rendezvous."""
-    time: str | None = None
+    time: str | None = field(default=None, metadata=flag(
+        "with --slurm or --export: the job's time limit, e.g. 01:00:00"))
     """The job's time limit, e.g. ``"01:00:00"``."""
-    partition: str | None = None
+    partition: str | None = field(default=None, metadata=flag(
+        "with --slurm or --export: the SLURM partition"))
     """The partition to submit to (the cluster's default if not given)."""
-    cpus_per_task: int | None = None
+    cpus_per_task: int | None = field(default=None, metadata=flag(
+        "with --slurm or --export: CPUs per node for its torchrun and ranks",
+        type=int, metavar="N"))
     """CPUs for each machine's torchrun and its ranks."""
-    sbatch: Sequence[str] = field(default=())
+    sbatch: Sequence[str] = field(default=(), metadata=flag(
+        "with --slurm or --export: an extra #SBATCH line, e.g. --sbatch=--account=proj "
+        "(repeatable)", action="append", metavar="LINE"))
     """More ``#SBATCH`` options, each one line without the prefix."""
-    max_restarts: int = 0
+    max_restarts: int = field(default=0, metadata=no_flag(
+        "%%ddp --max-restarts (a run option) gives it"))
     """torchrun's restarts of every rank after one fails (as ``launch(max_restarts=)``)."""
-    requeue: bool = False
+    requeue: bool = field(default=False, metadata=flag(
+        "with --slurm: SLURM may requeue the job (preemption, a failed node); the cell "
+        "follows it through each requeue", action="store_true"))
     """Let SLURM put the job back in the queue (``--requeue``), e.g. when it is preempted;
     the notebook follows it through each requeue. Without it the cluster's default holds."""
-    signal_before: int | None = None
+    signal_before: int | None = field(default=None, metadata=flag(
+        "with --slurm: nbddp.stop_requested() turns true this long before the time limit "
+        "(save, then nbddp.requeue())", type=int, metavar="SECONDS"))
     """Seconds before the time limit at which ``nbddp.stop_requested()`` turns true on
     every rank (SLURM may signal up to a minute earlier). Save, then ``nbddp.requeue()``."""
 
