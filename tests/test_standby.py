@@ -8,6 +8,7 @@ results, PIDs, timings of the cell, the panel's last line, and what is left runn
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -17,7 +18,7 @@ import pytest
 
 import nbddp
 
-from .conftest import descendants, local_run_dirs, run_dirs, wait_until
+from .conftest import LEFTOVER_GRACE, descendants, local_run_dirs, run_dirs, wait_until
 from .kernel_driver import Kernel
 from .test_kernel import _alive, _cmdline, _snapshot
 
@@ -231,7 +232,13 @@ def test_an_interrupted_warm_launch_stops_everything(skernel):
     run.finish(timeout=30)
     assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
     assert run.idle_at - interrupted < 10
-    wait_until(lambda: not _alive(waiting) and not descendants(skernel.pid), timeout=10)
+    try:
+        wait_until(lambda: not _alive(waiting) and not descendants(skernel.pid), timeout=10)
+    except AssertionError:
+        left = set(_alive(waiting)) | descendants(skernel.pid)
+        raise AssertionError("still running: " + "; ".join(
+            f"{p} {_cmdline(p)}" for p in left) + "\n" + skernel.run(
+            "print(nbddp.standby())").stream_text()) from None
     assert skernel.run("nbddp.standby().status").result() == "'none'"  # none restarted
 
 
@@ -257,8 +264,13 @@ def test_standby_false_stops_the_group_at_once(skernel):
     assert not _alive(waiting), [_cmdline(p) for p in _alive(waiting)]
     value, warm = launch_in(skernel, "world, nprocs=2")
     assert (value[1:], warm) == ((2, 2.0), False)
-    time.sleep(1)
-    assert not descendants(skernel.pid), "a run started standby ranks while standby was off"
+    # The run's own processes end by themselves (its value came back as they exited);
+    # standby ranks would wait for the next launch, and never end.
+    with contextlib.suppress(AssertionError):
+        wait_until(lambda: not descendants(skernel.pid), timeout=LEFTOVER_GRACE)
+    left = descendants(skernel.pid)
+    assert not left, "a run started standby ranks while standby was off: " + "; ".join(
+        _cmdline(pid) for pid in left)
 
 
 @pytest.mark.parametrize("victim", ["a rank", "torchrun"])
