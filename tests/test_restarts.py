@@ -170,9 +170,7 @@ def test_a_session_cell_refuses_max_restarts():
 
     from nbddp._magic import _session_conflicts
 
-    cell = SimpleNamespace(nprocs=None, backend=None, no_init=False, slurm=False,
-                           max_restarts=1)
+    cell = {"nprocs": None, "gpus": None, "backend": None, "init": True, "max_restarts": 1}
     session = SimpleNamespace(config=RunConfig(nprocs=2))
-    assert _session_conflicts(cell, None, session) == ["--max-restarts"]
-    assert _session_conflicts(SimpleNamespace(**{**vars(cell), "max_restarts": 0}), None,
-                              session) == []
+    assert _session_conflicts(cell, False, session) == ["--max-restarts"]
+    assert _session_conflicts({**cell, "max_restarts": 0}, False, session) == []

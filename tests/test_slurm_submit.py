@@ -212,7 +212,12 @@ def test_a_restarted_kernel_reattaches_to_its_job(slurm_env, jobs, fresh_kernel,
     job_id = job_id_in(run.stream_text(), jobs)
     wait_until(lambda: "waiting for" in fresh_kernel.run("job.logs[0]").result(), timeout=120,
                interval=0.5)
-    assert f"waiting for {flag}" in run.stream_text()  # rank 0's output, under its cell
+
+    def under_its_cell():  # rank 0's output: the cell's tail shows it soon after the log
+        fresh_kernel.run("1")  # takes in the kernel's messages, the cell's late output too
+        return f"waiting for {flag}" in run.stream_text()
+
+    wait_until(under_its_cell, timeout=10, interval=0.2)
 
     fresh_kernel.km.restart_kernel(now=True)
     fresh_kernel.kc.wait_for_ready(timeout=60)
