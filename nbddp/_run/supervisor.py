@@ -360,7 +360,7 @@ class Supervisor:
         if self.requeueing and not self.failures:
             return Ending("stopped", NbddpError(
                 f"the ranks called nbddp.requeue(), but {self.group.where} ended instead of "
-                f"going back to the queue; see {self.records.path / 'torchrun.log'}"))
+                f"going back to the queue; see {self.records.launcher_log}"))
         stopped = self.group.stopped_from_outside()
         if stopped and not self.failures:
             return Ending("stopped", NbddpError(
