@@ -100,7 +100,6 @@ class Session:
         self._closed = False
         self.runs = 0
         self.restarts = 0
-        self._room = 0  # bytes of data the last run sent, allocated ahead for the next
         self.names: frozenset[str] = frozenset()
         """The names the session's code has bound on the ranks (rank 0's): a cell that
         reads one of them gets the ranks' value, not the notebook's."""
@@ -158,12 +157,11 @@ class Session:
         with self._lock:
             self._check_idle()
             self._busy = True
-            self._room = payload.buffer_bytes  # the next cell likely sends as much again
             try:
                 records = Records.create()
                 warm = self._hand_over(config, payload, records)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
-                               after=self._after_run)
+                               sent=payload.buffer_bytes, after=self._after_run)
                 self._group.notice = None  # said once, under this run
             except BaseException:
                 self._busy = False
@@ -214,7 +212,9 @@ class Session:
                              "for it (job.result()) or cancel it first")
 
     def _after_run(self, job: Job) -> None:
-        """A run ended: keep the ranks' names, or start fresh ranks if they were lost."""
+        """A run ended: keep the ranks' names, or start fresh ranks if they were lost.
+        The next run's rooms are made as large as this one's data (the next cell likely
+        sends and gets as much again)."""
         self.runs += 1
         try:
             if job.state_kept:
@@ -229,7 +229,7 @@ class Session:
                     job._note("session: restarted with fresh ranks; what earlier runs "
                               "defined is gone")
             if not self._closed:
-                self._group.make_room(self._room, job._result_bytes)
+                self._group.make_room(*job._data_bytes)
         finally:
             self._busy = False
 

@@ -29,6 +29,7 @@ from .config import RunConfig
 from .diagnosis import describe, diagnose
 from .group import RankGroup
 from .records import Records
+from .results import run_value
 from .supervisor import Ending, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -82,12 +83,14 @@ class Job(Generic[R]):
     _latest: Job | None = None  # what last_job() returns
 
     def __init__(self, group: RankGroup, config: RunConfig, records: Records, *,
-                 stdout: TextIO | None = None, warm: bool = False,
+                 stdout: TextIO | None = None, warm: bool = False, sent: int = 0,
                  after: Callable[[Job], None] | None = None) -> None:
-        """Follow the run ``group`` was handed; ``after`` runs once the ranks have ended
-        it themselves (returned or failed), before the caller is told."""
+        """Follow the run ``group`` was handed (``sent``: the bytes of tensor and array
+        data its payload holds); ``after`` runs once the ranks have ended it themselves
+        (returned or failed), before the caller is told."""
         self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
         self._group, self._records, self._after = group, records, after
+        self._sent, self._received = sent, 0
         self._cancel_reason: str | None = None
         self._outcome: Outcome | None = None
         self._ended = threading.Event()  # the outcome is known
@@ -190,9 +193,10 @@ class Job(Generic[R]):
         return self._supervisor.requeue
 
     @property
-    def _result_bytes(self) -> int:
-        """The size of rank 0's result data file (0 without one)."""
-        return self._supervisor.result_bytes
+    def _data_bytes(self) -> tuple[int, int]:
+        """The bytes of tensor and array data the run sent (its payload) and got back
+        (rank 0's result; 0 until read): the next run's rooms are made that large."""
+        return self._sent, self._received
 
     # --- ending ---------------------------------------------------------------------
 
@@ -285,9 +289,13 @@ class Job(Generic[R]):
     def _value(self) -> Outcome:
         """Every rank returned: the value the caller gets (an error if it cannot be read)."""
         try:
-            return Outcome(self._supervisor.results_value())
+            return Outcome(run_value(self._supervisor.results, self.config.all_ranks,
+                                     self.config.nprocs, self._got))
         except NbddpError as exc:
             return Outcome(error=exc)
+
+    def _got(self, data_bytes: int) -> None:
+        self._received = data_bytes
 
     def _bring_back(self) -> bool:
         """Interrupt the ranks still in the run; True once every rank is back at rest."""

@@ -13,13 +13,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from .._errors import NbddpError
 from .._panel.display import Panel, PanelState, WidgetPanel, make_panel
 from .._panel.output import BoundedOutput, LogTail
-from .._wire import dataplane
 from .._wire.history import History
 from .._wire.messages import (
     Assigned,
@@ -35,7 +33,6 @@ from .._wire.messages import (
     Sequenced,
     StopRequested,
 )
-from .._wire.payload import loads_value
 from .._wire.stacks import where
 from .config import RunConfig
 from .debugger import Debugger
@@ -72,8 +69,6 @@ class Supervisor:
                  stdout: TextIO) -> None:
         self.group, self.config, self.records = group, config, records
         self.results: dict[int, Result] = {}
-        self.result_bytes = 0
-        """The size of rank 0's result data file, once read (what the next may need)."""
         self.failures: list[Failure | Disconnected] = []
         self.assigned: tuple[str, ...] | None = None
         """A session's names after this run (rank 0's ``Assigned``)."""
@@ -406,30 +401,6 @@ class Supervisor:
             event = self._next_event(None)
             if event is not None:
                 self._record(event)
-
-    def results_value(self) -> Any:
-        """Rank 0's return value, or every rank's with ``all_ranks``."""
-        ranks = range(self.config.nprocs) if self.config.all_ranks else [0]
-        try:
-            values = [self._value_of(self.results[r]) for r in ranks]
-        except Exception as exc:
-            raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
-                             f"the notebook: {type(exc).__name__}: {exc}") from exc
-        return values if self.config.all_ranks else values[0]
-
-    def _value_of(self, result: Result) -> Any:
-        """A rank's return value; its data file is mapped, then removed (the mapping
-        stays). Rank 0's data size is kept: the next run's room is made that large."""
-        if result.file is None:
-            return loads_value(result.value or b"")
-        path = Path(result.file)
-        try:
-            packed = dataplane.read(path)
-        finally:
-            path.unlink(missing_ok=True)
-        if result.rank == 0:
-            self.result_bytes = packed.buffer_bytes
-        return packed.load()
 
     def close_output(self) -> None:
         """Show the last of the ranks' output; average what is left of the history."""
