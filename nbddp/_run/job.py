@@ -178,19 +178,19 @@ class Job(Generic[R]):
     @property
     def restarts(self) -> int:
         """How many times torchrun has restarted every rank in this run (``max_restarts``)."""
-        return self._supervisor.attempt
+        return self._supervisor.attempt.number
 
     @property
     def ranks(self) -> dict[int, dict[str, Any]]:
         """``{rank: {...}}``, live and after the run: ``state``, ``step`` (its last step
         logged, or its progress), ``steps_per_s``, ``rss_mb``, ``gpu_mem_mb`` (None without
         CUDA), ``pid``, ``host``, and ``behind`` (its step trails the others')."""
-        return self._supervisor.view.ranks(list(self._supervisor.state.ranks))
+        return self._supervisor.view.ranks(self._supervisor.rank_states())
 
     @property
     def requeues(self) -> int:
         """How many times SLURM has requeued this run's job (each runs it again)."""
-        return self._supervisor.requeue
+        return self._supervisor.attempt.requeue
 
     @property
     def _data_bytes(self) -> tuple[int, int]:
@@ -234,7 +234,7 @@ class Job(Generic[R]):
         """Every rank returned: the panel's last word, the value, then the processes seen
         off. A local run gives its value first: its processes are ending by themselves,
         and nothing of them can outlive the kernel."""
-        self._supervisor.drain()
+        self._supervisor.pump.drain()
         outcome = self._value()
         self._call_after()
         self._end_panel(outcome)
@@ -248,13 +248,14 @@ class Job(Generic[R]):
         sup = self._supervisor
         try:
             self._group.stop()
-            sup.drain()
+            sup.pump.drain()
             error = ending.error
             if error is None:
-                error = diagnose(sup.failures, sup.results, self._group.run_dir,
-                                 self._records, self.config.nprocs, self.logs)
-                if isinstance(error, WorkerError) and sup.attempt:
-                    error.attempts = sup.attempt + 1
+                error = diagnose(sup.attempt.failures, sup.attempt.results,
+                                 self._group.run_dir, self._records, self.config.nprocs,
+                                 self.logs)
+                if isinstance(error, WorkerError) and sup.attempt.number:
+                    error.attempts = sup.attempt.number + 1
                     error.earlier = [describe(cause) for cause in sup.causes]
         finally:
             self._group.close()
@@ -272,12 +273,13 @@ class Job(Generic[R]):
         kept = ending.kind == "returned" or self._bring_back()
         if not kept:
             self._group.stop()
-        sup.drain()
+        sup.pump.drain()
         if ending.kind == "returned":
             outcome = self._value()
         else:
-            error = ending.error or diagnose(sup.failures, sup.results, self._group.run_dir,
-                                             self._records, self.config.nprocs, self.logs)
+            error = ending.error or diagnose(sup.attempt.failures, sup.attempt.results,
+                                             self._group.run_dir, self._records,
+                                             self.config.nprocs, self.logs)
             outcome = Outcome(error=with_session_note(error, kept))
         if not kept:
             self._group.close()
@@ -289,7 +291,7 @@ class Job(Generic[R]):
     def _value(self) -> Outcome:
         """Every rank returned: the value the caller gets (an error if it cannot be read)."""
         try:
-            return Outcome(run_value(self._supervisor.results, self.config.all_ranks,
+            return Outcome(run_value(self._supervisor.attempt.results, self.config.all_ranks,
                                      self.config.nprocs, self._got))
         except NbddpError as exc:
             return Outcome(error=exc)
@@ -302,7 +304,7 @@ class Job(Generic[R]):
         sup = self._supervisor
         if sup.lost:
             return False
-        self._group.interrupt(set(range(self.config.nprocs)) - sup.reported)
+        self._group.interrupt(set(range(self.config.nprocs)) - sup.attempt.reported)
         return sup.wait_reports(SETTLE_SECONDS)
 
     def _call_after(self) -> None:
@@ -319,14 +321,7 @@ class Job(Generic[R]):
             self._ended.set()
 
     def _end_panel(self, outcome: Outcome) -> None:
-        sup = self._supervisor
-        sup.pump_output()
-        sup.close_output()
-        state = sup.state
-        state.ended = time.monotonic()
-        state.status, state.message = _describe(outcome)
-        state.ranks = [s if s != "running" else "stopped" for s in state.ranks]
-        sup.panel.close(state)
+        self._supervisor.close(*_describe(outcome))
 
     def _note(self, line: str) -> None:
         """Show ``line`` as the panel's last line (standby ranks' state), even after the
