@@ -21,7 +21,6 @@ from .._panel.display import Panel, PanelState, WidgetPanel, make_panel
 from .._panel.output import BoundedOutput, LogTail
 from .._wire.history import History
 from .._wire.messages import (
-    Assigned,
     DebugDone,
     DebugPrompt,
     Disconnected,
@@ -73,8 +72,6 @@ class Supervisor:
         self.causes: list[Failure | Disconnected] = []
         """Why each restart happened: the first cause of each failed attempt."""
         self.launcher_exited = False
-        self.assigned: tuple[str, ...] | None = None
-        """A session's names after this run (rank 0's ``Assigned``)."""
         self.ended = False
         """The run is over: ranks that were still running were stopped."""
         self.view = RankView(config.nprocs)
@@ -120,10 +117,6 @@ class Supervisor:
         on(Disconnected, self._disconnected)
         on(Requeueing, lambda report: self.attempt.requeueing.add(report.rank))
         on(LauncherExited, self._launcher_exit)
-        on(Assigned, self._assigned)
-
-    def _assigned(self, message: Assigned) -> None:
-        self.assigned = message.names
 
     def _hello(self, hello: Hello) -> None:
         self.attempt.started.add(hello.rank)
@@ -265,20 +258,6 @@ class Supervisor:
         """A rank died, or the launcher ended: the group cannot run again."""
         return self.launcher_exited or any(isinstance(f, Disconnected)
                                            for f in self.attempt.failures)
-
-    def wait_reports(self, seconds: float) -> bool:
-        """Follow events until every rank has reported (True), or ``seconds`` passed or
-        the group was lost (False); rank 0 sends a session's names right after its report."""
-        deadline = time.monotonic() + seconds
-        everyone = set(range(self.config.nprocs))
-
-        def at_rest() -> bool:
-            return self.attempt.reported == everyone and not self.lost
-
-        self.pump.run(lambda: at_rest() or self.lost, seconds, turn=self.pump_output)
-        if at_rest() and self.assigned is None:
-            self.pump.run(lambda: self.assigned is not None, deadline - time.monotonic())
-        return at_rest()
 
     # --- what the user sees ---------------------------------------------------------------
 
