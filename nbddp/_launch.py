@@ -153,10 +153,9 @@ def _start_here(config: RunConfig, payload: Packed) -> Job:
     """On the standby group if it can take the run, else on a group started now; the
     run's end starts the next standby group."""
     shape = GroupShape.of(config)
-    sent = payload.buffer_bytes  # the next launch likely sends and gets as much again
 
-    def after(job: Job) -> None:
-        STANDBY.refill(shape, job._note, sent, job._result_bytes)
+    def after(job: Job) -> None:  # the next launch likely sends and gets as much again
+        STANDBY.refill(shape, job._note, *job._data_bytes)
 
     taken = STANDBY.take(shape)
     records, notice = None, None
@@ -179,7 +178,7 @@ def _start(group: RankGroup, config: RunConfig, payload: Packed, records: Record
     try:
         records = records or group.new_records()
         group.hand_over(payload, records, config.rank_options, handover or Handover())
-        return Job(group, config, records, warm=warm, after=after)
+        return Job(group, config, records, warm=warm, sent=payload.buffer_bytes, after=after)
     except RanksGone:
         assert isinstance(group, LocalGroup)
         STANDBY.retire(group)

@@ -22,18 +22,91 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO, TypeVar
 
-from ._errors import NbddpError
+from ._errors import NbddpError, WorkerError
 from ._local.group import LocalGroup
 from ._local.standby import STANDBY, START_TIMEOUT
 from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
 from ._run.group import RanksGone
-from ._run.job import LOST, Job
+from ._run.job import Job
 from ._run.records import Records
 from ._run.shape import GroupShape
+from ._run.supervisor import Ending, Supervisor
 from ._wire.dataplane import Packed
+from ._wire.messages import Assigned
 from ._wire.payload import Payload
 
 R = TypeVar("R")
+
+SETTLE_SECONDS = 10.0
+"""How long a session's ranks may take to come back to rest after a failure, an
+interrupt or a timeout before they are restarted (a rank stuck in a collective whose
+peer left never comes back by itself)."""
+STATE_KEPT = "the session's ranks are back at rest, with their state"
+STATE_LOST = "the session was restarted: variables defined in earlier cells are gone"
+
+
+def with_session_note(error: BaseException, kept: bool) -> BaseException:
+    """``error``, saying whether the session's state was kept."""
+    note = STATE_KEPT if kept else STATE_LOST
+    if isinstance(error, WorkerError):
+        error.note = note
+        return error
+    if isinstance(error, KeyboardInterrupt):
+        return KeyboardInterrupt(f"every rank was interrupted; {note}")
+    message = str(error).replace("; every rank was stopped", "")
+    renamed = type(error)(f"{message}; {note}") if message else type(error)(note)
+    renamed.__cause__ = error.__cause__
+    return renamed
+
+
+class _OnSession:
+    """One run on the session's ranks, as its ``Job`` sees it (``Staying``): the names
+    the ranks' code bound (rank 0 sends them after its report), and whether the ranks
+    stay for the next run, with their state."""
+
+    def __init__(self, group: LocalGroup) -> None:
+        self._group = group
+        self.kept: bool | None = None
+        """Whether the ranks kept their state: None until the run's end decided it."""
+        self.names: tuple[str, ...] | None = None
+
+    def watch(self, supervisor: Supervisor) -> None:
+        supervisor.pump.on(Assigned, self._assigned)
+
+    def _assigned(self, message: Assigned) -> None:
+        self.names = message.names
+
+    def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
+        self.kept = ending.kind == "returned" or self._bring_back(supervisor)
+        return self.kept
+
+    def told(self, error: BaseException) -> BaseException:
+        return with_session_note(error, bool(self.kept))
+
+    def abandoned(self) -> bool:
+        if self.kept is not None:
+            return False
+        self.kept = False
+        return True
+
+    def _bring_back(self, supervisor: Supervisor) -> bool:
+        """Interrupt the ranks still in the run; True once every rank is back at rest,
+        within ``SETTLE_SECONDS`` (which also wait for rank 0's names, sent right after
+        its report)."""
+        if supervisor.lost:
+            return False
+        everyone = set(range(supervisor.config.nprocs))
+        self._group.interrupt(everyone - supervisor.attempt.reported)
+        deadline = time.monotonic() + SETTLE_SECONDS
+
+        def at_rest() -> bool:
+            return supervisor.attempt.reported == everyone and not supervisor.lost
+
+        supervisor.pump.run(lambda: at_rest() or supervisor.lost, SETTLE_SECONDS,
+                            turn=supervisor.pump_output)
+        if at_rest() and self.names is None:
+            supervisor.pump.run(lambda: self.names is not None, deadline - time.monotonic())
+        return at_rest()
 
 
 @dataclass(frozen=True)
@@ -99,7 +172,6 @@ class Session:
         self._closed = False
         self.runs = 0
         self.restarts = 0
-        self._room = 0  # bytes of data the last run sent, allocated ahead for the next
         self.names: frozenset[str] = frozenset()
         """The names the session's code has bound on the ranks (rank 0's): a cell that
         reads one of them gets the ranks' value, not the notebook's."""
@@ -158,12 +230,13 @@ class Session:
         with self._lock:
             self._check_idle()
             self._busy = True
-            self._room = payload.buffer_bytes  # the next cell likely sends as much again
             try:
                 records = Records.create()
                 warm = self._hand_over(config, payload, records)
+                run = _OnSession(self._group)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
-                               after=self._after_run)
+                               sent=payload.buffer_bytes, staying=run,
+                               after=lambda job: self._after_run(job, run))
                 self._group.notice = None  # said once, under this run
             except BaseException:
                 self._busy = False
@@ -184,7 +257,7 @@ class Session:
             self._warned.clear()
             self.restarts += 1
             self._group = self._new_group(standby=False)
-            lost = LOST if self.runs else "this first run starts on fresh ranks"
+            lost = STATE_LOST if self.runs else "this first run starts on fresh ranks"
             self._group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
         self._hand_to(config, payload, records)
         return False
@@ -211,13 +284,15 @@ class Session:
             raise NbddpError("the session's ranks are still running the last run; wait "
                              "for it (job.result()) or cancel it first")
 
-    def _after_run(self, job: Job) -> None:
-        """A run ended: keep the ranks' names, or start fresh ranks if they were lost."""
+    def _after_run(self, job: Job, run: _OnSession) -> None:
+        """A run ended: keep the ranks' names, or start fresh ranks if they were lost.
+        The next run's rooms are made as large as this one's data (the next cell likely
+        sends and gets as much again)."""
         self.runs += 1
         try:
-            if job.state_kept:
-                if job.session_names is not None:
-                    self.names = frozenset(job.session_names)
+            if run.kept:
+                if run.names is not None:
+                    self.names = frozenset(run.names)
             else:
                 self.names = frozenset()
                 self._warned.clear()
@@ -227,7 +302,7 @@ class Session:
                     job._note("session: restarted with fresh ranks; what earlier runs "
                               "defined is gone")
             if not self._closed:
-                self._group.make_room(self._room, job._result_bytes)
+                self._group.make_room(*job._data_bytes)
         finally:
             self._busy = False
 

@@ -39,6 +39,8 @@ class PanelState:
     footer: str = ""
     """The panel's last line: what the standby ranks for the next launch are doing."""
     ranks: list[str] = field(default_factory=list)
+    """Each rank's state as last shown: copied in before each redraw from the one record
+    the supervisor keeps of what the ranks reported (the panel only reads it)."""
     rank_notes: dict[int, str] = field(default_factory=dict)
     """Per rank, a few words from its stats (step, speed, memory, "behind")."""
     behind: set[int] = field(default_factory=set)

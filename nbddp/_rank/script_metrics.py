@@ -21,10 +21,16 @@ from typing import IO, Any
 
 from .._wire.history import History, averaged_over
 from .._wire.messages import Metrics
+from .._wire.rundir import METRICS
 from .reporter import Reporter
 
 _INTERVAL = 0.5
 _FINAL_WAIT = 10.0
+
+
+def _records_of(folder: Path, rank: int) -> Path:
+    """Where ``rank`` appends its records in a script run's metrics folder."""
+    return folder / f"rank-{rank}.jsonl"
 
 
 class ScriptReporter:
@@ -38,9 +44,9 @@ class ScriptReporter:
     def __init__(self, rank: int, world: int, folder: Path) -> None:
         self.rank, self.world, self.folder = rank, world, folder
         folder.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = (folder / f"rank-{rank}.jsonl").open("w")
+        self._file: IO[str] = _records_of(folder, rank).open("w")
         self._reporter = Reporter(rank, self._write)
-        self._history = History(world, folder / "metrics.jsonl") if rank == 0 else None
+        self._history = History(world, folder / METRICS) if rank == 0 else None
         self._offsets = [0] * world
         self._printed = 0.0
         self._printed_row: dict[str, Any] = {}
@@ -89,7 +95,7 @@ class ScriptReporter:
 
     def _read(self, rank: int) -> tuple[list[tuple[int, dict[str, float]]],
                                         list[tuple[int, dict[str, float]]], bool]:
-        path = self.folder / f"rank-{rank}.jsonl"
+        path = _records_of(self.folder, rank)
         try:
             with path.open() as f:
                 f.seek(self._offsets[rank])

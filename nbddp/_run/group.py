@@ -22,7 +22,6 @@ import contextlib
 import queue
 import shutil
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -76,8 +75,6 @@ class RankGroup:
     notice: str | None = None
     """A line for the notebook when the run starts on this group."""
     slurm_job_id: str | None = None
-    requeues_seen = 0
-    """The latest of SLURM's requeues of the job that the ranks' messages came from."""
     ends_after_result = False
     """After every rank returned, the run's value may be given before the launcher has
     ended: true where the kernel owns the processes (and sees them off regardless)."""
@@ -124,17 +121,12 @@ class RankGroup:
                   handover: Handover) -> None:
         raise NotImplementedError
 
-    def event_handlers(self, supervisor: Supervisor) -> dict[type, Callable[[Any], None]]:
-        """The events of this group's own (beside the ranks' messages) and, for each, what
-        ``supervisor`` does with it."""
-        return {}
+    def hooks(self, supervisor: Supervisor) -> GroupHooks:
+        """This backend's part in following a run on the group (see ``GroupHooks``)."""
+        return GroupHooks(supervisor)
 
     def sync(self) -> None:
         """Read now whatever the ranks sent through slower links (mailbox files)."""
-
-    def requeues(self) -> int:
-        """How many times SLURM has requeued the job by now (0 where no SLURM job runs)."""
-        return 0
 
     def send_to_rank(self, rank: int, message: Any) -> bool:
         """Tell one rank something (pdb's input); False if it cannot be reached."""
@@ -168,6 +160,29 @@ class RankGroup:
                 with contextlib.suppress(OSError):
                     shutil.copyfile(self.run_dir.launcher_log, self.records.launcher_log)
             self.run_dir.remove()
+
+
+class GroupHooks:
+    """A backend's part in following one run on its group; this one adds nothing.
+
+    A backend's hooks register, with ``supervisor.pump``, handlers for its own events
+    (a SLURM job's queue state) and for the messages only its ranks send, and a hook
+    that sees each rank message as it arrives (``on_arrival``). The supervisor asks them
+    two more things when the run would end.
+    """
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+
+    def moved_on(self) -> bool:
+        """A rank failed: True if the backend already follows the ranks' next start
+        instead (SLURM requeues the job, which stopped them); the failure ends nothing."""
+        return False
+
+    def ended_early(self) -> BaseException | None:
+        """The launcher ended before every rank returned: the run's error, if the backend
+        knows why (else the supervisor looks at the ranks' reports)."""
+        return None
 
 
 class RanksGone(NbddpError):

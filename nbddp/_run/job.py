@@ -1,11 +1,12 @@
 """``Job``: one run on a rank group, from hand-over to teardown, followed in a thread.
 
 A ``Supervisor`` follows the run's messages and says how it ended. Then the job ends
-the group. A run whose ranks all returned has its value at once, and its processes
-(already exiting) are seen off in the background: ``result()`` returns, and ``done()``
-turns true once they are gone. Any other ending stops every process, closes the
-channel and removes the run dir before anyone is told; a rank's failure becomes one
-``WorkerError`` that names the root cause.
+the run, in one place (``_end``). A run whose ranks all returned has its value at once,
+and its processes (already exiting) are seen off in the background: ``result()``
+returns, and ``done()`` turns true once they are gone. A session's ranks stay for the
+next run if they come back to rest (its ``Staying`` says). Any other ending stops every
+process, closes the channel and removes the run dir before anyone is told; a rank's
+failure becomes one ``WorkerError`` that names the root cause.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TextIO, TypeVar
+from typing import Any, Generic, Protocol, TextIO, TypeVar
 
 from .._errors import NbddpError, WorkerError
 from .._panel.display import PanelState
@@ -29,31 +30,29 @@ from .config import RunConfig
 from .diagnosis import describe, diagnose
 from .group import RankGroup
 from .records import Records
+from .results import run_value
 from .supervisor import Ending, Supervisor
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
 
-SETTLE_SECONDS = 10.0
-"""How long a session's ranks may take to come back to rest after a failure, an
-interrupt or a timeout before they are restarted (a rank stuck in a collective whose
-peer left never comes back by itself)."""
-KEPT = "the session's ranks are back at rest, with their state"
-LOST = "the session was restarted: variables defined in earlier cells are gone"
 
+class Staying(Protocol):
+    """The side of a run whose ranks may outlive it (a session's: ``_session``)."""
 
-def with_session_note(error: BaseException, kept: bool) -> BaseException:
-    """``error``, saying whether the session's state was kept."""
-    note = KEPT if kept else LOST
-    if isinstance(error, WorkerError):
-        error.note = note
-        return error
-    if isinstance(error, KeyboardInterrupt):
-        return KeyboardInterrupt(f"every rank was interrupted; {note}")
-    message = str(error).replace("; every rank was stopped", "")
-    renamed = type(error)(f"{message}; {note}") if message else type(error)(note)
-    renamed.__cause__ = error.__cause__
-    return renamed
+    def watch(self, supervisor: Supervisor) -> None:
+        """Register, with ``supervisor.pump``, handlers for what only such ranks send."""
+
+    def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
+        """The run ended: True if its ranks stay, back at rest with their state (brought
+        back if it ended early); False if they are to be stopped."""
+
+    def told(self, error: BaseException) -> BaseException:
+        """The error the caller gets: ``error``, saying what became of the ranks' state."""
+
+    def abandoned(self) -> bool:
+        """The run could not end cleanly and its ranks were stopped: True if its end had
+        not decided about them yet (then they are lost)."""
 
 
 @dataclass(frozen=True)
@@ -71,23 +70,23 @@ class Job(Generic[R]):
     """The SLURM job id of a run submitted with ``slurm=``; None for a local run."""
     warm: bool = False
     """True if the run was handed to standby ranks that were already waiting for it."""
-    state_kept: bool | None = None
-    """For a run on a session: whether its ranks kept their state (None until it ended,
-    and for other runs)."""
     ended_by: str | None = None
     """``"returned"``, ``"failed"`` (a rank raised or died) or ``"stopped"`` (interrupt,
     cancel, timeout) once the run has ended."""
-    session_names: tuple[str, ...] | None = None
-    """For a run on a session: the names its ranks' code has bound, after the run."""
     _latest: Job | None = None  # what last_job() returns
 
     def __init__(self, group: RankGroup, config: RunConfig, records: Records, *,
-                 stdout: TextIO | None = None, warm: bool = False,
-                 after: Callable[[Job], None] | None = None) -> None:
-        """Follow the run ``group`` was handed; ``after`` runs once the ranks have ended
-        it themselves (returned or failed), before the caller is told."""
+                 stdout: TextIO | None = None, warm: bool = False, sent: int = 0,
+                 after: Callable[[Job], None] | None = None,
+                 staying: Staying | None = None) -> None:
+        """Follow the run ``group`` was handed (``sent``: the bytes of tensor and array
+        data its payload holds). ``after`` runs once the ranks have ended it themselves
+        (returned or failed; a session's run, however it ended), before the caller is
+        told. ``staying``: the session's side of a run on its ranks."""
         self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
         self._group, self._records, self._after = group, records, after
+        self._staying = staying
+        self._sent, self._received = sent, 0
         self._cancel_reason: str | None = None
         self._outcome: Outcome | None = None
         self._ended = threading.Event()  # the outcome is known
@@ -95,6 +94,8 @@ class Job(Generic[R]):
         self._started = time.monotonic()
         self._context = contextvars.copy_context()
         self._supervisor = Supervisor(group, config, records, stdout or sys.stdout)
+        if staying is not None:
+            staying.watch(self._supervisor)
         Job._latest = self
         # The caller's context goes along, so a notebook routes the output to the cell
         # that launched the run even while other cells execute (ipykernel >= 7).
@@ -175,24 +176,25 @@ class Job(Generic[R]):
     @property
     def restarts(self) -> int:
         """How many times torchrun has restarted every rank in this run (``max_restarts``)."""
-        return self._supervisor.attempt
+        return self._supervisor.attempt.number
 
     @property
     def ranks(self) -> dict[int, dict[str, Any]]:
         """``{rank: {...}}``, live and after the run: ``state``, ``step`` (its last step
         logged, or its progress), ``steps_per_s``, ``rss_mb``, ``gpu_mem_mb`` (None without
         CUDA), ``pid``, ``host``, and ``behind`` (its step trails the others')."""
-        return self._supervisor.view.ranks(list(self._supervisor.state.ranks))
+        return self._supervisor.view.ranks(self._supervisor.rank_states())
 
     @property
     def requeues(self) -> int:
         """How many times SLURM has requeued this run's job (each runs it again)."""
-        return self._supervisor.requeue
+        return self._supervisor.attempt.requeue
 
     @property
-    def _result_bytes(self) -> int:
-        """The size of rank 0's result data file (0 without one)."""
-        return self._supervisor.result_bytes
+    def _data_bytes(self) -> tuple[int, int]:
+        """The bytes of tensor and array data the run sent (its payload) and got back
+        (rank 0's result; 0 until read): the next run's rooms are made that large."""
+        return self._sent, self._received
 
     # --- ending ---------------------------------------------------------------------
 
@@ -200,19 +202,13 @@ class Job(Generic[R]):
         try:
             ending = self._watch()
             self.ended_by = ending.kind
-            if self._group.reusable:
-                self._end_on_session(ending)
-            elif ending.kind == "returned":
-                self._returned()
-            else:
-                self._stopped(ending)
+            self._end(ending)
         except BaseException as exc:  # a bug here must not leave the run going
             logger.exception("nbddp could not end the run cleanly")
             with contextlib.suppress(BaseException):
                 self._group.stop()
                 self._group.close()
-            if self._group.reusable and self.state_kept is None:
-                self.state_kept = False
+            if self._staying is not None and self._staying.abandoned():
                 self._call_after()  # the session starts fresh ranks
             self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
         finally:
@@ -226,76 +222,57 @@ class Job(Generic[R]):
             logger.exception("nbddp supervisor failed")
             return Ending("stopped", NbddpError(f"nbddp supervisor failed: {exc!r}"))
 
-    def _returned(self) -> None:
-        """Every rank returned: the panel's last word, the value, then the processes seen
-        off. A local run gives its value first: its processes are ending by themselves,
-        and nothing of them can outlive the kernel."""
-        self._supervisor.drain()
-        outcome = self._value()
-        self._call_after()
-        self._end_panel(outcome)
-        if self._group.ends_after_result:
-            self._publish(outcome)
-        self._group.retire()
-        self._publish(outcome)
-
-    def _stopped(self, ending: Ending) -> None:
-        """Stop every process first, then explain a failure from every report."""
-        sup = self._supervisor
+    def _end(self, ending: Ending) -> None:
+        """The run's end, one decision for every run and ending. A session's ranks stay
+        if they are back at rest; others that did not all return are stopped (every
+        process, before anyone is told), and the channel and run dir closed. Then the
+        value or the error, ``after`` (unless the kernel stopped a run of its own), the
+        panel's last word, and the caller. Ranks that all returned and do not stay are
+        seen off last: a local run gives its value first, as its processes are ending by
+        themselves and nothing of them can outlive the kernel."""
+        sup, group = self._supervisor, self._group
+        returned = ending.kind == "returned"
+        stays = self._staying is not None and self._staying.settle(sup, ending)
+        stopping = not stays and not returned
         try:
-            self._group.stop()
-            sup.drain()
-            error = ending.error
-            if error is None:
-                error = diagnose(sup.failures, sup.results, self._group.run_dir,
-                                 self._records, self.config.nprocs, self.logs)
-                if isinstance(error, WorkerError) and sup.attempt:
-                    error.attempts = sup.attempt + 1
-                    error.earlier = [describe(cause) for cause in sup.causes]
+            if stopping:
+                group.stop()
+            sup.pump.drain()
+            outcome = self._value() if returned else Outcome(error=self._error(ending))
         finally:
-            self._group.close()
-        outcome = Outcome(error=error)
-        if ending.kind == "failed":
+            if stopping:
+                group.close()
+        if ending.kind != "stopped" or self._staying is not None:
             self._call_after()
         self._end_panel(outcome)
-        self._publish(outcome)
-
-    def _end_on_session(self, ending: Ending) -> None:
-        """A session's run: its ranks stay for the next run if every one is back at rest
-        (interrupted if need be, within ``SETTLE_SECONDS``); if not, they are stopped
-        and the session starts fresh ones (``after``)."""
-        sup = self._supervisor
-        kept = ending.kind == "returned" or self._bring_back()
-        if not kept:
-            self._group.stop()
-        sup.drain()
-        if ending.kind == "returned":
-            outcome = self._value()
-        else:
-            error = ending.error or diagnose(sup.failures, sup.results, self._group.run_dir,
-                                             self._records, self.config.nprocs, self.logs)
-            outcome = Outcome(error=with_session_note(error, kept))
-        if not kept:
-            self._group.close()
-        self.state_kept, self.session_names = kept, sup.assigned
-        self._call_after()
-        self._end_panel(outcome)
+        if returned and not stays:
+            if group.ends_after_result:
+                self._publish(outcome)
+            group.retire()
         self._publish(outcome)
 
     def _value(self) -> Outcome:
         """Every rank returned: the value the caller gets (an error if it cannot be read)."""
         try:
-            return Outcome(self._supervisor.results_value())
+            return Outcome(run_value(self._supervisor.attempt.results, self.config.all_ranks,
+                                     self.config.nprocs, self._got))
         except NbddpError as exc:
             return Outcome(error=exc)
 
-    def _bring_back(self) -> bool:
-        """Interrupt the ranks still in the run; True once every rank is back at rest."""
+    def _got(self, data_bytes: int) -> None:
+        self._received = data_bytes
+
+    def _error(self, ending: Ending) -> BaseException:
+        """Why the run ended: the ending's own error, or one built from every report."""
         sup = self._supervisor
-        if sup.lost:
-            return False
-        self._group.interrupt(set(range(self.config.nprocs)) - sup.reported)
-        return sup.wait_reports(SETTLE_SECONDS)
+        error = ending.error
+        if error is None:
+            error = diagnose(sup.attempt.failures, sup.attempt.results, self._group.run_dir,
+                             self._records, self.config.nprocs, self.logs)
+            if isinstance(error, WorkerError) and sup.attempt.number:
+                error.attempts = sup.attempt.number + 1
+                error.earlier = [describe(cause) for cause in sup.causes]
+        return error if self._staying is None else self._staying.told(error)
 
     def _call_after(self) -> None:
         if self._after is not None:
@@ -311,14 +288,7 @@ class Job(Generic[R]):
             self._ended.set()
 
     def _end_panel(self, outcome: Outcome) -> None:
-        sup = self._supervisor
-        sup.pump_output()
-        sup.close_output()
-        state = sup.state
-        state.ended = time.monotonic()
-        state.status, state.message = _describe(outcome)
-        state.ranks = [s if s != "running" else "stopped" for s in state.ranks]
-        sup.panel.close(state)
+        self._supervisor.close(*_describe(outcome))
 
     def _note(self, line: str) -> None:
         """Show ``line`` as the panel's last line (standby ranks' state), even after the

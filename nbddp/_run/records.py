@@ -6,6 +6,9 @@ flood of output can be read in full later. They go to ``$NBDDP_RUNS_DIR`` (defau
 ``~/.cache/nbddp/runs``), one private folder per run; the newest ``KEEP_RUNS`` are kept.
 A SLURM job's folder is also its run dir: while its payload is there the job may still be
 running (or waiting to be re-attached), so it is never pruned.
+
+The names of the files a rank writes (its log) or shares with the run dir are
+``_wire.rundir``'s; the records' own names are spelled here.
 """
 
 from __future__ import annotations
@@ -16,10 +19,14 @@ import shutil
 import time
 from pathlib import Path
 
+from .._wire.rundir import LAUNCHER_LOG, METRICS, PAYLOAD, rank_log_name
+
 KEEP_RUNS = 20
 LOG_TAIL_BYTES = 64 * 2**20
 _PREFIX = "run-"
-_LIVE_JOB_MARK = "payload.pkl"  # removed when the run that owns the folder ends
+STACKS = "stacks.txt"
+"""Where each rank was when a timeout or an interrupt stopped the run."""
+_LIVE_JOB_MARK = PAYLOAD  # removed when the run that owns the folder ends
 
 
 class Records:
@@ -28,9 +35,9 @@ class Records:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.metrics = path / "metrics.jsonl"
-        self.launcher_log = path / "torchrun.log"
-        self.stacks = path / "stacks.txt"
+        self.metrics = path / METRICS
+        self.launcher_log = path / LAUNCHER_LOG
+        self.stacks = path / STACKS
         """Where each rank was when a timeout or an interrupt stopped the run."""
 
     @classmethod
@@ -39,7 +46,7 @@ class Records:
         return cls(_new_folder())
 
     def rank_log(self, rank: int) -> Path:
-        return self.path / f"rank-{rank}.log"
+        return self.path / rank_log_name(rank)
 
     def read_logs(self, nprocs: int) -> dict[int, str]:
         """Every rank's output (the last 64 MB of it), for errors and ``Job.logs``."""
@@ -73,8 +80,16 @@ def _new_folder() -> Path:
     return path
 
 
+def folders(root: Path | None = None) -> list[Path]:
+    """Every run's records folder under ``root`` (default ``records_root()``), oldest first."""
+    root = records_root() if root is None else root
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir())
+
+
 def _prune(root: Path) -> None:
-    runs = sorted(p for p in root.iterdir() if p.name.startswith(_PREFIX) and p.is_dir())
+    runs = folders(root)
     for old in runs[:-KEEP_RUNS]:
         if not (old / _LIVE_JOB_MARK).exists():
             shutil.rmtree(old, ignore_errors=True)

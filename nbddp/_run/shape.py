@@ -47,15 +47,16 @@ on a compute node). Passed on, they describe that allocation, not the new job or
 local ranks: sbatch refuses contradictions (``SLURM_MEM_PER_CPU`` beside ``--mem``),
 srun binds to the old CPUs (``SLURM_CPU_BIND``), and frameworks that look for SLURM
 (Lightning, on ``SLURM_NTASKS``) take local ranks for a SLURM job."""
-KEPT = ("SLURM_CONF",)
-"""Where the cluster's configuration is: the same for every job."""
+PASSED_ON = ("SLURM_CONF",)
+"""Allocation variables passed on all the same: where the cluster's configuration is
+(the same for every job)."""
 
 
 def without_allocation(env: dict[str, str]) -> dict[str, str]:
     """``env`` without the enclosing SLURM allocation's variables (see
     ``ALLOCATION_PREFIXES``)."""
     return {name: value for name, value in env.items()
-            if name in KEPT or not name.startswith(ALLOCATION_PREFIXES)}
+            if name in PASSED_ON or not name.startswith(ALLOCATION_PREFIXES)}
 
 
 def rank_environment(config: RunConfig) -> dict[str, str]:

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._errors import NbddpError
 from .._run.config import RunConfig
-from .._run.group import RankGroup
+from .._run.group import GroupHooks, RankGroup
 from .._run.records import Records
 from .._run.shape import Handover
 from .._wire import dataplane
@@ -21,7 +19,8 @@ from .._wire.messages import (
     encode,
 )
 from .._wire.rundir import RunDir
-from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, read_shape, submit
+from .follow import RequeueCount, SlurmHooks
+from .launcher import SlurmLauncher, kernel_host, read_shape, submit
 from .options import SlurmOptions
 
 if TYPE_CHECKING:
@@ -39,6 +38,8 @@ class SlurmGroup(RankGroup):
         self.config = config
         self.options: SlurmOptions | None = None
         self.records = Records(run_dir.path)
+        self.requeues = RequeueCount()
+        """SLURM's requeues of the job, as the ranks' messages and SLURM tell them."""
         self._mailbox = MailboxReader(run_dir.path, config.nprocs, self._deliver)
 
     @classmethod
@@ -83,18 +84,8 @@ class SlurmGroup(RankGroup):
 
     def _deliver(self, message: Any) -> None:
         if not isinstance(message, Disconnected):  # the rank's mailbox still speaks for it
-            self.requeues_seen = max(self.requeues_seen, getattr(message, "requeue", 0))
+            self.requeues.saw(message)
             self.events.put(message)
-
-    def requeues(self) -> int:
-        """SLURM's count, asked now (a rank's failure may be the requeue's doing), or what
-        the ranks' messages show if SLURM no longer knows the job."""
-        assert self.slurm_job_id is not None
-        try:
-            restarts = job_status(self.slurm_job_id).restarts
-        except NbddpError:
-            restarts = 0
-        return max(restarts, self.requeues_seen)
 
     def _follow(self, job_id: str, notice: str) -> None:
         self.slurm_job_id, self.where, self.notice = job_id, f"SLURM job {job_id}", notice
@@ -115,8 +106,9 @@ class SlurmGroup(RankGroup):
         self._follow(job_id, f"nbddp: submitted SLURM job {job_id}; after a kernel restart, "
                              f"nbddp.attach({job_id!r}) follows it again")
 
-    def event_handlers(self, supervisor: Supervisor) -> dict[type, Callable[[Any], None]]:
-        return {JobStatus: lambda status: _show_status(supervisor, status)}
+    def hooks(self, supervisor: Supervisor) -> GroupHooks:
+        assert self.slurm_job_id is not None  # submitted, or attached to
+        return SlurmHooks(supervisor, self.slurm_job_id, self.requeues)
 
     def sync(self) -> None:
         self._mailbox.poll()
@@ -125,19 +117,3 @@ class SlurmGroup(RankGroup):
         super().stop(clean)
         self._mailbox.close()  # after a last read of what the ranks wrote
 
-
-def _show_status(supervisor: Supervisor, status: JobStatus) -> None:
-    """Show a SLURM job's state: queued (and why), then where it runs."""
-    job_id = supervisor.group.slurm_job_id
-    assert job_id is not None
-    if status.restarts > supervisor.requeue:
-        supervisor.requeued(status.restarts)
-    supervisor.output.write(f"nbddp: {status.describe(job_id)}\n")
-    state = supervisor.state
-    if status.state == "PENDING" and supervisor.requeue:
-        state.message = f"requeue {supervisor.requeue}, queued ({status.reason})"
-    elif status.state == "PENDING":
-        state.status, state.message = "queued", status.reason
-    elif status.state == "RUNNING":
-        state.status, state.message = "running", f"on {status.nodes}"
-        supervisor.view.touch()  # the time in the queue was no stall

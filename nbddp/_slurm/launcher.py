@@ -24,7 +24,7 @@ from typing import Any
 
 from .._errors import NbddpError
 from .._run.config import RunConfig
-from .._run.records import records_root
+from .._run.records import folders, records_root
 from .._run.shape import rank_environment
 from .._wire.rundir import RunDir
 from .options import SlurmOptions
@@ -128,7 +128,7 @@ def kernel_host() -> str:
 
 def submit(run_dir: RunDir, config: RunConfig, options: SlurmOptions) -> str:
     """Write the job's sbatch file and shape into ``run_dir``, ``sbatch`` it; the job id."""
-    script = run_dir.path / "job.sbatch"
+    script = run_dir.sbatch
     script.write_text(submission_sbatch_text(str(run_dir.path), sys.executable, options))
     env = rank_environment(config)
     done = _run("sbatch", "--parsable", str(script), env=env)
@@ -153,8 +153,10 @@ def read_shape(run_dir: RunDir) -> dict[str, Any]:
 def find_run_dir(job_id: str) -> RunDir:
     """The run folder of a job submitted from this account (under ``$NBDDP_RUNS_DIR``)."""
     root = records_root()
-    for path in sorted(root.glob("run-*/job.json"), reverse=True):
-        run_dir = RunDir.of_job(path.parent)
+    for folder in reversed(folders(root)):
+        run_dir = RunDir.of_job(folder)
+        if not run_dir.job.exists():
+            continue
         with contextlib.suppress(NbddpError):
             if read_shape(run_dir)["job_id"] == job_id:
                 return run_dir

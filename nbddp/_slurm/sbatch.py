@@ -12,7 +12,13 @@ import shlex
 from collections.abc import Sequence
 
 from .._run.config import torchrun_environment
-from .._wire.rundir import REQUEUE_FILE, REQUEUE_FILE_ENV, STOP_FILE, STOP_FILE_ENV
+from .._wire.rundir import (
+    LAUNCHER_LOG,
+    REQUEUE_FILE,
+    REQUEUE_FILE_ENV,
+    STOP_FILE,
+    STOP_FILE_ENV,
+)
 from .options import SlurmOptions, rendezvous_port
 
 
@@ -61,7 +67,7 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
     ends = ["--open-mode=append",  # a requeued run's output follows the first one's
             *(["--requeue"] if options.requeue else []),
             *([f"--signal=B:USR1@{options.signal_before}"] if options.signal_before else [])]
-    lines = _directives("nbddp", options, f"{run_dir}/torchrun.log", None, ends)  # no shell
+    lines = _directives("nbddp", options, f"{run_dir}/{LAUNCHER_LOG}", None, ends)  # no shell
     lines += [
         "",
         "# Submitted by nbddp from a notebook: the ranks load the payload in this run",

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .messages import Failure, Requeueing, Result, Sequenced, decode, pickled
+from .rundir import mailbox_name
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ _REPORTS = (Result, Failure, Requeueing)
 
 
 def mailbox_path(folder: Path, rank: int) -> Path:
-    return folder / f"rank-{rank}.messages"
+    return folder / mailbox_name(rank)
 
 
 def frame(message: Any) -> bytes:

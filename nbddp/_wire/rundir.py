@@ -8,6 +8,10 @@ ranks can read the payload or reach the channel. A local group's directory is te
 and removed when the group ends; a rank writes its output here until its ``Start``
 names the run's records folder. A SLURM job's ranks run on other machines, so its run
 directory is its records folder, on the shared filesystem; only its secrets are removed.
+
+Every file name of a run dir is spelled here, once, and so are those a rank writes that
+the run's records keep (``_run.records`` adds its own): the kernel, the ranks and the
+sbatch text all take them from this module.
 """
 
 from __future__ import annotations
@@ -22,6 +26,25 @@ from .dataplane import shm_root
 
 _MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
 
+PAYLOAD = "payload.pkl"
+"""The run's code and arguments (private). In a SLURM job's folder, also the sign that
+the job may still run: it is removed when the run ends."""
+KEY = "key"
+"""The channel's secret: only its holders may talk to the kernel."""
+SOCKET = "channel.sock"
+"""A local group's channel, a Unix socket."""
+ADDRESS = "channel.address"
+"""A SLURM job's: ``host port`` of the kernel's TCP channel."""
+START = "start.msg"
+"""A SLURM job's ``Start``, for ranks that cannot reach the kernel."""
+JOB = "job.json"
+"""A SLURM job's id and shape, to re-attach to it."""
+SBATCH = "job.sbatch"
+"""A SLURM job's batch script."""
+LAUNCHER_LOG = "torchrun.log"
+"""torchrun's own output (a batch job's too); kept with the run's records."""
+METRICS = "metrics.jsonl"
+"""The rank-averaged metrics history, one JSON row per step (also a script run's)."""
 STOP_FILE = "stop-requested"
 """In a SLURM job's run folder: empty until SLURM's signal; the batch script empties it
 each run."""
@@ -34,6 +57,24 @@ REQUEUE_FILE_ENV = "NBDDP_REQUEUE_FILE"
 """Names the requeue file for the ranks (set by the batch script)."""
 
 
+def rank_log_name(rank: int) -> str:
+    """A rank's output: in the run dir until its ``Start`` names the records, then there."""
+    return f"rank-{rank}.log"
+
+
+def mailbox_name(rank: int) -> str:
+    """A SLURM job's rank's messages, for a kernel that it cannot reach (``_wire.mailbox``)."""
+    return f"rank-{rank}.messages"
+
+
+def _stacks_name(rank: int) -> str:
+    return f"stacks-{rank}.txt"
+
+
+_FAILURES = "failures-{}.json"  # one per torchrun: its host and PID
+_TORCHRUN_LOGS = "torchelastic-{}"
+
+
 class RunDir:
     """Paths of one rank group's files; a run dir made by ``create`` is private to the user."""
 
@@ -43,19 +84,20 @@ class RunDir:
         """A SLURM job's run dir: it is the records folder, and outlives the run."""
         self.twin = twin
         """Its twin in shared memory, for data files (tensors, arrays), if there is one."""
-        self.payload = path / "payload.pkl"
-        self.key = path / "key"
-        self.socket = path / "channel.sock"
-        self.address = path / "channel.address"  # a SLURM job's: "host port" of the kernel
-        self.start = path / "start.msg"  # a SLURM job's Start (its ranks may not reach us)
-        self.job = path / "job.json"  # a SLURM job's id and shape, to re-attach
-        self.launcher_log = path / "torchrun.log"
+        self.payload = path / PAYLOAD
+        self.key = path / KEY
+        self.socket = path / SOCKET
+        self.address = path / ADDRESS
+        self.start = path / START
+        self.job = path / JOB
+        self.sbatch = path / SBATCH
+        self.launcher_log = path / LAUNCHER_LOG
 
     @classmethod
     def create(cls) -> RunDir:
         """A new private run dir, and its twin in shared memory where there is one."""
         path = Path(tempfile.mkdtemp(prefix="nbddp-"))  # mode 0700
-        if len(str(path / "channel.sock")) > _MAX_SOCKET_PATH:
+        if len(str(path / SOCKET)) > _MAX_SOCKET_PATH:
             path.rmdir()
             path = Path(tempfile.mkdtemp(prefix="nbddp-", dir="/tmp"))
         root = shm_root()
@@ -82,22 +124,22 @@ class RunDir:
 
     def stacks_file(self, rank: int) -> Path:
         """Where a rank dumps its threads' stacks when asked (``Job.stacks``)."""
-        return self.path / f"stacks-{rank}.txt"
+        return self.path / _stacks_name(rank)
 
     def rank_log(self, rank: int) -> Path:
         """Where a rank writes its output until its ``Start`` names the run's records."""
-        return self.path / f"rank-{rank}.log"
+        return self.path / rank_log_name(rank)
 
     def failures_file(self) -> Path:
         """Where this torchrun (one per machine) records how its ranks ended."""
-        return self.path / f"failures-{_this_torchrun()}.json"
+        return self.path / _FAILURES.format(_this_torchrun())
 
     def torchrun_log_dir(self) -> Path:
         """This torchrun's own log dir (``--log-dir``), kept inside the run dir."""
-        return self.path / f"torchelastic-{_this_torchrun()}"
+        return self.path / _TORCHRUN_LOGS.format(_this_torchrun())
 
     def failure_files(self) -> list[Path]:
-        return sorted(self.path.glob("failures-*.json"))
+        return sorted(self.path.glob(_FAILURES.format("*")))
 
     def write_private(self, path: Path, data: bytes) -> None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

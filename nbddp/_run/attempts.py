@@ -1,0 +1,83 @@
+"""One attempt of a run: what its ranks reported, and so each rank's state.
+
+The ranks may start again within one run: torchrun restarts every rank after a failure
+(``max_restarts``), and SLURM requeues a job, which runs it again from torchrun's first
+attempt. Each such start is an ``Attempt``, numbered by the requeue and the restart that
+the ranks' messages carry. It is the one owner of what each rank said: returned, raised,
+died, asked for a requeue, started, sits in pdb. A rank's state (``starting``,
+``running``, ``debugging``, ``finished``, ``failed``, ``requeueing``, and ``stopped``
+once the run has ended) is read from these; the panel and ``Job.ranks`` show it.
+"""
+
+from __future__ import annotations
+
+from .._wire.messages import Disconnected, Failure, Result
+from .records import Records
+
+
+class Attempt:
+    """The reports of one start of every rank: requeue ``requeue``, restart ``number``."""
+
+    def __init__(self, nprocs: int, requeue: int = 0, number: int = 0) -> None:
+        self.nprocs, self.requeue, self.number = nprocs, requeue, number
+        self.results: dict[int, Result] = {}
+        self.failures: list[Failure | Disconnected] = []
+        """Ranks that raised, or died without a word: root-cause candidates, in order."""
+        self.requeueing: set[int] = set()
+        """Ranks that ended this run of the job with ``nbddp.requeue()``."""
+        self.started: set[int] = set()
+        """Ranks that said hello (or came back from pdb) in this attempt."""
+        self.debugging: set[int] = set()
+        """Ranks whose pdb waits for a line."""
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """What the ranks' messages carry: (requeue, restart)."""
+        return self.requeue, self.number
+
+    def vanished(self, rank: int) -> bool:
+        """True if ``rank`` disconnected without returning or reporting an exception."""
+        reported = any(getattr(f, "rank", None) == rank for f in self.failures)
+        return rank not in self.results and not reported
+
+    def failed_with(self, event: object) -> bool:
+        """True if ``event`` (already recorded) is one of this attempt's failures."""
+        return any(failure is event for failure in self.failures)
+
+    @property
+    def reported(self) -> set[int]:
+        """Ranks that returned or raised in this attempt (and so are done with it)."""
+        return (set(self.results) | self.requeueing
+                | {f.rank for f in self.failures if isinstance(f, Failure)})
+
+    @property
+    def returned(self) -> bool:
+        """Every rank returned."""
+        return len(self.results) == self.nprocs
+
+    def state(self, rank: int, ended: bool = False) -> str:
+        """``rank``'s state, for the panel and ``Job.ranks``; a rank still running when
+        the run ``ended`` was ``stopped``."""
+        if rank in self.results:
+            return "finished"
+        if any(f.rank == rank for f in self.failures):
+            return "failed"
+        if rank in self.requeueing:
+            return "requeueing"
+        if rank in self.debugging:
+            return "debugging"
+        if rank in self.started:
+            return "stopped" if ended else "running"
+        return "starting"
+
+    def states(self, ended: bool = False) -> list[str]:
+        return [self.state(rank, ended) for rank in range(self.nprocs)]
+
+    def keep_tracebacks(self, records: Records) -> None:
+        """Append what each rank raised to its log, where the next attempt's output
+        follows: every attempt's story stays in the records."""
+        for failure in self.failures:
+            if isinstance(failure, Failure) and failure.traceback:
+                with open(records.rank_log(failure.rank), "a") as log:
+                    log.write(f"nbddp: attempt {self.number + 1} of rank {failure.rank} "
+                              f"failed:\n{failure.traceback.rstrip()}\n")

@@ -1,0 +1,166 @@
+"""The supervisor's pump and an attempt's rank states, as pure logic (no ranks)."""
+
+from __future__ import annotations
+
+import io
+import queue
+import threading
+import time
+from concurrent.futures import CancelledError
+
+import pytest
+
+from nbddp._run.attempts import Attempt
+from nbddp._run.config import RunConfig
+from nbddp._run.group import RankGroup
+from nbddp._run.pump import Pump
+from nbddp._run.records import Records
+from nbddp._run.supervisor import Supervisor
+from nbddp._wire.messages import (
+    DebugDone,
+    DebugPrompt,
+    Disconnected,
+    Failure,
+    Hello,
+    Result,
+    Sequenced,
+)
+from nbddp._wire.rundir import RunDir
+
+
+def pump_over(*events, current=(0, 0)):
+    q: queue.Queue = queue.Queue()
+    for event in events:
+        q.put(event)
+    return Pump(q, lambda: current), q
+
+
+def test_a_copy_from_the_other_link_is_dispatched_once():
+    pump, _ = pump_over(Sequenced(0, Hello(1, 10)), Sequenced(0, Hello(1, 10)),
+                        Sequenced(1, Result(1)))
+    seen = []
+    pump.on(Hello, seen.append)
+    pump.on(Result, seen.append)
+    pump.drain()
+    assert seen == [Hello(1, 10), Result(1)]
+
+
+def test_stale_messages_are_dropped_but_arrive_for_the_backend():
+    pump, _ = pump_over(Sequenced(0, Hello(0, 1), attempt=0),
+                        Disconnected(1, attempt=0), Sequenced(0, Hello(0, 2), attempt=1),
+                        current=(0, 1))
+    arrived, dispatched = [], []
+    pump.on_arrival(arrived.append)
+    pump.on(Hello, dispatched.append)
+    pump.on(Disconnected, dispatched.append)
+    pump.drain()
+    assert len(arrived) == 3
+    assert dispatched == [Hello(0, 2)]
+
+
+def test_handlers_run_in_the_order_registered_and_unknown_events_are_ignored():
+    pump, _ = pump_over("not a message", Failure(0, "E", "m", "x", "tb"))
+    calls = []
+    pump.on(Failure, lambda f: calls.append("core"))
+    pump.on(Failure, lambda f: calls.append("backend"))
+    pump.drain()
+    assert calls == ["core", "backend"]
+
+
+def test_an_event_pulled_after_the_gate_closed_is_not_dispatched():
+    pump, q = pump_over(Hello(0, 1), Hello(1, 2))
+    seen, gate = [], iter([True, False])
+    pump.on(Hello, seen.append)
+    pump.run(lambda: False, 5, gate=lambda: next(gate))
+    assert seen == [Hello(0, 1)] and q.empty()
+
+
+def test_a_wait_ends_when_its_condition_holds_then_is_followed_by_each_event():
+    pump, q = pump_over(Hello(0, 1), Hello(1, 2), Hello(2, 3))
+    seen, then = [], []
+    pump.on(Hello, seen.append)
+    pump.run(lambda: len(seen) == 2, 5, then=then.append)
+    assert seen == then == [Hello(0, 1), Hello(1, 2)] and q.qsize() == 1
+
+
+def test_a_ranks_state_follows_its_reports():
+    attempt = Attempt(4)
+    assert attempt.states() == ["starting"] * 4
+    attempt.started |= {0, 1, 2}
+    attempt.debugging.add(1)
+    attempt.results[2] = Result(2)
+    failure = Disconnected(3)
+    attempt.failures.append(failure)
+    assert attempt.states() == ["running", "debugging", "finished", "failed"]
+    assert attempt.states(ended=True) == ["stopped", "debugging", "finished", "failed"]
+    assert attempt.failed_with(failure) and not attempt.failed_with(Disconnected(3))
+    assert attempt.reported == {2} and not attempt.vanished(3) and attempt.vanished(0)
+
+
+@pytest.fixture
+def supervised(tmp_path):
+    """A supervisor over a group whose ranks are the test: it puts their messages."""
+    made = []
+
+    def make(nprocs=2, **options):
+        (tmp_path / "run").mkdir()
+        group = RankGroup(nprocs, RunDir(tmp_path / "run"))
+        sup = Supervisor(group, RunConfig(nprocs, **options), Records(tmp_path), io.StringIO())
+        made.append(sup)
+        return sup, group.events.put
+
+    yield make
+    for sup in made:
+        sup.close("finished", "")
+
+
+def said(rank, message, seq, attempt=0):
+    return Sequenced(seq, message, attempt=attempt)
+
+
+def test_the_run_has_returned_once_every_rank_has(supervised):
+    sup, put = supervised()
+    for rank in (0, 1):
+        put(said(rank, Hello(rank, 100 + rank), 0))
+    put(said(0, Result(0, b"x"), 1))
+    put(said(1, Result(1), 1))
+    assert sup.watch(None, lambda: None).kind == "returned"
+    assert sup.rank_states() == ["finished", "finished"]
+
+
+def test_a_failure_with_a_restart_left_follows_the_next_attempt(supervised):
+    sup, put = supervised(max_restarts=1)
+    put(said(1, Failure(1, "ValueError", "builtins", "boom", "tb"), 0))
+
+    def next_attempt():  # after the failed attempt's last reports were gathered
+        put(said(0, Result(0), 0, attempt=0))  # the failed attempt's: stale by now
+        put(said(0, Hello(0, 1), 0, attempt=1))
+        put(said(1, Failure(1, "ValueError", "builtins", "again", "tb"), 0, attempt=1))
+
+    later = threading.Timer(2.0, next_attempt)
+    later.start()
+    ending = sup.watch(time.monotonic() + 30, lambda: None)
+    later.join()
+    assert ending.kind == "failed" and sup.attempt.number == 1
+    assert [f.message for f in sup.attempt.failures] == ["again"]
+    assert sup.causes[0].message == "boom" and sup.rank_states() == ["running", "failed"]
+
+
+def test_a_cancelled_run_takes_in_nothing_more(supervised):
+    sup, put = supervised()
+    put(said(0, Result(0), 0))
+    ending = sup.watch(None, lambda: "cancelled")
+    assert ending.kind == "stopped" and isinstance(ending.error, CancelledError)
+    assert sup.attempt.results == {}
+
+
+def test_a_rank_back_from_pdb_runs_even_without_a_hello(supervised):
+    sup, put = supervised(nprocs=1)  # a session's ranks said hello before its first run
+    put(said(0, DebugPrompt(0, "(Pdb) "), 0))
+    sup.pump.drain()
+    assert sup.rank_states() == ["debugging"]
+    put(said(0, DebugDone(0), 1))
+    sup.pump.drain()
+    assert sup.rank_states() == ["running"]
+    sup.ended = True
+    assert sup.rank_states() == ["stopped"]
