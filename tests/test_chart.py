@@ -22,6 +22,8 @@ from nbddp._panel.chart import (
     value_ticks,
 )
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 SVG = "{http://www.w3.org/2000/svg}"
 
 

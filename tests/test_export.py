@@ -150,6 +150,7 @@ def test_the_script_runs_under_torchrun(exported):
     assert f"train returned: ({EXPECTED}, 2)" in out
 
 
+@pytest.mark.fast
 def test_the_script_runs_as_plain_python(exported):
     assert f"train returned: ({EXPECTED}, 1)" in run_script([sys.executable, "train.py"],
                                                               exported)

@@ -27,6 +27,7 @@ def raise_on_rank_one_while_rank_zero_waits():
     dist.all_reduce(t)  # never completes: rank 1 is gone
 
 
+@pytest.mark.fast
 def test_a_raising_rank_is_the_root_cause_and_its_peers_are_torn_down():
     start = time.monotonic()
     with pytest.raises(nbddp.WorkerError) as info:
@@ -118,6 +119,7 @@ def test_a_return_value_that_cannot_be_pickled_is_a_clear_error():
     assert "return value cannot be sent back" in str(info.value)
 
 
+@pytest.mark.fast
 def test_timeout_stops_every_rank():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 2 s"):

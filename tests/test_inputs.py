@@ -13,6 +13,8 @@ from nbddp._wire import payload as _payload
 
 from .conftest import descendants, run_dirs
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 
 @pytest.fixture
 def nothing_starts():

@@ -8,6 +8,8 @@ import pytest
 
 from nbddp.integrations._numbers import chartable
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 
 def test_only_the_trainings_own_numbers_are_charted():
     torch = pytest.importorskip("torch")

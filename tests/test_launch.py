@@ -22,6 +22,7 @@ def all_reduce_rank(offset=0):
     return dist.get_rank(), dist.get_world_size(), t.item()
 
 
+@pytest.mark.fast
 def test_rank_zero_result_comes_back():
     assert nbddp.launch(all_reduce_rank, 2, args=(10,)) == (0, 2, 21.0)
 
@@ -75,6 +76,7 @@ def test_default_process_group_is_gloo_on_cpu_and_threads_stay_at_one():
     assert nbddp.launch(fn, 2) == ("gloo", 1, "1")
 
 
+@pytest.mark.fast
 def test_rank_zero_output_is_streamed_live(capfd, tmp_path):
     go = tmp_path / "go"
 

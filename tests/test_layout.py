@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 PACKAGE = Path(__file__).resolve().parents[1] / "nbddp"
 FLOOR = {"_errors", "_version"}
 """Leaf modules every package may use: the exceptions a user catches, and the version."""

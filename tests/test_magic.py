@@ -79,6 +79,7 @@ def _assert_nothing_started(kernel: Kernel, before: int, run: Execution) -> None
 # --- help and options -----------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_help_lists_every_option(ddp):
     before = _popens(ddp)
     run = ddp.run("""
@@ -107,6 +108,7 @@ dist.get_world_size(), dist.get_backend(), dist.get_rank()
 """
 
 
+@pytest.mark.fast
 def test_nprocs_runs_a_gloo_group_and_shows_the_trailing_expression(ddp):
     run = ddp.run("%%ddp --nprocs 2" + CHATTY).assert_ok()
     assert run.result() == "(2, 'gloo', 0)", run.describe()
@@ -320,6 +322,7 @@ def test_the_line_form_shows_help_or_says_it_is_a_cell_magic(ddp):
     ("--export job.py --signal-before 60", "add --slurm"),
     ("--slurm --signal-before 0", "signal_before=...) is a number of seconds"),
 ])
+@pytest.mark.fast
 def test_bad_option_values_are_usage_errors(ddp, options, message):
     before = _popens(ddp)
     run = ddp.run(f"%%ddp {options}\nx = 1").assert_ok()
@@ -361,6 +364,7 @@ def test_a_trailing_semicolon_hides_the_result(ddp):
 # --- errors ---------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_syntax_error_points_at_the_cells_line_before_anything_starts(ddp):
     before = _popens(ddp)
     run = ddp.run("""
@@ -378,6 +382,7 @@ def test_syntax_error_points_at_the_cells_line_before_anything_starts(ddp):
     _assert_nothing_started(ddp, before, run)
 
 
+@pytest.mark.fast
 def test_unpicklable_name_is_a_payload_error_naming_it(ddp):
     ddp.run("import threading\nlock = threading.Lock()").assert_ok()
     before = _popens(ddp)
@@ -406,6 +411,7 @@ def test_a_comprehension_variable_is_not_the_notebooks(ddp):
         ddp.run("del z").assert_ok()
 
 
+@pytest.mark.fast
 def test_failing_rank_shows_the_cells_own_lines(ddp):
     run = ddp.run("""
         %%ddp --nprocs 2

@@ -29,6 +29,8 @@ from nbddp._wire.messages import (
 
 from .conftest import wait_until
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 
 def chatter(seq: int, attempt: int = 0) -> Sequenced:
     """A rank's metrics, as it sends them about ten times a second."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nbddp._wire.messages import (
     Failure,
     Hello,
@@ -12,6 +14,8 @@ from nbddp._wire.messages import (
     encode,
     split_frames,
 )
+
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
 
 def test_messages_survive_a_frame():

@@ -21,6 +21,7 @@ def train_and_log(steps):
     return "trained"
 
 
+@pytest.mark.fast
 def test_metrics_are_averaged_over_ranks_per_step():
     job = nbddp.launch(train_and_log, 3, args=(50,), wait=False)
     assert job.result(timeout=120) == "trained"

@@ -13,6 +13,8 @@ import pytest
 from nbddp._wire.cell_names import names_read_from_outside
 from nbddp._wire.payload import global_names
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 
 def reads(source: str) -> set[str]:
     return names_read_from_outside(ast.parse(textwrap.dedent(source)))

@@ -27,6 +27,8 @@ from nbddp._run.flags import decided, defaults, flagged
 from nbddp._session import Session
 from nbddp._slurm.options import Slurm, SlurmOptions
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 MAGIC_ONLY = {"help", "out", "export", "slurm"}
 """``%%ddp``'s own flags, which are no option of a run: help, names to bring back,
 exporting instead of running, submitting to SLURM."""

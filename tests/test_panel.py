@@ -151,6 +151,7 @@ print("subclass", chosen())
 """
 
 
+@pytest.mark.fast
 def test_the_panel_is_widgets_where_the_shell_is_ipykernels_or_a_subclass(tmp_path):
     """A plain process and IPython in a terminal get text (and never import ipykernel);
     a shell that subclasses ipykernel's under another name gets widgets."""

@@ -7,9 +7,13 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from nbddp._local.launcher import stopping
 
 from .conftest import wait_until
+
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
 
 def test_stopping_tells_a_live_process_from_a_killed_one():

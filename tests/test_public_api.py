@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import nbddp
 
 
@@ -23,6 +25,7 @@ def test_error_hierarchy():
     assert issubclass(nbddp.PayloadError, TypeError)
 
 
+@pytest.mark.fast
 def test_importing_nbddp_does_not_import_torch_or_configure_logging():
     code = ("import logging, sys, nbddp; "
             "print('torch' in sys.modules, logging.getLogger().handlers)")
@@ -54,6 +57,7 @@ def loaded_nbddp_modules():
     return sorted(name for name in sys.modules if name.startswith("nbddp"))
 
 
+@pytest.mark.fast
 def test_ranks_load_none_of_the_kernel_side():
     """A rank runs ``python -m nbddp._worker``: it must not load the kernel's machinery
     (the launcher, the panel, SLURM), only what talks to the kernel and runs the code."""

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from nbddp._run.records import KEEP_RUNS, Records
+
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
 
 def new_records_dir():

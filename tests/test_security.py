@@ -30,6 +30,8 @@ from nbddp._wire.messages import DebugInput, Disconnected, Hello, Ready, encode
 
 from .conftest import SHM, local_run_dirs, wait_until
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 
 def mode(path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)

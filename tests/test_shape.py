@@ -8,6 +8,8 @@ import pytest
 
 from nbddp._run.shape import GroupShape, Handover, read_at_start
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 BASE = GroupShape(python="/usr/bin/python3", nprocs=2, cuda_visible_devices=None, gpus=0,
                   backend=None, init=True, env={"HOME": "/root", "OMP_NUM_THREADS": "1"},
                   cwd="/work")

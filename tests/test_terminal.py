@@ -11,6 +11,8 @@ import pytest
 from nbddp._panel.output import BoundedOutput, DisplayedLines, LogTail, SnapshotLines
 from nbddp._panel.terminal import HOLD, Screen
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 CURSOR_CODES = re.compile(r"\x1b\[[0-9;?]*[A-HJKSTfhlnsu]")
 
 
