@@ -105,7 +105,8 @@ def supervised(tmp_path):
     def make(nprocs=2, **options):
         (tmp_path / "run").mkdir()
         group = RankGroup(nprocs, RunDir(tmp_path / "run"))
-        sup = Supervisor(group, RunConfig(nprocs=nprocs, **options), Records(tmp_path), io.StringIO())
+        config = RunConfig(nprocs=nprocs, **options)
+        sup = Supervisor(group, config, Records(tmp_path), io.StringIO())
         made.append(sup)
         return sup, group.events.put
 
