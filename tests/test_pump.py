@@ -27,6 +27,8 @@ from nbddp._wire.messages import (
 )
 from nbddp._wire.rundir import RunDir
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 
 def pump_over(*events, current=(0, 0)):
     q: queue.Queue = queue.Queue()
