@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 import nbddp
-from nbddp._run.config import CPU_DEFAULT_NPROCS, RunConfig
+from nbddp._run.config import CPU_DEFAULT_NPROCS, RunOptions
 from nbddp._wire import payload as _payload
 
 from .conftest import descendants, run_dirs
@@ -45,9 +45,9 @@ def test_more_gpus_than_visible_says_how_to_run_on_cpu(nothing_starts, monkeypat
 
 def test_gpu_indices_are_validated(nothing_starts):
     with pytest.raises(ValueError, match="twice"):
-        RunConfig.resolve(gpus=[0, 0])
+        RunOptions(gpus=[0, 0]).on_this_machine()
     with pytest.raises(TypeError, match="gpus must be"):
-        RunConfig.resolve(gpus="0,1")
+        RunOptions(gpus="0,1").on_this_machine()
 
 
 @pytest.mark.parametrize("options, match", [
@@ -134,4 +134,4 @@ def test_a_real_100mb_payload_still_works_and_warns():
 
 def test_cpu_default_is_two_ranks(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    assert RunConfig.resolve().nprocs == CPU_DEFAULT_NPROCS == 2
+    assert RunOptions().on_this_machine().nprocs == CPU_DEFAULT_NPROCS == 2

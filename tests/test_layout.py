@@ -43,8 +43,7 @@ def _room(module: str) -> str:
 
 def _imports(path: Path, package_root: Path) -> set[str]:
     """Every nbddp module ``path`` imports, as a dotted name under nbddp."""
-    here = path.relative_to(package_root).with_suffix("").parts
-    package = list(here[:-1]) if here[-1] != "__init__" else list(here[:-1])
+    package = list(path.relative_to(package_root).parts[:-1])
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):

@@ -37,8 +37,10 @@ class Attempt:
 
     def vanished(self, rank: int) -> bool:
         """True if ``rank`` disconnected without returning or reporting an exception."""
-        reported = any(getattr(f, "rank", None) == rank for f in self.failures)
-        return rank not in self.results and not reported
+        return rank not in self.results and not self._failed(rank)
+
+    def _failed(self, rank: int) -> bool:
+        return any(failure.rank == rank for failure in self.failures)
 
     def failed_with(self, event: object) -> bool:
         """True if ``event`` (already recorded) is one of this attempt's failures."""
@@ -60,7 +62,7 @@ class Attempt:
         the run ``ended`` was ``stopped``."""
         if rank in self.results:
             return "finished"
-        if any(f.rank == rank for f in self.failures):
+        if self._failed(rank):
             return "failed"
         if rank in self.requeueing:
             return "requeueing"

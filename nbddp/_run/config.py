@@ -160,12 +160,6 @@ class RunConfig(RunOptions):
     cuda_visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` for the ranks, when the user picked GPUs."""
 
-    @classmethod
-    def resolve(cls, nprocs: int | None = None, gpus: int | Sequence[int] | None = None,
-                **options: Any) -> RunConfig:
-        """``RunOptions(nprocs=..., gpus=..., **options).on_this_machine()``."""
-        return RunOptions(nprocs=nprocs, gpus=gpus, **options).on_this_machine()
-
     @property
     def rank_options(self) -> RankOptions:
         """What each rank is told with the run's ``Start``."""
