@@ -25,6 +25,11 @@ _PR_SET_CHILD_SUBREAPER = 36
 
 def pytest_configure(config):
     ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    # The tests that press Ctrl-C need Python's SIGINT handler, as a kernel has it; a
+    # suite started in the background by a shell without job control inherits SIGINT
+    # ignored, and Python then leaves it ignored.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     # Runs (and kernels started by tests) put their run dirs in a temp dir of our own,
     # so the leftover check sees this session's files only.
     session_tmp = tempfile.mkdtemp(prefix="pytest-nbddp-")
