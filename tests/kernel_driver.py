@@ -94,6 +94,19 @@ class Execution:
         return "".join(o.content["text"] for o in self.outputs
                        if o.msg_type == "stream" and name in (None, o.content["name"]))
 
+    def shown_text(self) -> str:
+        """The cell's output as it finally stands: its streams, and each display's last
+        state (where a rank's last lines may stay, see ``_panel.output.DisplayedLines``)."""
+        shown: dict[str, str] = {}
+        for n, o in enumerate(self.outputs):
+            if o.msg_type == "stream":
+                shown[f"stream-{n}"] = o.content["text"]
+            elif o.msg_type in ("display_data", "update_display_data"):
+                key = o.content.get("transient", {}).get("display_id") or f"display-{n}"
+                if o.msg_type == "display_data" or key in shown:
+                    shown[key] = o.content.get("data", {}).get("text/plain", "") + "\n"
+        return "".join(shown.values())
+
     def result(self) -> str | None:
         for o in self.outputs:
             if o.msg_type == "execute_result":

@@ -433,7 +433,7 @@ def test_failing_rank_shows_the_cells_own_lines(ddp):
     assert 'raise ValueError(f"rank {rank} is unhappy")' in text, text
     assert "ValueError: rank 1 is unhappy" in text, text
     assert "nbddp/_worker.py" not in text and "nbddp/_cell.py" not in text, text
-    assert "rank 0 waits at the barrier" in run.stream_text(), run.describe()
+    assert "rank 0 waits at the barrier" in run.shown_text(), run.describe()
     # What a user can inspect afterwards: the exception IPython keeps.
     result = _ok_result(ddp, """
         import sys
