@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the test tools, then run the test suite and execute every notebook (nbval).
 #   bash scripts/test.sh           the whole suite: lint, types, docs, tests, notebooks
+#                                  (pytest in two lanes at once, see tests/conftest.py)
 #   bash scripts/test.sh --fast    the fast lane while working (about 2 minutes): lint,
 #                                  and the tests marked `fast` (pure logic, a few launches)
 # Extra arguments go to pytest, e.g. bash scripts/test.sh -k failures
@@ -26,4 +27,25 @@ fi
 "$PY" -m ruff check nbddp tests benchmarks examples
 "$PY" -m mypy nbddp
 PYTHON="$PY" bash scripts/docs.sh   # the docs site, strict: a broken reference fails
-"$PY" -m pytest tests notebooks --nbval-lax "$@"
+# Two lanes at once (see tests/conftest.py): the tests that mostly wait run beside those
+# that keep the cores busy. NBDDP_TEST_LANES=1 runs everything in one pytest process.
+if [ "${NBDDP_TEST_LANES:-2}" = 1 ]; then
+  exec "$PY" -m pytest tests notebooks --nbval-lax "$@"
+fi
+waiting_log=$(mktemp)
+NBDDP_TEST_LANE=waiting "$PY" -m pytest tests notebooks --nbval-lax "$@" >"$waiting_log" 2>&1 &
+waiting=$!
+NBDDP_TEST_LANE=busy "$PY" -m pytest tests notebooks --nbval-lax "$@" &
+busy=$!
+# Ctrl-C or a stop reaches both lanes (a background job of this shell ignores SIGINT
+# unless told; the suite's conftest restores Python's handler).
+trap 'kill -INT $waiting $busy 2>/dev/null' INT TERM
+status=0
+wait $busy || status=$?
+wait $waiting || { s=$?; [ $s = 5 ] || status=$s; }  # 5: -k/-m left this lane nothing
+[ $status = 5 ] && status=0
+wait || true  # after a Ctrl-C, both lanes are gone before this returns
+echo "--- the waiting lane (run beside the one above) ---"
+cat "$waiting_log"
+rm -f "$waiting_log"
+exit $status

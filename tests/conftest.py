@@ -42,6 +42,8 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
+    if LANE and SHM.startswith(f"/dev/shm/pytest-nbddp-{LANE}-"):
+        shutil.rmtree(SHM, ignore_errors=True)
 
 
 def _children() -> dict[int, list[int]]:
@@ -78,6 +80,42 @@ def descendants(root: int | None = None) -> set[int]:
                 os.waitpid(pid, os.WNOHANG)
     return found - zombies
 
+
+# --- lanes: the whole suite runs as two pytest processes at once (scripts/test.sh) ----
+
+LANE = os.environ.get("NBDDP_TEST_LANE", "")
+"""``waiting`` or ``busy``: this process runs only that lane's tests; unset: all."""
+
+WAITING_LANE = {
+    "test_slurm_submit.py", "test_slurm_cluster.py", "test_requeue.py", "test_export.py",
+    "test_docs.py", "test_session.py", "test_security.py", "test_stacks.py",
+    "test_rank_view.py", "test_kernel.py", "test_pdb.py", "test_metrics.py",
+    "test_models_back.py",
+}
+"""Modules whose tests spend much of their time waiting (on SLURM's scheduler, a timeout,
+a silent rank, a kernel): on a 2-core machine they run beside the rest, which keep both
+cores busy, and the suite takes about two thirds of the time. Every other test, and the
+notebooks, run in the ``busy`` lane; together the lanes run every test once."""
+
+
+def lane_of(item: pytest.Item) -> str:
+    return "waiting" if item.path.name in WAITING_LANE else "busy"
+
+
+def pytest_collection_modifyitems(config, items):
+    if not LANE:
+        return
+    if LANE not in ("waiting", "busy"):
+        raise pytest.UsageError(f"NBDDP_TEST_LANE is 'waiting' or 'busy', not {LANE!r}")
+    config.hook.pytest_deselected(items=[i for i in items if lane_of(i) != LANE])
+    items[:] = [i for i in items if lane_of(i) == LANE]
+
+
+if LANE and "NBDDP_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm"):
+    # Each lane its own shared-memory folder, so neither counts the other's data files
+    # as its leftovers (kernels and ranks inherit it).
+    os.environ["NBDDP_SHM_DIR"] = tempfile.mkdtemp(prefix=f"pytest-nbddp-{LANE}-",
+                                                   dir="/dev/shm")
 
 SHM = os.environ.get("NBDDP_SHM_DIR") or "/dev/shm"
 """Where data files go (and are checked for leftovers): ``NBDDP_SHM_DIR`` moves both."""
