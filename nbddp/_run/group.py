@@ -24,7 +24,7 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from .. import _version
 from .._errors import NbddpError
@@ -38,10 +38,6 @@ from .._wire.rundir import RunDir
 from .._wire.stacks import STACKS_WAIT
 from .records import Records
 from .shape import Handover
-
-if TYPE_CHECKING:
-    from .supervisor import Supervisor
-
 
 
 class Launcher(Protocol):
@@ -121,8 +117,10 @@ class RankGroup:
                   handover: Handover) -> None:
         raise NotImplementedError
 
-    def hooks(self, supervisor: Supervisor) -> GroupHooks:
-        """This backend's part in following a run on the group (see ``GroupHooks``)."""
+    def hooks(self, supervisor: Any) -> GroupHooks:
+        """This backend's part in following a run on the group (see ``GroupHooks``);
+        ``supervisor`` is the run's ``Supervisor`` (a backend names its type: this module
+        does not, as the supervisor imports it)."""
         return GroupHooks(supervisor)
 
     def sync(self) -> None:
@@ -171,8 +169,8 @@ class GroupHooks:
     two more things when the run would end.
     """
 
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.supervisor = supervisor
+    def __init__(self, supervisor: Any) -> None:
+        self.supervisor = supervisor  # the run's Supervisor (see RankGroup.hooks)
 
     def moved_on(self) -> bool:
         """A rank failed: True if the backend already follows the ranks' next start

@@ -46,6 +46,8 @@ class RequeueCount:
 class SlurmHooks(GroupHooks):
     """A SLURM job's part in following its run (see the module's docstring)."""
 
+    supervisor: Supervisor
+
     def __init__(self, supervisor: Supervisor, job_id: str, requeues: RequeueCount) -> None:
         super().__init__(supervisor)
         self.job_id, self.requeues = job_id, requeues
