@@ -50,6 +50,13 @@ def _arguments(*arguments: argument) -> Callable[[F], F]:
     return add
 
 
+def _whole_flags_only(magic: F) -> F:
+    """Refuse abbreviated flags (argparse takes ``--time`` for ``--timeout`` where only
+    that one starts so, and a flag added later would change what an old cell means)."""
+    magic.parser.allow_abbrev = False  # type: ignore[attr-defined]  # magic_arguments'
+    return magic
+
+
 def _values(options: type, args: Any, session: bool = False) -> dict[str, Any]:
     """The keyword arguments of ``options`` that the parsed flags give."""
     try:
@@ -111,6 +118,7 @@ class DDPMagics(Magics):
     session: Session | None = None
     """The session ``%%ddp`` cells run on while it is open."""
 
+    @_whole_flags_only
     @magic_arguments()
     @_arguments(
         argument("-h", "--help", action="store_true", help="show this help"),
@@ -198,6 +206,7 @@ class DDPMagics(Magics):
         return Cell.from_notebook(source, filename, self._shell.user_ns,
                                   self._shell.user_ns_hidden, outputs, ranks_own)
 
+    @_whole_flags_only
     @magic_arguments()
     @argument("action", nargs="?", default="status",
               choices=["start", "stop", "restart", "status"],

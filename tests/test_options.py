@@ -142,6 +142,17 @@ def test_each_flag_sets_its_option():
         _values(RunOptions, parse_argstring(DDPMagics.ddp, "--gpus two"))
 
 
+@pytest.mark.parametrize(("magic", "line", "refused"), [
+    (DDPMagics.ddp_session, "start --time 00:20:00", "--time"),  # was read as --timeout
+    (DDPMagics.ddp, "--nproc 2", "--nproc"),
+    (DDPMagics.ddp, "--nprocs 2 --max-r 1", "--max-r"),
+    (DDPMagics.ddp_session, "start --nproc 2", "--nproc"),
+])
+def test_a_magic_takes_only_whole_flags(magic, line, refused):
+    with pytest.raises(UsageError, match=f"unrecognized arguments: {refused}"):
+        parse_argstring(magic, line)
+
+
 # --- the options' checks -----------------------------------------------------------------
 
 
