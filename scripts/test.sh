@@ -30,15 +30,17 @@ PYTHON="$PY" bash scripts/docs.sh   # the docs site, strict: a broken reference 
 # Two lanes at once (see tests/conftest.py): the tests that mostly wait run beside those
 # that keep the cores busy. NBDDP_TEST_LANES=1 runs everything in one pytest process.
 if [ "${NBDDP_TEST_LANES:-2}" = 1 ]; then
-  exec "$PY" -m pytest tests notebooks --nbval-lax "$@"
+  "$PY" -m pytest tests notebooks --nbval-lax "$@"  # not exec: the EXIT trap stops SLURM
+  exit 0
 fi
 waiting_log=$(mktemp)
 NBDDP_TEST_LANE=waiting "$PY" -m pytest tests notebooks --nbval-lax "$@" >"$waiting_log" 2>&1 &
 waiting=$!
 NBDDP_TEST_LANE=busy "$PY" -m pytest tests notebooks --nbval-lax "$@" &
 busy=$!
-# Ctrl-C or a stop reaches both lanes (a background job of this shell ignores SIGINT
-# unless told; the suite's conftest restores Python's handler).
+# Ctrl-C in a terminal reaches both lanes with this shell (one process group; the lanes,
+# started in the background, would ignore SIGINT, but the suite's conftest restores
+# Python's handler); a stop (SIGTERM) is passed on to them as an interrupt.
 trap 'kill -INT $waiting $busy 2>/dev/null' INT TERM
 status=0
 wait $busy || status=$?
