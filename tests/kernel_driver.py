@@ -146,9 +146,19 @@ class Kernel:
                  env: dict[str, str] | None = None) -> None:
         """Start it in ``cwd``, with ``arguments`` for ipykernel's command line and
         ``env`` for its environment (default: this process's)."""
-        self.km, self.kc = start_new_kernel(kernel_name="python3", startup_timeout=60,
-                                            cwd=str(cwd), extra_arguments=arguments or [],
-                                            env=env if env is not None else dict(os.environ))
+        options = dict(kernel_name="python3", startup_timeout=60, cwd=str(cwd),
+                       extra_arguments=arguments or [],
+                       env=env if env is not None else dict(os.environ))
+        try:
+            self.km, self.kc = start_new_kernel(**options)
+        except RuntimeError as exc:
+            # jupyter_client picks the kernel's five TCP ports, frees them, and the kernel
+            # binds them a second later: another process (the suite's other lane, a
+            # rank's gloo connection) can take one between, and the kernel dies at start.
+            # start_new_kernel cleaned up; a second start gets other ports.
+            if "died before replying" not in str(exc):
+                raise
+            self.km, self.kc = start_new_kernel(**options)
         self.pid: int = self.km.provisioner.pid
         self.executions: dict[str, Execution] = {}
 
