@@ -43,9 +43,9 @@ busy=$!
 # Python's handler); a stop (SIGTERM) is passed on to them as an interrupt.
 trap 'kill -INT $waiting $busy 2>/dev/null' INT TERM
 status=0
-wait $busy || status=$?
-wait $waiting || { s=$?; [ $s = 5 ] || status=$s; }  # 5: -k/-m left this lane nothing
-[ $status = 5 ] && status=0
+for lane in $busy $waiting; do
+  wait $lane || { s=$?; [ $s = 5 ] || status=$s; }  # 5: -k/-m left this lane no test
+done
 wait || true  # after a Ctrl-C, both lanes are gone before this returns
 echo "--- the waiting lane (run beside the one above) ---"
 cat "$waiting_log"

@@ -42,8 +42,8 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     shutil.rmtree(os.environ["TMPDIR"], ignore_errors=True)
-    if LANE and SHM.startswith(f"/dev/shm/pytest-nbddp-{LANE}-"):
-        shutil.rmtree(SHM, ignore_errors=True)
+    if LANE_SHM is not None:
+        shutil.rmtree(LANE_SHM, ignore_errors=True)
 
 
 def _children() -> dict[int, list[int]]:
@@ -107,15 +107,20 @@ def pytest_collection_modifyitems(config, items):
         return
     if LANE not in ("waiting", "busy"):
         raise pytest.UsageError(f"NBDDP_TEST_LANE is 'waiting' or 'busy', not {LANE!r}")
-    config.hook.pytest_deselected(items=[i for i in items if lane_of(i) != LANE])
-    items[:] = [i for i in items if lane_of(i) == LANE]
+    mine, others = [], []
+    for item in items:
+        (mine if lane_of(item) == LANE else others).append(item)
+    config.hook.pytest_deselected(items=others)
+    items[:] = mine
 
 
+LANE_SHM: str | None = None
+"""The shared-memory folder this lane made for itself (removed at the end), if any."""
 if LANE and "NBDDP_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm"):
     # Each lane its own shared-memory folder, so neither counts the other's data files
     # as its leftovers (kernels and ranks inherit it).
-    os.environ["NBDDP_SHM_DIR"] = tempfile.mkdtemp(prefix=f"pytest-nbddp-{LANE}-",
-                                                   dir="/dev/shm")
+    LANE_SHM = os.environ["NBDDP_SHM_DIR"] = tempfile.mkdtemp(prefix=f"pytest-nbddp-{LANE}-",
+                                                              dir="/dev/shm")
 
 SHM = os.environ.get("NBDDP_SHM_DIR") or "/dev/shm"
 """Where data files go (and are checked for leftovers): ``NBDDP_SHM_DIR`` moves both."""
