@@ -404,7 +404,7 @@ def test_a_stranger_on_the_standby_channel_changes_nothing(standby_on):
 
 
 def test_a_standby_rank_that_does_not_answer_is_replaced(standby_on, monkeypatch, capsys):
-    monkeypatch.setattr(nbddp._local.group, "ROLL_CALL_WAIT", 0.5)
+    monkeypatch.setattr(nbddp._run.waiting, "ROLL_CALL_WAIT", 0.5)
     nbddp.launch(world_size, 2)
     pids = wait_ready_here().pids  # torchrun, then the ranks
     waiting = _snapshot(pids)

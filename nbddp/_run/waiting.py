@@ -1,0 +1,210 @@
+"""Ranks that wait on the kernel's channel: started before their run, handed one or more.
+
+A waiting group's ranks connect to the kernel's channel, say hello, prepare (import
+torch, join a gloo group) and say they are ready; then they wait for their ``Start``.
+This is what standby ranks and a session's ranks are, on this machine (``_local``) or on
+a cluster's nodes (``_slurm.session``): the backend starts the ranks and says how the
+payload reaches them, how a rank is interrupted, and how a dead process is seen.
+
+Any of a waiting group's processes may die while idle. Before the Start, the ranks that
+wait for it answer a roll call; a group that lost one is not handed the run
+(``RanksGone``: the caller stops it and starts fresh ranks).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .._wire import dataplane
+from .._wire.dataplane import Packed
+from .._wire.messages import (
+    Disconnected,
+    Failure,
+    Hello,
+    Present,
+    RankOptions,
+    Ready,
+    RollCall,
+    Sequenced,
+    Start,
+)
+from .._wire.rundir import RunDir
+from .group import Launcher, LauncherExited, RankGroup, RanksGone
+from .records import Records
+from .shape import GroupShape, Handover
+
+ROLL_CALL_WAIT = 3.0
+"""How long a waiting rank may take to answer its roll call. An idle rank answers within
+a millisecond (a few on another node); one that has not answered by then is taken for
+stuck, and its group for unfit to run."""
+
+
+class WaitingGroup(RankGroup):
+    """Ranks of ``shape`` that connect to this group's channel and wait for their Start.
+
+    A backend sets ``_server`` (the channel) and follows its launcher
+    (``_follow_launcher``); it may say where the payload goes (``_place_payload``), how
+    to check the ranks that answered the roll call (``_check_present``), and how a rank
+    is interrupted (``interrupt``)."""
+
+    def __init__(self, shape: GroupShape, run_dir: RunDir) -> None:
+        super().__init__(shape.nprocs, run_dir)
+        self.shape = shape
+        self._pids: dict[int, int] = {}  # rank -> PID, for those that said hello
+        self.ready: set[int] = set()
+        self.broken = False
+        """A rank or the launcher ended before the group was handed a run."""
+        self.on_change: Callable[[Any], None] | None = None
+        """Told of this group (the backend's own type) as its ranks connect, get ready or die."""
+        self._start: Start | None = None
+        self._lock = threading.Lock()
+        self._settled = threading.Event()  # every rank is ready, or the group broke
+        self._gone: str | None = None
+        """Why the group can no longer run anything: a rank or the launcher stopped."""
+        self._calls = 0  # roll calls so far: the number of the latest
+        self._present: set[int] = set()  # who answered the latest
+        self._answered = threading.Condition(self._lock)
+        self._payload_file: Path | None = None
+
+    launcher_name = "torchrun"
+    """What started the ranks, as the notebook names it when it stops."""
+
+    @property
+    def is_ready(self) -> bool:
+        """Every rank waits for its Start."""
+        return len(self.ready) == self.nprocs and not self.broken
+
+    @property
+    def handed_over(self) -> bool:
+        return self._start is not None
+
+    def wait_ready(self, timeout: float | None) -> bool:
+        """Block until every rank waits for its Start; False if the group broke first
+        or ``timeout`` passed."""
+        self._settled.wait(timeout)
+        return self.is_ready
+
+    def launcher_tail(self, lines: int = 30) -> str:
+        """The end of the launcher's output (why a group broke)."""
+        try:
+            text = self.run_dir.launcher_log.read_text(errors="replace")
+        except OSError:
+            return "(nothing)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def rank_pids(self) -> dict[int, int]:
+        """Each rank's process id (once it has said hello)."""
+        with self._lock:
+            return dict(self._pids)
+
+    def _deliver(self, message: Any) -> None:
+        """Keep track of the ranks (the channel's threads call this), then queue it."""
+        inner = message.message if isinstance(message, Sequenced) else message
+        with self._lock:
+            if isinstance(inner, Present):  # the hand-over's business, not the run's
+                if inner.call == self._calls:
+                    self._present.add(inner.rank)
+                    self._answered.notify_all()
+                return
+            if isinstance(inner, Disconnected):
+                self._lose(f"rank {inner.rank} had stopped")
+            if isinstance(inner, Hello):
+                self._said_hello(inner)
+            elif isinstance(inner, Ready):
+                self.ready.add(inner.rank)
+            elif isinstance(inner, (Failure, Disconnected)) and self._start is None:
+                self.broken = True
+        self.events.put(message)
+        self._changed()
+
+    def _said_hello(self, hello: Hello) -> None:
+        """(Under the lock) A rank is up: it gets the Start if the run is known."""
+        if self.launcher is not None:
+            self.launcher.add_rank(hello.pid)
+        self._pids[hello.rank] = hello.pid
+        if self._start is not None and self._server is not None:
+            self._server.send(hello.rank, self._start)
+
+    def _wait_launcher(self, launcher: Launcher) -> None:
+        code = launcher.wait()
+        with self._lock:
+            self.broken = self.broken or self._start is None
+            self._lose(f"{self.launcher_name} had stopped")
+        self.events.put(LauncherExited(code))
+        self._changed()
+
+    def _lose(self, why: str) -> None:
+        """(Under the lock) The group lost a process: it can take no run from now on."""
+        self._gone = self._gone or why
+        self._answered.notify_all()
+
+    def _changed(self) -> None:
+        if self.is_ready or self.broken:
+            self._settled.set()
+        notify = self.on_change
+        if notify is not None:
+            notify(self)
+
+    def hand_over(self, payload: Packed, records: Records, options: RankOptions,
+                  handover: Handover) -> None:
+        """Call the roll of the ranks that wait for their Start, write the payload while
+        they answer, then send every rank its Start (a rank that has not said hello yet
+        gets it when it does). Raises ``RanksGone``, and sends no Start, if the waiting
+        ranks are not all there. A session's group is handed one run after another: each
+        replaces the last one's payload."""
+        called = self._roll_call()
+        if self._payload_file is not None:
+            self._payload_file.unlink(missing_ok=True)
+        self._payload_file = self._place_payload(payload)
+        start = self._start_message(self._payload_file, records, options, handover)
+        with self._lock:
+            self._await_answers(called)
+            self.records = records
+            self._start = start
+            assert self._server is not None
+            for rank in self._pids:
+                self._server.send(rank, start)
+
+    def _place_payload(self, payload: Packed) -> Path:
+        """Write the payload where the ranks read it; its file."""
+        dataplane.write(self.run_dir.payload, payload)
+        return self.run_dir.payload
+
+    def _roll_call(self) -> set[int]:
+        """Ask the ranks that wait for their Start to answer (at once, from the rank's
+        listening thread); those ranks. A rank still starting is not asked: like a cold
+        launch's ranks, it gets its Start when it is up. Raises ``RanksGone`` if a
+        process of a group already up has stopped (a cold group's early end is the
+        run's to tell, with the launcher's output)."""
+        with self._lock:
+            called = {rank for rank in self.ready if rank in self._pids}
+            self._calls += 1
+            self._present = set()
+            assert self._server is not None
+            for rank in sorted(called):
+                if not self._server.send(rank, RollCall(self._calls)):
+                    self._lose(f"rank {rank} had stopped")
+            if self._pids and self._gone is not None:
+                raise RanksGone(self._gone)
+        return called
+
+    def _await_answers(self, called: set[int]) -> None:
+        """(Under the lock) Wait until every rank ``called`` has answered; RanksGone if
+        the group lost a process, or a rank stays silent for ``ROLL_CALL_WAIT`` s."""
+        if not called:
+            return
+        every = self._answered.wait_for(
+            lambda: self._gone is not None or called <= self._present, ROLL_CALL_WAIT)
+        if self._gone is not None:
+            raise RanksGone(self._gone)
+        if not every:
+            silent = ", ".join(str(rank) for rank in sorted(called - self._present))
+            raise RanksGone(f"rank {silent} did not answer within {ROLL_CALL_WAIT:g} s")
+        self._check_present(called)
+
+    def _check_present(self, called: set[int]) -> None:
+        """(Under the lock) Every rank ``called`` answered: raise ``RanksGone`` if one of
+        the group's processes was nonetheless killed since (where the kernel can see)."""
