@@ -80,6 +80,8 @@ class _Link:
 
     def __init__(self, sock: socket.socket, send_key: bytes, receive_key: bytes) -> None:
         self.sock = sock
+        if sock.family in (socket.AF_INET, socket.AF_INET6):  # a small frame goes at once,
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # not 40 ms later
         self._send_key, self._receive_key = send_key, receive_key
         self._sent = self._received = 0
         self._send_lock = threading.Lock()
