@@ -8,7 +8,6 @@ Either way the group is handed the payload and a ``Job`` follows the run.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -23,7 +22,7 @@ from ._run.records import Records
 from ._run.shape import GroupShape, Handover
 from ._slurm.group import SlurmGroup
 from ._slurm.launcher import find_run_dir
-from ._slurm.options import Slurm, SlurmOptions
+from ._slurm.options import Slurm, cluster_run
 from ._wire.dataplane import Packed
 from ._wire.payload import Payload
 from ._wire.rundir import RunDir
@@ -139,7 +138,7 @@ def launch(
                          all_ranks=all_ranks, env=env, output=output,
                          max_restarts=max_restarts, stall_after=stall_after)
     if slurm is not False:
-        config, cluster = _cluster_run(options, Slurm() if slurm is True else slurm)
+        config, cluster = cluster_run(options, slurm)
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
         job: Job[R] = _start(SlurmGroup.for_submission(config, cluster), config, payload)
     else:
@@ -187,26 +186,6 @@ def _start(group: RankGroup, config: RunConfig, payload: Packed, records: Record
         group.stop()
         group.close()
         raise
-
-
-def _cluster_run(options: RunOptions, slurm: Slurm) -> tuple[RunConfig, SlurmOptions]:
-    """A SLURM job's shape: ``nprocs`` or ``gpus`` count ranks per node (the nodes'
-    GPUs, not this machine's); default one rank per node."""
-    if not isinstance(slurm, Slurm):
-        raise TypeError(f"slurm must be True or nbddp.Slurm(...), got {slurm!r}")
-    nprocs, gpus = options.nprocs, options.gpus
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise ValueError(f"with slurm, gpus is a count of GPUs per node, got {gpus!r}")
-    if nprocs is not None and gpus is not None and nprocs != gpus:
-        raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
-    per_node = nprocs or gpus or 1
-    restarts = options.max_restarts
-    if slurm.max_restarts and restarts and slurm.max_restarts != restarts:
-        raise ValueError(f"max_restarts={restarts} disagrees with Slurm(max_restarts="
-                         f"{slurm.max_restarts}); give one or the other")
-    restarts = slurm.max_restarts or restarts
-    config = options.config(per_node * slurm.nodes, max_restarts=restarts)
-    return config, dataclasses.replace(slurm, max_restarts=restarts).options(per_node, gpus or 0)
 
 
 def _follow(job: Job, wait: bool) -> Any:

@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._errors import NbddpError
@@ -82,9 +83,10 @@ class JobStatus:
         return f"SLURM job {job_id} is {self.state.lower()}"
 
 
-def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _run(*args: str, env: dict[str, str] | None = None,
+         cwd: str | None = None) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run(args, env=env, capture_output=True, text=True,
+        return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True,
                               timeout=_COMMAND_TIMEOUT, stdin=subprocess.DEVNULL)
     except FileNotFoundError:
         raise NbddpError(f"{args[0]} not found: submitting to SLURM needs SLURM's commands "
@@ -128,17 +130,20 @@ def kernel_host() -> str:
 
 def submit(run_dir: RunDir, config: RunConfig, options: SlurmOptions) -> str:
     """Write the job's sbatch file and shape into ``run_dir``, ``sbatch`` it; the job id."""
-    script = run_dir.sbatch
-    script.write_text(submission_sbatch_text(str(run_dir.path), sys.executable, options))
-    env = rank_environment(config)
-    done = _run("sbatch", "--parsable", str(script), env=env)
-    if done.returncode != 0:
-        raise NbddpError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
-    job_id = done.stdout.strip().split(";")[0]
+    run_dir.sbatch.write_text(submission_sbatch_text(str(run_dir.path), sys.executable, options))
+    job_id = sbatch(run_dir.sbatch, rank_environment(config))
     shape = {"job_id": job_id, "nprocs": config.nprocs, "all_ranks": config.all_ranks,
              "output": config.output}
     run_dir.write_private(run_dir.job, json.dumps(shape).encode())
     return job_id
+
+
+def sbatch(script: Path, env: dict[str, str], cwd: str | None = None) -> str:
+    """Submit ``script`` with the ranks' environment; the job id."""
+    done = _run("sbatch", "--parsable", str(script), env=env, cwd=cwd)
+    if done.returncode != 0:
+        raise NbddpError(f"sbatch refused the job: {done.stderr.strip() or done.stdout.strip()}")
+    return done.stdout.strip().split(";")[0]
 
 
 def read_shape(run_dir: RunDir) -> dict[str, Any]:

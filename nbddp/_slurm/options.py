@@ -9,10 +9,11 @@ arguments, and its checks are here).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._run.config import check_max_restarts
+from .._run.config import RunConfig, RunOptions, check_max_restarts
 from .._run.flags import flag, no_flag
 
 
@@ -139,3 +140,24 @@ class Slurm:
                             time=self.time, partition=self.partition, extra=tuple(self.sbatch),
                             max_restarts=self.max_restarts, requeue=self.requeue,
                             signal_before=self.signal_before)
+
+
+def cluster_run(options: RunOptions, slurm: bool | Slurm) -> tuple[RunConfig, SlurmOptions]:
+    """A SLURM job's shape: ``nprocs`` or ``gpus`` count ranks per node (the nodes'
+    GPUs, not this machine's); default one rank per node."""
+    slurm = Slurm() if slurm is True else slurm
+    if not isinstance(slurm, Slurm):
+        raise TypeError(f"slurm must be True or nbddp.Slurm(...), got {slurm!r}")
+    nprocs, gpus = options.nprocs, options.gpus
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
+        raise ValueError(f"with slurm, gpus is a count of GPUs per node, got {gpus!r}")
+    if nprocs is not None and gpus is not None and nprocs != gpus:
+        raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
+    per_node = nprocs or gpus or 1
+    restarts = options.max_restarts
+    if slurm.max_restarts and restarts and slurm.max_restarts != restarts:
+        raise ValueError(f"max_restarts={restarts} disagrees with Slurm(max_restarts="
+                         f"{slurm.max_restarts}); give one or the other")
+    restarts = slurm.max_restarts or restarts
+    config = options.config(per_node * slurm.nodes, max_restarts=restarts)
+    return config, dataclasses.replace(slurm, max_restarts=restarts).options(per_node, gpus or 0)
