@@ -82,6 +82,12 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _job_flags(args: Any) -> bool:
+    """Whether any flag that describes a SLURM job was given."""
+    return bool(args.nodes != 1 or args.time or args.partition or args.sbatch
+                or args.cpus_per_task or args.requeue or args.signal_before is not None)
+
+
 def _check_combination(args: Any) -> None:
     """Flags that mean something only beside others: the SLURM job's."""
     cluster_only = (args.nodes != 1 or args.time or args.partition or args.sbatch
@@ -212,18 +218,29 @@ class DDPMagics(Magics):
               choices=["start", "stop", "restart", "status"],
               help="start ranks that keep their state from cell to cell, stop or restart "
                    "them, or say what runs (the default)")
-    @_arguments(*_flags(RunOptions, session=True))
+    @_arguments(
+        *_flags(RunOptions, session=True),
+        argument("--slurm", action="store_true",
+                 help="start the ranks as one SLURM job (sbatch) that holds its nodes for "
+                      "the session: --nprocs or --gpus ranks per node; the cell shows the "
+                      "queue wait and returns when every rank is ready"),
+        *_flags(Slurm),
+    )
     @line_magic
     def ddp_session(self, line: str) -> Any:
         """Ranks that keep their state between ``%%ddp`` cells.
 
         ``%ddp_session start --nprocs 2`` starts them; from then on every ``%%ddp`` cell
         runs on them, and the names a cell assigns stay on the ranks for the next cells
-        (other names come from the notebook, as always). ``%ddp_session stop`` ends the
-        session, ``restart`` starts fresh ranks, and ``%ddp_session`` says what runs
-        (its value is a ``SessionStatus``).
+        (other names come from the notebook, as always). ``%ddp_session start --slurm
+        --nodes 2`` starts them on a cluster's nodes, as one SLURM job. ``%ddp_session
+        stop`` ends the session (and its job), ``restart`` starts fresh ranks, and
+        ``%ddp_session`` says what runs (its value is a ``SessionStatus``).
         """
         args = parse_argstring(self.ddp_session, line)
+        if args.action != "start" and (args.slurm or _job_flags(args)):
+            raise UsageError("--slurm and the SLURM job's options are for "
+                             "%ddp_session start")
         open_session = self.session if self.session and not self.session.closed else None
         if args.action == "start":
             if open_session is not None:
@@ -256,8 +273,15 @@ def _running_cell_number(shell: Any) -> int:
 
 
 def _start_session(args: Any) -> Session:
+    if _job_flags(args) and not args.slurm:
+        raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
+                         "add --slurm to start the session's ranks as one")
+    run = _values(RunOptions, args, session=True)
     try:
-        return Session(**_values(RunOptions, args, session=True))
+        if args.slurm:
+            run = {**run, "gpus": _per_node(run["gpus"])}
+            return Session(**run, slurm=Slurm(**_values(Slurm, args)))
+        return Session(**run)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, NbddpError):
             raise

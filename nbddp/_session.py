@@ -8,7 +8,12 @@ interrupt, a timeout) keeps the ranks if every one comes back to rest; otherwise
 when a rank dies, the ranks are stopped, fresh ones start, and the error says that the
 state is gone. An idle session waits as long as it is open; if one of its processes dies
 meanwhile, the next run finds out before it starts (the ranks' roll call, see
-``_local.group``), and runs on fresh ranks, saying that the state is gone.
+``_run.waiting``), and runs on fresh ranks, saying that the state is gone.
+
+A session's ranks run on this machine (started by torchrun here, or taken from standby),
+or, with ``slurm=``, as one SLURM job on the cluster's nodes (``_slurm.session``): the
+session waits for the job to leave the queue, showing its state, and then every run is
+handed to the job's ranks the same way.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from ._run.job import Job
 from ._run.records import Records
 from ._run.shape import GroupShape
 from ._run.supervisor import Ending, Supervisor
+from ._run.waiting import WaitingGroup
+from ._slurm.launcher import JobStatus
+from ._slurm.options import Slurm, SlurmOptions, cluster_run
+from ._slurm.session import SlurmSessionGroup
 from ._wire.dataplane import Packed
 from ._wire.messages import Assigned
 from ._wire.payload import Payload
@@ -64,7 +73,7 @@ class _OnSession:
     the ranks' code bound (rank 0 sends them after its report), and whether the ranks
     stay for the next run, with their state."""
 
-    def __init__(self, group: LocalGroup) -> None:
+    def __init__(self, group: WaitingGroup) -> None:
         self._group = group
         self.kept: bool | None = None
         """Whether the ranks kept their state: None until the run's end decided it."""
@@ -125,7 +134,9 @@ class SessionStatus:
     pids: dict[int, int]
     """Each rank's process id."""
     rss_mib: dict[int, float]
-    """Each rank's resident memory, in MiB."""
+    """Each rank's resident memory, in MiB (ranks on this machine)."""
+    where: str = ""
+    """Where the ranks run when not on this machine, e.g. ``SLURM job 12 on n[1-2]``."""
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -135,7 +146,8 @@ class SessionStatus:
             return "nbddp session: closed"
         minutes, seconds = divmod(int(self.uptime), 60)
         hours, minutes = divmod(minutes, 60)
-        lines = [f"nbddp session: {self.nprocs} ranks ({self.backend}), up "
+        on = f" on {self.where}" if self.where else ""
+        lines = [f"nbddp session: {self.nprocs} ranks ({self.backend}){on}, up "
                  f"{hours}:{minutes:02d}:{seconds:02d}, {self.runs} runs, "
                  f"{self.restarts} restarts"]
         for rank in range(self.nprocs):
@@ -151,7 +163,10 @@ class Session:
     process group.
 
     ``Session(nprocs=2)`` starts the ranks (as ``launch`` would: ``gpus``, ``backend``,
-    ``init``, ``env``); ``run(fn, *args, **kwargs)`` runs ``fn`` on every rank and
+    ``init``, ``env``). ``slurm=nbddp.Slurm(nodes=2, ...)`` starts them as one SLURM
+    job instead, ``nprocs`` (or ``gpus``) ranks per node, and waits until the job runs
+    (its state is shown meanwhile; Ctrl-C cancels it). ``run(fn, *args, **kwargs)`` runs
+    ``fn`` on every rank and
     returns rank 0's value, ``run_all`` every rank's. Globals that session code assigns
     (``global model; model = ...``, or a ``%%ddp`` cell's names) stay on the ranks for
     the next run. ``timeout`` bounds each run. A failing rank raises ``WorkerError``;
@@ -162,9 +177,17 @@ class Session:
     def __init__(self, nprocs: int | None = None, *, gpus: int | Sequence[int] | None = None,
                  backend: str | None = None, init: bool = True, timeout: float | None = None,
                  env: Mapping[str, str] | None = None,
-                 output: Literal["rank0", "all", "none"] = "rank0") -> None:
-        self.config = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
-                                 timeout=timeout, env=env, output=output).on_this_machine()
+                 output: Literal["rank0", "all", "none"] = "rank0",
+                 slurm: bool | Slurm = False) -> None:
+        options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
+                             timeout=timeout, env=env, output=output)
+        self._cluster: SlurmOptions | None = None
+        """The SLURM job that holds the ranks, if they run on a cluster."""
+        if slurm is False:
+            self.config = options.on_this_machine()
+        else:
+            self.config, self._cluster = cluster_run(options, slurm)
+            _check_session_job(self._cluster)
         self._lock = threading.Lock()
         self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
         self._warned: set[str] = set()
@@ -178,11 +201,19 @@ class Session:
         self._group = self._new_group()
         self._wait_ready()
 
-    def _new_group(self, standby: bool = True) -> LocalGroup:
+    def _new_group(self, standby: bool = True) -> WaitingGroup:
         shape = GroupShape.of(self.config)
-        taken = STANDBY.take(shape) if standby else None  # waiting ranks become the session's
-        group = taken[0] if taken is not None else LocalGroup(shape)
-        group.reusable, group.where = True, "session"
+        group: WaitingGroup
+        if self._cluster is not None:  # the nodes' GPUs, not this machine's
+            group = SlurmSessionGroup(dataclasses.replace(
+                shape, gpus=self._cluster.gpus_per_node, cuda_visible_devices=None),
+                self._cluster)
+            group.where = f"session, {group.where}"
+        else:
+            taken = STANDBY.take(shape) if standby else None  # waiting ranks become the session's
+            group = taken[0] if taken is not None else LocalGroup(shape)
+            group.where = "session"
+        group.reusable = True
         self._started = time.monotonic()
         return group
 
@@ -190,15 +221,20 @@ class Session:
         """Block until every rank waits for its first run (Ctrl-C stops them)."""
         group = self._group
         try:
-            ready = group.wait_ready(START_TIMEOUT)
+            if isinstance(group, SlurmSessionGroup):
+                ready = _wait_for_job(group)
+            else:
+                ready = group.wait_ready(START_TIMEOUT)
         except KeyboardInterrupt:
             self.close()
             raise
         if not ready:
             self.close()
             problem = "stopped" if group.broken else f"were not ready after {START_TIMEOUT} s"
-            raise NbddpError(f"the session's ranks {problem} before their first run; "
-                             f"torchrun said:\n{group.launcher_tail()}")
+            outside = group.stopped_from_outside()
+            because = f" ({outside})" if outside else ""
+            raise NbddpError(f"the session's ranks {problem}{because} before their first run; "
+                             f"{group.launcher_name} said:\n{group.launcher_tail()}")
 
     # --- runs -----------------------------------------------------------------------
 
@@ -341,13 +377,16 @@ class Session:
 
     def status(self) -> SessionStatus:
         """The ranks, their PIDs and memory, and the session's age."""
-        pids = {} if self._closed else self._group.rank_pids()
-        backend = self.config.backend or ("gloo" if self._group.shape.prepare else "nccl")
+        group = self._group
+        pids = {} if self._closed else group.rank_pids()
+        backend = self.config.backend or ("gloo" if group.shape.prepare else "nccl")
+        place = _job_place(group) if isinstance(group, SlurmSessionGroup) else ""
         return SessionStatus(not self._closed, self.config.nprocs,
                              backend if self.config.init else "no process group",
                              time.monotonic() - self._started, self.runs, self.restarts,
                              pids, {rank: rss for rank, pid in pids.items()
-                                    if (rss := _rss_mib(pid)) is not None})
+                                    if not place and (rss := _rss_mib(pid)) is not None},
+                             place)
 
     def __repr__(self) -> str:
         return str(self.status())
@@ -367,3 +406,40 @@ def _rss_mib(pid: int) -> float | None:
     except OSError:
         pass
     return None
+
+
+def _check_session_job(options: SlurmOptions) -> None:
+    """What a batch run may ask of SLURM that a session's job cannot do (yet)."""
+    asked = [name for name, value in (("requeue", options.requeue),
+                                      ("signal_before", options.signal_before),
+                                      ("max_restarts", options.max_restarts)) if value]
+    if asked:
+        raise ValueError(f"a session's SLURM job does not take {', '.join(asked)}: its ranks "
+                         "keep state that a restart would lose")
+
+
+def _wait_for_job(group: SlurmSessionGroup) -> bool:
+    """Wait for a session's job to leave the queue and for its ranks to be ready,
+    saying each change of the job's state; True once every rank waits. The time in
+    the queue is unbounded (Ctrl-C cancels); the ranks' start, ``START_TIMEOUT``."""
+    seen: list[JobStatus] = []
+    group.on_status = seen.append
+    said, running_since = 0, None
+    assert group.slurm_job_id is not None
+    try:
+        while not group.wait_ready(0.1) and not group.broken:
+            for status in seen[said:]:
+                print(f"nbddp: {status.describe(group.slurm_job_id)}", flush=True)
+                if status.state == "RUNNING" and running_since is None:
+                    running_since = time.monotonic()
+            said = len(seen)
+            if running_since is not None and time.monotonic() - running_since > START_TIMEOUT:
+                return False
+    finally:
+        group.on_status = None
+    return group.is_ready
+
+
+def _job_place(group: SlurmSessionGroup) -> str:
+    nodes = group.status.nodes
+    return f"SLURM job {group.slurm_job_id}" + (f" on {nodes}" if nodes else "")

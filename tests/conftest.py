@@ -90,7 +90,7 @@ WAITING_LANE = {
     "test_slurm_submit.py", "test_slurm_cluster.py", "test_requeue.py", "test_export.py",
     "test_docs.py", "test_session.py", "test_security.py", "test_stacks.py",
     "test_rank_view.py", "test_kernel.py", "test_pdb.py", "test_metrics.py",
-    "test_models_back.py",
+    "test_models_back.py", "test_slurm_session.py",
 }
 """Modules whose tests spend much of their time waiting (on SLURM's scheduler, a timeout,
 a silent rank, a kernel): on a 2-core machine they run beside the rest, which keep both

@@ -65,8 +65,9 @@ def test_launch_overloads_have_the_implementations_parameters():
 
 
 def test_session_takes_run_options_with_their_defaults():
-    started = _parameters(Session.__init__, {"self"})
+    started = _parameters(Session.__init__, {"self", "slurm"})
     assert started.items() <= dict(defaults(RunOptions)).items()
+    assert _parameters(launch, set())["slurm"] == _parameters(Session.__init__, set())["slurm"]
     per_run = _parameters(Session.submit, {"self", "fn", "args", "kwargs", "stdout",
                                            "timeout", "output"})  # None: the session's
     assert per_run.items() <= dict(defaults(RunOptions)).items()
@@ -110,10 +111,12 @@ def test_ddp_has_a_flag_for_every_option_a_cell_can_take_and_no_other():
 
 def test_ddp_session_has_a_flag_for_every_option_a_session_starts_with():
     parser = DDPMagics.ddp_session.parser
-    options = _dests(parser) - {"help", "action"}
+    job = {field.name for field, _ in flagged(Slurm)}
+    options = _dests(parser) - {"help", "action", "slurm"} - job
     assert options == {field.name for field, _ in flagged(RunOptions, session=True)}
     assert options == {"gpus", "nprocs", "backend", "timeout", "init"}
     assert options <= set(_parameters(Session.__init__, {"self"}))
+    assert job <= _dests(parser) and "slurm" in _dests(parser)  # as %%ddp --slurm spells them
 
 
 def test_no_flags_give_the_defaults():
@@ -143,7 +146,7 @@ def test_each_flag_sets_its_option():
 
 
 @pytest.mark.parametrize(("magic", "line", "refused"), [
-    (DDPMagics.ddp_session, "start --time 00:20:00", "--time"),  # was read as --timeout
+    (DDPMagics.ddp, "--tim 00:20:00", "--tim"),  # was read as --timeout
     (DDPMagics.ddp, "--nproc 2", "--nproc"),
     (DDPMagics.ddp, "--nprocs 2 --max-r 1", "--max-r"),
     (DDPMagics.ddp_session, "start --nproc 2", "--nproc"),
@@ -151,6 +154,22 @@ def test_each_flag_sets_its_option():
 def test_a_magic_takes_only_whole_flags(magic, line, refused):
     with pytest.raises(UsageError, match=f"unrecognized arguments: {refused}"):
         parse_argstring(magic, line)
+
+
+def test_a_sessions_time_limit_is_not_taken_for_its_timeout():
+    args = parse_argstring(DDPMagics.ddp_session, "start --slurm --time 00:20:00")
+    assert args.time == "00:20:00" and args.timeout is None
+
+
+@pytest.mark.parametrize("line, says", [
+    ("start --nodes 2", "add --slurm to start the session's ranks as one"),
+    ("stop --slurm", "are for %ddp_session start"),
+    ("status --time 00:10:00", "are for %ddp_session start"),
+    ("start --slurm --requeue", "does not take requeue"),
+])
+def test_a_session_takes_a_slurm_jobs_flags_only_to_start_one(line, says):
+    with pytest.raises(UsageError, match=says):  # said before anything is submitted
+        DDPMagics(shell=None).ddp_session(line)
 
 
 # --- the options' checks -----------------------------------------------------------------

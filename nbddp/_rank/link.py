@@ -1,7 +1,9 @@
 """A rank's link to the kernel: its messages out, its ``Start`` in.
 
-A local rank talks over the kernel's Unix socket in both directions; a closed connection
-means the kernel is gone, and the rank stops. It answers the kernel's roll call (sent to
+A local rank talks over the kernel's Unix socket in both directions, and a session's rank
+on a cluster node over the kernel's TCP channel; a closed connection means the kernel is
+gone, and the rank stops. The kernel interrupts a rank it cannot signal (on another
+node) with a message. It answers the kernel's roll call (sent to
 waiting ranks before their ``Start``) at once, from the thread that listens. A SLURM
 job's rank also writes every message to its mailbox file, reads its ``Start`` from the
 run folder, and carries on without the kernel: the job outlives a kernel restart and can
@@ -15,6 +17,7 @@ import contextlib
 import os
 import pickle
 import queue
+import signal
 import sys
 import threading
 from typing import Any
@@ -24,6 +27,7 @@ from .._wire.mailbox import MailboxWriter, mailbox_path
 from .._wire.messages import (
     DebugInput,
     DebugPrompt,
+    Interrupt,
     Present,
     RollCall,
     Sequenced,
@@ -58,8 +62,20 @@ class KernelLink:
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
         """Connect to the kernel; if it goes away while the rank is busy, stop the rank."""
-        link = cls(rank, ChannelClient(run_dir.socket, run_dir.key.read_bytes()), None,
-                   run_dir)
+        return cls._listening(rank, ChannelClient(run_dir.socket, run_dir.key.read_bytes()),
+                              run_dir)
+
+    @classmethod
+    def remote(cls, run_dir: RunDir, rank: int) -> KernelLink:
+        """A session's rank on a cluster node: connect to the kernel's TCP channel (named
+        in the shared run folder), and serve it as a local rank does."""
+        host, port = run_dir.address.read_text().split()
+        return cls._listening(rank, ChannelClient((host, int(port)), run_dir.key.read_bytes()),
+                              run_dir)
+
+    @classmethod
+    def _listening(cls, rank: int, channel: ChannelClient, run_dir: RunDir) -> KernelLink:
+        link = cls(rank, channel, None, run_dir)
         threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
         return link
 
@@ -110,6 +126,8 @@ class KernelLink:
                     self._starts.put(message)
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
+                elif isinstance(message, Interrupt):  # raised in the main thread, if busy
+                    os.kill(os.getpid(), signal.SIGINT)
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
         if self.busy.is_set():

@@ -1,6 +1,6 @@
 """The entry point torchrun runs on every rank.
 
-``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox]``
+``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox | --remote]``
 
 Bootstrap order matters. Output goes to a log file first, so even a crash is recorded.
 Then the rank connects to the kernel, says hello, and prepares while the kernel may not
@@ -11,7 +11,9 @@ for the next launch. It creates no CUDA context and no NCCL communicator before 
 Each ``Start`` is a run (see ``_rank.loop``): a one-off run ends the rank; a session's rank
 goes back to waiting, until the kernel closes the link. A SLURM job's rank
 (``--mailbox``) reads its ``Start`` from the run folder and carries on if the kernel
-goes (see ``_rank.link``). This module imports nothing of the kernel side.
+goes (see ``_rank.link``); a SLURM session's rank (``--remote``) waits for each Start on
+the kernel's TCP channel, as a local one does on its socket. This module imports
+nothing of the kernel side.
 """
 
 from __future__ import annotations
@@ -106,18 +108,26 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
     return 0
 
 
+def _link(run_dir: RunDir, rank: int, mailbox: bool, remote: bool) -> KernelLink:
+    if mailbox:
+        return KernelLink.slurm(run_dir, rank)
+    return KernelLink.remote(run_dir, rank) if remote else KernelLink.local(run_dir, rank)
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m nbddp._worker")
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--prepare", choices=["gloo"])
-    parser.add_argument("--mailbox", action="store_true")
+    link_kind = parser.add_mutually_exclusive_group()
+    link_kind.add_argument("--mailbox", action="store_true")
+    link_kind.add_argument("--remote", action="store_true")
     args = parser.parse_args(argv)
     rank = int(os.environ["RANK"])
-    run_dir = RunDir(args.run_dir, shared=args.mailbox)
+    run_dir = RunDir(args.run_dir, shared=args.mailbox or args.remote)
     _redirect_output(run_dir.rank_log(rank))
     answer_stacks(run_dir.stacks_file(rank))
     _die_with_launcher()
-    link = KernelLink.slurm(run_dir, rank) if args.mailbox else KernelLink.local(run_dir, rank)
+    link = _link(run_dir, rank, args.mailbox, args.remote)
     link.send(Hello(rank, os.getpid()))
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
     install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook

@@ -168,6 +168,10 @@ class WaitingGroup(RankGroup):
             for rank in self._pids:
                 self._server.send(rank, start)
 
+    def make_room(self, payload: int, result: int = 0) -> None:
+        """Get ready for a next payload and result of about these sizes (where the backend
+        can allocate ahead: ``LocalGroup``)."""
+
     def _place_payload(self, payload: Packed) -> Path:
         """Write the payload where the ranks read it; its file."""
         dataplane.write(self.run_dir.payload, payload)

@@ -2,7 +2,8 @@
 torchrun joined by c10d rendezvous on the job's own port.
 
 ``sbatch_text`` is the file ``export`` writes beside a script; ``submission_sbatch_text``
-is the batch script of a run submitted from the notebook. Both are pure functions of
+is the batch script of a run submitted from the notebook, ``session_sbatch_text`` that
+of a session's ranks. Both are pure functions of
 their arguments, pinned by golden-file tests.
 """
 
@@ -94,6 +95,32 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
         '    scontrol requeue "$SLURM_JOB_ID" || status=$?',
         "fi",
         'exit "$status"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def session_sbatch_text(run_dir: str, python: str, options: SlurmOptions,
+                        prepare: str | None) -> str:
+    """The sbatch file of a session's ranks: on each node, nbddp's torchrun wrapper
+    starts ranks that connect to the kernel's TCP channel and wait there for each run.
+    The job ends when the kernel closes the channel (the ranks at rest then exit), or
+    when it is cancelled."""
+    folder, python = shlex.quote(run_dir), shlex.quote(python)
+    lines = _directives("nbddp-session", options, f"{run_dir}/{LAUNCHER_LOG}", None,
+                        ["--open-mode=append"])
+    worker = f"-m nbddp._worker {folder} --remote" + (f" --prepare {prepare}" if prepare else "")
+    lines += [
+        "",
+        "# Started by nbddp for a notebook's session: the ranks reach the kernel over the",
+        "# TCP channel named in this run folder, and run one cell after another.",
+        'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f"port={rendezvous_port(options.port)}",
+        "",
+        f"exec srun --kill-on-bad-exit=1 {python} -m nbddp._torchrun {folder} - \\",
+        f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.nprocs_per_node} "
+        "--max-restarts 0 \\",
+        "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" --rdzv-endpoint \"$head:$port\" \\",
+        f"    {worker}",
     ]
     return "\n".join(lines) + "\n"
 

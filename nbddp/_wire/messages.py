@@ -10,7 +10,7 @@ that a message names.
     rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StopRequested, DebugPrompt,
                      DebugDone, Assigned, and a report: Result, Failure or Requeueing (each
                      Sequenced)
-    kernel -> rank   RollCall, Start, DebugInput
+    kernel -> rank   RollCall, Start, DebugInput, Interrupt
     kernel only      Disconnected (a rank's connection closed)
 """
 
@@ -205,6 +205,12 @@ class Start:
     """Keep the namespace and the process group, and wait for the next Start after this."""
     data: str | None = None
     """The run dir's twin in shared memory, where a result's data file goes if it fits."""
+
+
+@dataclass(frozen=True)
+class Interrupt:
+    """Raise ``KeyboardInterrupt`` in the user's code, as SIGINT would: how the kernel
+    interrupts a rank on another machine, which it cannot signal."""
 
 
 @dataclass(frozen=True)

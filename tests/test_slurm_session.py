@@ -1,0 +1,269 @@
+"""Sessions on the two-node SLURM test cluster, through a real kernel: one job holds the
+nodes, and every ``%%ddp`` cell runs on both nodes' ranks, keeping their state.
+
+``%ddp_session start --slurm`` submits the job and returns once every rank waits; cells
+then run as in a local session (names kept on the ranks, notebook names by value, the
+failure rules). Stopping the session, or the kernel's end, ends the job. Job processes
+are children of slurmd, not of the kernel: each test checks the job has left the queue.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+import nbddp
+
+from .conftest import wait_until
+from .kernel_driver import Kernel
+from .slurm import job_ended
+from .test_kernel import _alive, _snapshot
+from .test_pdb import answer
+from .test_slurm_submit import setup_cell
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+START = "%ddp_session start --slurm --nodes 2 --nprocs 1 --time 00:10:00 --cpus-per-task 1"
+JOB_ID = re.compile(r"SLURM job (\d+) is running on n\[1-2\]")
+
+
+def start_session(kernel: Kernel, slurm_env: dict[str, str], jobs: list[str]) -> str:
+    """Start a two-node session in ``kernel``; its job id."""
+    kernel.run(setup_cell(slurm_env)).assert_ok()
+    run = kernel.run(START, timeout=120).assert_ok()
+    match = JOB_ID.search(run.stream_text())
+    assert match, run.describe()
+    jobs.append(match.group(1))
+    return match.group(1)
+
+
+def session_pids(kernel: Kernel) -> dict[int, int]:
+    run = kernel.run("_status = %ddp_session\n_status.pids").assert_ok()
+    return eval(run.result())  # noqa: S307 - our own repr
+
+
+def cell(kernel: Kernel, body: str, options: str = "", timeout: float = 60):
+    return kernel.run(f"%%ddp {options}\n{body}", timeout=timeout)
+
+
+def second_node_rank(kernel: Kernel) -> int:
+    """The rank that runs on n2 (c10d's rendezvous numbers the nodes in any order)."""
+    run = cell(kernel, """
+import torch.distributed as dist
+nodes = [None] * dist.get_world_size()
+dist.all_gather_object(nodes, os.environ["SLURMD_NODENAME"])
+nodes.index("n2")
+""").assert_ok()
+    return int(run.result())
+
+
+@pytest.fixture(scope="module")
+def session_jobs(slurm_env):
+    """The module kernel's job (the per-test ``jobs`` fixture would cancel it)."""
+    submitted: list[str] = []
+    yield submitted
+    for job_id in submitted:
+        wait_until(lambda job_id=job_id: job_ended(slurm_env, job_id), timeout=60,
+                   interval=0.2)
+
+
+@pytest.fixture(scope="module")
+def cluster_session(slurm_env, session_jobs, tmp_path_factory):
+    """One kernel with a two-node session open, for the tests that keep it whole."""
+    kernel = Kernel(tmp_path_factory.mktemp("slurm-session"))
+    try:
+        start_session(kernel, slurm_env, session_jobs)
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+@pytest.fixture
+def fresh_cluster_session(slurm_env, jobs, tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        yield kernel, start_session(kernel, slurm_env, jobs)
+    finally:
+        kernel.shutdown()
+
+
+# --- cells on both nodes ------------------------------------------------------------
+
+
+def test_the_session_waits_for_its_job_and_says_where_it_runs(slurm_env, jobs, tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(slurm_env)).assert_ok()
+        run = kernel.run(START, timeout=120).assert_ok()
+        text = run.stream_text()
+        job_id = JOB_ID.search(text).group(1)
+        jobs.append(job_id)
+        assert f"SLURM job {job_id} is queued" in text, text  # the wait, live
+        status = run.result()
+        assert f"2 ranks (gloo) on SLURM job {job_id} on n[1-2]" in status, status
+        assert "rank 1: pid" in status
+    finally:
+        kernel.shutdown()
+    wait_until(lambda: job_ended(slurm_env, job_id), timeout=30, interval=0.2)
+
+
+def test_names_stay_on_both_nodes_and_notebook_names_follow_each_cell(cluster_session):
+    cluster_session.run("scale = 2").assert_ok()
+    cell(cluster_session, """
+import torch.distributed as dist
+node = os.environ["SLURMD_NODENAME"]
+seen = [scale * (dist.get_rank() + 1)]
+""").assert_ok()
+    cluster_session.run("scale = 10").assert_ok()  # changed in the notebook between cells
+    run = cell(cluster_session, """
+seen.append(scale * (dist.get_rank() + 1))
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, (node, seen))
+everyone
+""").assert_ok()
+    everyone = eval(run.result())  # noqa: S307 - our own repr
+    assert sorted(node for node, _ in everyone) == ["n1", "n2"], run.describe()
+    assert [seen for _, seen in everyone] == [[2, 10], [4, 20]]  # by rank
+
+
+def test_a_failing_rank_on_the_second_node_keeps_the_state(cluster_session):
+    rank = second_node_rank(cluster_session)
+    cell(cluster_session, "kept = 'still here'").assert_ok()
+    run = cell(cluster_session, """
+if os.environ["SLURMD_NODENAME"] == "n2":
+    raise ValueError("the second node is unhappy")
+""")
+    assert run.error()["ename"] == "WorkerError", run.describe()
+    text = run.error_text()
+    assert f"rank {rank} raised ValueError: the second node is unhappy" in text, text
+    assert 'raise ValueError("the second node is unhappy")' in text, text  # the cell's line
+    assert "the session's ranks are back at rest, with their state" in text, text
+    assert cell(cluster_session, "kept").assert_ok().result() == "'still here'"
+
+
+def test_an_interrupt_reaches_both_nodes_and_keeps_the_state(cluster_session):
+    cell(cluster_session, "ticks = 0").assert_ok()
+    run = cluster_session.submit("""%%ddp
+import time
+print("working", flush=True)
+while True:
+    ticks += 1
+    time.sleep(0.01)
+""")
+    run.wait_for_output("working")
+    cluster_session.km.interrupt_kernel()
+    run.finish(timeout=30)
+    assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
+    assert "the session's ranks are back at rest, with their state" in run.error_text()
+    counted = cell(cluster_session, """
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, ticks)
+min(everyone)
+""").assert_ok()
+    assert int(counted.result()) >= 1  # each rank's loop ran, and its count was kept
+
+
+def test_a_cell_timeout_stops_the_cell_and_keeps_the_state(cluster_session):
+    cell(cluster_session, "waited = 'yes'").assert_ok()
+    run = cell(cluster_session, "import time\ntime.sleep(600)", "--timeout 3")
+    assert run.error()["ename"] == "TimeoutError", run.describe()
+    assert "did not finish within 3" in run.error_text()
+    assert "with their state" in run.error_text()
+    assert cell(cluster_session, "waited").assert_ok().result() == "'yes'"
+
+
+def test_pdb_on_the_second_nodes_rank_is_answered_in_the_notebook(cluster_session):
+    rank = second_node_rank(cluster_session)
+    run = cluster_session.submit("""%%ddp
+x = 40 + dist.get_rank()
+if os.environ["SLURMD_NODENAME"] == "n2":
+    breakpoint()
+dist.barrier()
+x + 2
+""")
+    answer(run, f"[rank {rank}] (Pdb) ", "p os.environ['SLURMD_NODENAME'], x")
+    answer(run, f"[rank {rank}] (Pdb) ", "c")
+    run.finish(timeout=60).assert_ok()
+    assert f"('n2', {40 + rank})" in run.stream_text(), run.describe()
+    assert run.result() == "42"  # rank 0's value
+
+
+# --- the end --------------------------------------------------------------------------
+
+
+def test_a_rank_killed_on_the_second_node_restarts_the_session_as_a_new_job(
+        fresh_cluster_session, slurm_env, jobs):
+    kernel, first_job = fresh_cluster_session
+    rank = second_node_rank(kernel)
+    cell(kernel, "lost = True").assert_ok()
+    victim = session_pids(kernel)[rank]
+    run = cell(kernel, f"""
+import time
+if dist.get_rank() != {rank}:
+    os.kill({victim}, {int(signal.SIGKILL)})
+time.sleep(60)
+""")
+    assert run.error()["ename"] == "WorkerError", run.describe()
+    text = run.error_text()
+    assert f"rank {rank}" in text and "SIGKILL" in text, text
+    assert "the session was restarted" in text, text
+    assert job_ended(slurm_env, first_job)
+    again = cell(kernel, "'lost' in dir()").assert_ok()
+    assert again.result() == "False"
+    status = kernel.run("%ddp_session").assert_ok().result()
+    new_job = re.search(r"on SLURM job (\d+)", status).group(1)
+    jobs.append(new_job)
+    assert new_job != first_job
+
+
+def test_stop_ends_the_job_and_leaves_nothing(fresh_cluster_session, slurm_env):
+    kernel, job_id = fresh_cluster_session
+    cell(kernel, "x = 1").assert_ok()
+    ranks = _snapshot(session_pids(kernel).values())  # (the nodes are this machine)
+    folder = Path(kernel.run(  # the session's own folder, on the shared filesystem
+        "str(get_ipython().magics_manager.registry['DDPMagics'].session._group.run_dir.path)"
+    ).assert_ok().result().strip("'"))
+    assert (folder / "key").exists() and (folder / "channel.address").exists()
+    text = kernel.run("%ddp_session stop").assert_ok().stream_text()
+    assert "stopped" in text
+    assert job_ended(slurm_env, job_id)  # gone from the queue when stop returns
+    assert not _alive(ranks)
+    assert not [name for name in ("key", "channel.address", "payload.pkl")
+                if (folder / name).exists()]  # its secrets; the job's output stays
+    assert (folder / "torchrun.log").exists()
+
+
+@pytest.mark.parametrize("how", ["killed", "shut down"])
+def test_a_kernel_that_goes_ends_its_sessions_job(fresh_cluster_session, slurm_env, how):
+    kernel, job_id = fresh_cluster_session
+    cell(kernel, "x = 1").assert_ok()
+    ranks = _snapshot(session_pids(kernel).values())
+    kernel.end(how)
+    wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
+    wait_until(lambda: not _alive(ranks), timeout=15)
+
+
+# --- in Python ----------------------------------------------------------------------
+
+
+def test_the_python_api_runs_on_the_nodes(slurm_env, jobs, monkeypatch, capsys):
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+
+    def where() -> str:
+        return os.environ["SLURMD_NODENAME"]
+
+    with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=2, cpus_per_task=1)) as session:
+        jobs.append(session.status().where.split()[2])
+        assert session.run_all(where) == ["n1", "n2"]
+        assert "on SLURM job" in str(session.status())
+    assert session.closed
+    assert job_ended(slurm_env, jobs[-1])
+
+
+def test_options_a_session_job_cannot_take_are_refused(slurm_env):
+    with pytest.raises(ValueError, match="does not take requeue"):
+        nbddp.Session(nprocs=1, slurm=nbddp.Slurm(requeue=True))
