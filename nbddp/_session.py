@@ -37,7 +37,6 @@ from ._run.records import Records
 from ._run.shape import GroupShape
 from ._run.supervisor import Ending, Supervisor
 from ._run.waiting import WaitingGroup
-from ._slurm.launcher import JobStatus
 from ._slurm.options import Slurm, SlurmOptions, cluster_run
 from ._slurm.session import SlurmSessionGroup
 from ._wire.dataplane import Packed
@@ -422,21 +421,16 @@ def _wait_for_job(group: SlurmSessionGroup) -> bool:
     """Wait for a session's job to leave the queue and for its ranks to be ready,
     saying each change of the job's state; True once every rank waits. The time in
     the queue is unbounded (Ctrl-C cancels); the ranks' start, ``START_TIMEOUT``."""
-    seen: list[JobStatus] = []
-    group.on_status = seen.append
-    said, running_since = 0, None
-    assert group.slurm_job_id is not None
-    try:
-        while not group.wait_ready(0.1) and not group.broken:
-            for status in seen[said:]:
-                print(f"nbddp: {status.describe(group.slurm_job_id)}", flush=True)
-                if status.state == "RUNNING" and running_since is None:
-                    running_since = time.monotonic()
-            said = len(seen)
-            if running_since is not None and time.monotonic() - running_since > START_TIMEOUT:
-                return False
-    finally:
-        group.on_status = None
+    running_since = None
+    while not group.wait_ready(0.1) and not group.broken:
+        for line in group.take_unsaid():
+            print(line, flush=True)
+        if group.status.state == "RUNNING" and running_since is None:
+            running_since = time.monotonic()
+        if running_since is not None and time.monotonic() - running_since > START_TIMEOUT:
+            return False
+    for line in group.take_unsaid():
+        print(line, flush=True)
     return group.is_ready
 
 

@@ -9,9 +9,11 @@ are children of slurmd, not of the kernel: each test checks the job has left the
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ import nbddp
 
 from .conftest import wait_until
 from .kernel_driver import Kernel
-from .slurm import job_ended
+from .slurm import job_ended, slurm
 from .test_kernel import _alive, _snapshot
 from .test_pdb import answer
 from .test_slurm_submit import setup_cell
@@ -167,12 +169,17 @@ min(everyone)
     assert int(counted.result()) >= 1  # each rank's loop ran, and its count was kept
 
 
-def test_a_cell_timeout_stops_the_cell_and_keeps_the_state(cluster_session):
+def test_a_cell_timeout_says_where_each_node_was_and_keeps_the_state(cluster_session):
     cell(cluster_session, "waited = 'yes'").assert_ok()
-    run = cell(cluster_session, "import time\ntime.sleep(600)", "--timeout 3")
+    run = cell(cluster_session, "import time\ndef nap():\n    time.sleep(600)\nnap()",
+               "--timeout 3")
     assert run.error()["ename"] == "TimeoutError", run.describe()
-    assert "did not finish within 3" in run.error_text()
-    assert "with their state" in run.error_text()
+    text = run.error_text()
+    assert "did not finish within 3" in text and "with their state" in text, text
+    where = text[text.index("where each rank was"):]
+    for rank in (0, 1):  # each rank's stack, sent back from its node
+        stack = where.split(f"--- rank {rank} ---\n")[1].split("--- rank")[0]
+        assert stack.startswith("Main thread") and " in nap" in stack, text
     assert cell(cluster_session, "waited").assert_ok().result() == "'yes'"
 
 
@@ -193,6 +200,25 @@ x + 2
 
 
 # --- the end --------------------------------------------------------------------------
+
+
+def test_a_job_cancelled_mid_cell_is_named_and_the_next_cell_waits_for_a_new_job(
+        fresh_cluster_session, slurm_env, jobs):
+    kernel, first_job = fresh_cluster_session
+    cell(kernel, "lost = True").assert_ok()
+    run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\ntime.sleep(600)")
+    run.wait_for_output("working")
+    slurm(slurm_env, "scancel", first_job)  # as an administrator, or a preemption, would
+    run.finish(timeout=60)
+    text = run.error_text()
+    assert run.error()["ename"] == "NbddpError", run.describe()
+    assert f"SLURM job {first_job} was cancelled before every rank returned" in text, text
+    assert "the session was restarted: variables defined in earlier cells are gone" in text
+    again = cell(kernel, "'lost' in dir()", timeout=120).assert_ok()
+    assert again.result() == "False"
+    new_job = JOB_ID.search(again.stream_text())  # the new job's start, said in the cell
+    assert new_job and new_job.group(1) != first_job, again.describe()
+    jobs.append(new_job.group(1))
 
 
 def test_a_rank_killed_on_the_second_node_restarts_the_session_as_a_new_job(
@@ -256,10 +282,18 @@ def test_the_python_api_runs_on_the_nodes(slurm_env, jobs, monkeypatch, capsys):
     def where() -> str:
         return os.environ["SLURMD_NODENAME"]
 
+    def naps() -> None:
+        time.sleep(600)
+
     with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=2, cpus_per_task=1)) as session:
         jobs.append(session.status().where.split()[2])
-        assert session.run_all(where) == ["n1", "n2"]
+        assert sorted(session.run_all(where)) == ["n1", "n2"]
         assert "on SLURM job" in str(session.status())
+        job = session.submit(naps, stdout=io.StringIO())
+        wait_until(lambda: [" in naps" in text for text in job.stacks().values()] == [True] * 2,
+                   timeout=30)  # on demand, from both nodes, while the run goes on
+        assert job.cancel()
+        assert session.run(where) in ("n1", "n2")  # the ranks came back to rest
     assert session.closed
     assert job_ended(slurm_env, jobs[-1])
 

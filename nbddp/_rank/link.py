@@ -3,7 +3,7 @@
 A local rank talks over the kernel's Unix socket in both directions, and a session's rank
 on a cluster node over the kernel's TCP channel; a closed connection means the kernel is
 gone, and the rank stops. The kernel interrupts a rank it cannot signal (on another
-node) with a message. It answers the kernel's roll call (sent to
+node), and asks for its stacks, with a message. It answers the kernel's roll call (sent to
 waiting ranks before their ``Start``) at once, from the thread that listens. A SLURM
 job's rank also writes every message to its mailbox file, reads its ``Start`` from the
 run folder, and carries on without the kernel: the job outlives a kernel restart and can
@@ -31,11 +31,14 @@ from .._wire.messages import (
     Present,
     RollCall,
     Sequenced,
+    ShowStacks,
+    Stacks,
     Start,
     decode,
     split_frames,
 )
 from .._wire.rundir import RunDir
+from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
 from .restarts import requeue_count, restart_count
 
 ATTEMPT = restart_count()
@@ -128,12 +131,26 @@ class KernelLink:
                     self._answers.put(message)
                 elif isinstance(message, Interrupt):  # raised in the main thread, if busy
                     os.kill(os.getpid(), signal.SIGINT)
+                elif isinstance(message, ShowStacks):  # (this thread must go on listening)
+                    threading.Thread(target=self._send_stacks, args=(message.call,),
+                                     daemon=True, name="nbddp-stacks").start()
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
         if self.busy.is_set():
             print("nbddp: the notebook kernel went away; stopping this rank", file=sys.stderr)
             os._exit(1)
         self._starts.put(None)
+
+    def _send_stacks(self, call: int) -> None:
+        """Dump every thread's stack as the kernel would have this rank do by signal
+        (faulthandler answers even while the main thread waits in a collective), and
+        send the dump back."""
+        path = self._run_dir.stacks_file(self.rank)
+        since = size_of(path)
+        os.kill(os.getpid(), STACKS_SIGNAL)
+        dump = read_dump(path, since, STACKS_WAIT)
+        with contextlib.suppress(OSError):
+            self.send(Stacks(self.rank, call, dump, main_thread_id(path)))
 
     def close(self) -> None:
         for end in (self._channel, self._mailbox):

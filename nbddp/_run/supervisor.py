@@ -197,6 +197,7 @@ class Supervisor:
             # A rank died, or one lost its peer (which may be the one that died):
             # let torchrun say how the ranks ended before everything is stopped.
             self.pump.run(lambda: self.launcher_exited, _DEATH_REPORT_WAIT)
+            return self._stopped_from_outside() or Ending("failed")
         return Ending("failed")
 
     def _restarting(self) -> Ending | None:
@@ -233,12 +234,20 @@ class Supervisor:
         error = self.hooks.ended_early()
         if error is not None:
             return Ending("stopped", error)
+        return self._stopped_from_outside() or Ending("failed")
+
+    def _stopped_from_outside(self) -> Ending | None:
+        """The run's end if someone else stopped the ranks (SLURM's time limit, a
+        cancel, a lost node) and none failed of its own accord first: that is the cause
+        to name, not the ranks it killed."""
+        if not all(isinstance(f, Disconnected) or peer_lost(f) for f in self.attempt.failures):
+            return None
         stopped = self.group.stopped_from_outside()
-        if stopped and not self.attempt.failures:
-            return Ending("stopped", NbddpError(
-                f"{stopped} before every rank returned; the ranks' output is in "
-                f"{self.records.path}"))
-        return Ending("failed")
+        if stopped is None:
+            return None
+        return Ending("stopped", NbddpError(
+            f"{stopped} before every rank returned; the ranks' output is in "
+            f"{self.records.path}"))
 
     def _with_stacks(self, kind: type[BaseException], message: str) -> BaseException:
         """``kind(message)``, with where each rank still running was (``.stacks``, also

@@ -109,6 +109,8 @@ class WaitingGroup(RankGroup):
                     self._present.add(inner.rank)
                     self._answered.notify_all()
                 return
+            if self._took(inner):
+                return
             if isinstance(inner, Disconnected):
                 self._lose(f"rank {inner.rank} had stopped")
             if isinstance(inner, Hello):
@@ -119,6 +121,11 @@ class WaitingGroup(RankGroup):
                 self.broken = True
         self.events.put(message)
         self._changed()
+
+    def _took(self, message: Any) -> bool:
+        """(Under the lock) True if ``message`` is the backend's own business (an answer
+        it waits for), not the run's."""
+        return False
 
     def _said_hello(self, hello: Hello) -> None:
         """(Under the lock) A rank is up: it gets the Start if the run is known."""

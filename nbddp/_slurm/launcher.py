@@ -185,9 +185,17 @@ class SlurmLauncher:
         """Ranks run on other machines: they are stopped through SLURM, not by PID."""
 
     def stopped_from_outside(self) -> str | None:
-        """Why the job ended, if SLURM or someone else stopped it, e.g. a time limit."""
-        what = _STOPPED_BY_SLURM.get(self.status.state)
-        return f"SLURM job {self.job_id} {what} ({self.status.reason})" if what else None
+        """Why the job ended, if SLURM or someone else stopped it, e.g. a time limit
+        (asked of SLURM now if the job has not been seen to end: its ranks' deaths are
+        often heard of first)."""
+        status = self.status
+        if not self._ended.is_set():
+            with contextlib.suppress(NbddpError):
+                status = job_status(self.job_id)
+        what = _STOPPED_BY_SLURM.get(status.state)
+        if what is None:
+            return None
+        return f"SLURM job {self.job_id} {what}" + (f" ({status.reason})" if status.reason else "")
 
     def wait(self) -> int:
         """Poll the job until it has ended; its exit code (0 if SLURM no longer knows)."""

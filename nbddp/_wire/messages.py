@@ -8,9 +8,9 @@ Tensor and array bytes do not travel in messages: they are in data files (``_wir
 that a message names.
 
     rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StopRequested, DebugPrompt,
-                     DebugDone, Assigned, and a report: Result, Failure or Requeueing (each
-                     Sequenced)
-    kernel -> rank   RollCall, Start, DebugInput, Interrupt
+                     DebugDone, Assigned, Stacks, and a report: Result, Failure or
+                     Requeueing (each Sequenced)
+    kernel -> rank   RollCall, Start, DebugInput, Interrupt, ShowStacks
     kernel only      Disconnected (a rank's connection closed)
 """
 
@@ -126,6 +126,17 @@ class DebugDone:
 
 
 @dataclass(frozen=True)
+class Stacks:
+    """A rank's answer to ``ShowStacks``: faulthandler's dump of its threads (None if it
+    did not come), and which thread is the rank's main one."""
+
+    rank: int
+    call: int
+    dump: str | None
+    main: str | None
+
+
+@dataclass(frozen=True)
 class Requeueing:
     """A rank of a SLURM job ended its attempt with ``nbddp.requeue()``: once every rank
     has ended, the job goes back to the queue and runs again."""
@@ -205,6 +216,15 @@ class Start:
     """Keep the namespace and the process group, and wait for the next Start after this."""
     data: str | None = None
     """The run dir's twin in shared memory, where a result's data file goes if it fits."""
+
+
+@dataclass(frozen=True)
+class ShowStacks:
+    """Send back every thread's stack (``Stacks``): how the kernel asks a rank on
+    another machine, which it cannot signal."""
+
+    call: int
+    """Which request: an answer to an earlier one does not count."""
 
 
 @dataclass(frozen=True)
