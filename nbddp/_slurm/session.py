@@ -21,6 +21,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import NbddpError
 from .._run.group import GroupHooks
 from .._run.records import Records
 from .._run.shape import GroupShape
@@ -78,7 +79,7 @@ class SlurmSessionGroup(WaitingGroup):
         try:
             key = new_key()
             self.run_dir.write_private(self.run_dir.key, key)
-            host = tcp_address(kernel_host())
+            host = _kernel_address()
             self._server = ChannelServer((host, 0), key, self._deliver)
             self.run_dir.write_private(self.run_dir.address,
                                        f"{host} {self._server.port}".encode())
@@ -155,6 +156,16 @@ class SlurmSessionGroup(WaitingGroup):
         if self._stopped and self._closed:
             with _OPEN_LOCK:
                 _OPEN.discard(self)
+
+
+def _kernel_address() -> str:
+    """The address the ranks connect to: a session cannot run without it."""
+    try:
+        return tcp_address(kernel_host())
+    except ConnectionError as exc:
+        raise NbddpError(f"{exc}; a session's ranks must reach the kernel: set "
+                         "NBDDP_KERNEL_HOST to this machine's address on the cluster's "
+                         "network") from None
 
 
 class SessionJobHooks(GroupHooks):
