@@ -215,15 +215,23 @@ class DDPMagics(Magics):
     @_whole_flags_only
     @magic_arguments()
     @argument("action", nargs="?", default="status",
-              choices=["start", "stop", "restart", "status"],
+              choices=["start", "stop", "restart", "status", "attach"],
               help="start ranks that keep their state from cell to cell, stop or restart "
-                   "them, or say what runs (the default)")
+                   "them, say what runs (the default), or attach to a session's SLURM job "
+                   "after a kernel restart")
+    @argument("job", nargs="?", metavar="JOBID",
+              help="with attach: the session's SLURM job (default: your one running "
+                   "session job)")
     @_arguments(
         *_flags(RunOptions, session=True),
         argument("--slurm", action="store_true",
                  help="start the ranks as one SLURM job (sbatch) that holds its nodes for "
                       "the session: --nprocs or --gpus ranks per node; the cell shows the "
                       "queue wait and returns when every rank is ready"),
+        argument("--grace", type=float, metavar="SECONDS",
+                 help="with --slurm: how long the ranks wait for a kernel to attach after "
+                      "this one has gone (default: as long as the job runs; 0: they end "
+                      "with the kernel)"),
         *_flags(Slurm),
     )
     @line_magic
@@ -233,19 +241,24 @@ class DDPMagics(Magics):
         ``%ddp_session start --nprocs 2`` starts them; from then on every ``%%ddp`` cell
         runs on them, and the names a cell assigns stay on the ranks for the next cells
         (other names come from the notebook, as always). ``%ddp_session start --slurm
-        --nodes 2`` starts them on a cluster's nodes, as one SLURM job. ``%ddp_session
-        stop`` ends the session (and its job), ``restart`` starts fresh ranks, and
-        ``%ddp_session`` says what runs (its value is a ``SessionStatus``).
+        --nodes 2`` starts them on a cluster's nodes, as one SLURM job, which outlives the
+        kernel: ``%ddp_session attach [JOBID]`` in a new kernel reconnects to its ranks.
+        ``%ddp_session stop`` ends the session (and its job), ``restart`` starts fresh
+        ranks, and ``%ddp_session`` says what runs (its value is a ``SessionStatus``).
         """
         args = parse_argstring(self.ddp_session, line)
-        if args.action != "start" and (args.slurm or _job_flags(args)):
-            raise UsageError("--slurm and the SLURM job's options are for "
+        if args.action != "start" and (args.slurm or _job_flags(args) or args.grace is not None):
+            raise UsageError("--slurm, --grace and the SLURM job's options are for "
                              "%ddp_session start")
+        if args.job is not None and args.action != "attach":
+            raise UsageError(f"%ddp_session {args.action} takes no job id (attach does)")
         open_session = self.session if self.session and not self.session.closed else None
+        if args.action in ("start", "attach") and open_session is not None:
+            raise UsageError("a session is already open (%ddp_session stop, or restart)")
         if args.action == "start":
-            if open_session is not None:
-                raise UsageError("a session is already open (%ddp_session stop, or restart)")
             self.session = open_session = _start_session(args)
+        elif args.action == "attach":
+            self.session = open_session = Session.attach(args.job)
         elif open_session is None:
             print("no session is open; start one with %ddp_session start --nprocs N")
             return None
@@ -280,7 +293,7 @@ def _start_session(args: Any) -> Session:
     try:
         if args.slurm:
             run = {**run, "gpus": _per_node(run["gpus"])}
-            return Session(**run, slurm=Slurm(**_values(Slurm, args)))
+            return Session(**run, slurm=Slurm(**_values(Slurm, args)), grace=args.grace)
         return Session(**run)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, NbddpError):

@@ -33,15 +33,16 @@ from ._local.standby import STANDBY, START_TIMEOUT
 from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
 from ._run.group import RanksGone
 from ._run.job import Job
-from ._run.records import Records
+from ._run.records import Records, records_root
 from ._run.shape import GroupShape
 from ._run.supervisor import Ending, Supervisor
 from ._run.waiting import WaitingGroup
 from ._slurm.options import Slurm, SlurmOptions, cluster_run
-from ._slurm.session import SlurmSessionGroup
+from ._slurm.session import SessionRecord, SlurmSessionGroup, running_sessions
 from ._wire.dataplane import Packed
 from ._wire.messages import Assigned
 from ._wire.payload import Payload
+from ._wire.rundir import RunDir
 
 R = TypeVar("R")
 
@@ -49,6 +50,9 @@ SETTLE_SECONDS = 10.0
 """How long a session's ranks may take to come back to rest after a failure, an
 interrupt or a timeout before they are restarted (a rank stuck in a collective whose
 peer left never comes back by itself)."""
+ATTACH_WAIT = 30.0
+"""How long the ranks of a session's job may take to reconnect to a kernel that attaches
+(they look for it twice a second, once their last kernel has gone)."""
 STATE_KEPT = "the session's ranks are back at rest, with their state"
 STATE_LOST = "the session was restarted: variables defined in earlier cells are gone"
 
@@ -162,31 +166,74 @@ class Session:
     process group.
 
     ``Session(nprocs=2)`` starts the ranks (as ``launch`` would: ``gpus``, ``backend``,
-    ``init``, ``env``). ``slurm=nbddp.Slurm(nodes=2, ...)`` starts them as one SLURM
-    job instead, ``nprocs`` (or ``gpus``) ranks per node, and waits until the job runs
-    (its state is shown meanwhile; Ctrl-C cancels it). ``run(fn, *args, **kwargs)`` runs
-    ``fn`` on every rank and
+    ``init``, ``env``). ``run(fn, *args, **kwargs)`` runs ``fn`` on every rank and
     returns rank 0's value, ``run_all`` every rank's. Globals that session code assigns
     (``global model; model = ...``, or a ``%%ddp`` cell's names) stay on the ranks for
     the next run. ``timeout`` bounds each run. A failing rank raises ``WorkerError``;
     the error says whether the ranks kept their state or were restarted. ``close()``
     (or leaving a ``with`` block) stops them; so does the kernel's end.
+
+    ``slurm=nbddp.Slurm(nodes=2, ...)`` starts them as one SLURM job instead,
+    ``nprocs`` (or ``gpus``) ranks per node, and waits until the job runs (its state is
+    shown meanwhile; Ctrl-C cancels it). Its ranks outlive the kernel for ``grace``
+    seconds (None, the default: as long as the job runs; 0: they end with the kernel),
+    and ``Session.attach(job_id)`` in a new kernel reconnects to them, state and all.
+    ``close()`` cancels the job.
     """
 
     def __init__(self, nprocs: int | None = None, *, gpus: int | Sequence[int] | None = None,
                  backend: str | None = None, init: bool = True, timeout: float | None = None,
                  env: Mapping[str, str] | None = None,
                  output: Literal["rank0", "all", "none"] = "rank0",
-                 slurm: bool | Slurm = False) -> None:
+                 slurm: bool | Slurm = False, grace: float | None = None) -> None:
         options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
                              timeout=timeout, env=env, output=output)
-        self._cluster: SlurmOptions | None = None
-        """The SLURM job that holds the ranks, if they run on a cluster."""
         if slurm is False:
-            self.config = options.on_this_machine()
+            if grace is not None:
+                raise ValueError("grace is for a session on SLURM (slurm=...): a local "
+                                 "session's ranks end with the kernel")
+            self._begin(options.on_this_machine(), None, None)
         else:
-            self.config, self._cluster = cluster_run(options, slurm)
-            _check_session_job(self._cluster)
+            config, cluster = cluster_run(options, slurm)
+            _check_session_job(cluster, grace)
+            self._begin(config, cluster, grace)
+        self._group = self._new_group()
+        self._wait_ready()
+        if self._cluster is not None:
+            self._say_how_it_ends()
+
+    @classmethod
+    def attach(cls, job_id: str | int | None = None) -> Session:
+        """The session whose SLURM job ``job_id`` holds the ranks, e.g. after a kernel
+        restart: its ranks reconnect to this kernel, with their state. Without
+        ``job_id``, this account's one running session job (several are listed in the
+        error). Only the user who started the session can attach: the key is theirs."""
+        found = running_sessions(None if job_id is None else str(job_id))
+        if len(found) != 1:
+            raise NbddpError(_no_single_session(found, job_id))
+        record, run_dir = found[0]
+        session = cls.__new__(cls)
+        config = RunConfig(nprocs=record.nprocs, backend=record.backend, init=record.init,
+                           timeout=record.timeout, output=record.output)
+        session._begin(config, record.options, record.grace)
+        group = SlurmSessionGroup.attached(session._cluster_shape(), run_dir, record)
+        session._group = group
+        group.reusable, group.where = True, f"session, {group.where}"
+        if not group.wait_ready(ATTACH_WAIT):
+            group.detach()
+            raise NbddpError(f"the ranks of SLURM job {record.job_id} did not come within "
+                             f"{ATTACH_WAIT:g} s: is another kernel still attached to them?")
+        session.names = frozenset(group.names or ())
+        print(f"nbddp: attached to the session on SLURM job {record.job_id} "
+              f"({record.nprocs} ranks, {len(session.names)} names kept on them)", flush=True)
+        return session
+
+    def _begin(self, config: RunConfig, cluster: SlurmOptions | None,
+               grace: float | None) -> None:
+        self.config = config
+        self._cluster = cluster
+        """The SLURM job's options, if the ranks run on a cluster."""
+        self._grace = grace
         self._lock = threading.Lock()
         self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
         self._warned: set[str] = set()
@@ -197,16 +244,21 @@ class Session:
         self.names: frozenset[str] = frozenset()
         """The names the session's code has bound on the ranks (rank 0's): a cell that
         reads one of them gets the ranks' value, not the notebook's."""
-        self._group = self._new_group()
-        self._wait_ready()
+        self._started = time.monotonic()
+
+    def _cluster_shape(self) -> GroupShape:
+        """The shape of the ranks on the cluster's nodes: their GPUs, not this machine's."""
+        assert self._cluster is not None
+        return dataclasses.replace(GroupShape.of(self.config), cuda_visible_devices=None,
+                                   gpus=self._cluster.gpus_per_node)
 
     def _new_group(self, standby: bool = True) -> WaitingGroup:
         shape = GroupShape.of(self.config)
         group: WaitingGroup
-        if self._cluster is not None:  # the nodes' GPUs, not this machine's
-            group = SlurmSessionGroup(dataclasses.replace(
-                shape, gpus=self._cluster.gpus_per_node, cuda_visible_devices=None),
-                self._cluster)
+        if self._cluster is not None:
+            group = SlurmSessionGroup.submit(
+                self._cluster_shape(), self._cluster, self._grace,
+                {"timeout": self.config.timeout, "output": self.config.output})
             group.where = f"session, {group.where}"
         else:
             taken = STANDBY.take(shape) if standby else None  # waiting ranks become the session's
@@ -234,6 +286,16 @@ class Session:
             because = f" ({outside})" if outside else ""
             raise NbddpError(f"the session's ranks {problem}{because} before their first run; "
                              f"{group.launcher_name} said:\n{group.launcher_tail()}")
+
+    def _say_how_it_ends(self) -> None:
+        job = self._group.slurm_job_id
+        if self._grace == 0:
+            return
+        lasts = ("as long as the job runs" if self._grace is None
+                 else f"for {self._grace:g} s")
+        print(f"nbddp: the ranks outlive this kernel {lasts}: after a restart, "
+              f"%ddp_session attach {job} (or nbddp.Session.attach({job!r})) reconnects; "
+              "%ddp_session stop ends the job", flush=True)
 
     # --- runs -----------------------------------------------------------------------
 
@@ -407,7 +469,7 @@ def _rss_mib(pid: int) -> float | None:
     return None
 
 
-def _check_session_job(options: SlurmOptions) -> None:
+def _check_session_job(options: SlurmOptions, grace: float | None) -> None:
     """What a batch run may ask of SLURM that a session's job cannot do (yet)."""
     asked = [name for name, value in (("requeue", options.requeue),
                                       ("signal_before", options.signal_before),
@@ -415,6 +477,24 @@ def _check_session_job(options: SlurmOptions) -> None:
     if asked:
         raise ValueError(f"a session's SLURM job does not take {', '.join(asked)}: its ranks "
                          "keep state that a restart would lose")
+    if grace is not None and (isinstance(grace, bool) or not isinstance(grace, (int, float))
+                              or grace < 0):
+        raise ValueError(f"grace is a number of seconds, 0 or more (or None), got {grace!r}")
+
+
+def _no_single_session(found: list[tuple[SessionRecord, RunDir]],
+                       job_id: str | int | None) -> str:
+    """Why ``Session.attach`` cannot choose: no session job runs, or several do."""
+    if not found:
+        which = f"SLURM job {job_id} is not" if job_id is not None else "no SLURM job is"
+        return (f"{which} a running session of this account (under {records_root()}); "
+                "start one with %ddp_session start --slurm")
+    lines = [f"  SLURM job {record.job_id}: {_count(record.nprocs, 'rank')} on "
+             f"{_count(record.options.nodes, 'node')}, started "
+             f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(record.started))}"
+             for record, _ in found]
+    return ("several session jobs run; attach to one by its id "
+            "(%ddp_session attach JOBID):\n" + "\n".join(lines))
 
 
 def _wait_for_job(group: SlurmSessionGroup) -> bool:
@@ -437,3 +517,7 @@ def _wait_for_job(group: SlurmSessionGroup) -> bool:
 def _job_place(group: SlurmSessionGroup) -> str:
     nodes = group.status.nodes
     return f"SLURM job {group.slurm_job_id}" + (f" on {nodes}" if nodes else "")
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}" + ("" if number == 1 else "s")

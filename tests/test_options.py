@@ -65,7 +65,7 @@ def test_launch_overloads_have_the_implementations_parameters():
 
 
 def test_session_takes_run_options_with_their_defaults():
-    started = _parameters(Session.__init__, {"self", "slurm"})
+    started = _parameters(Session.__init__, {"self", "slurm", "grace"})
     assert started.items() <= dict(defaults(RunOptions)).items()
     assert _parameters(launch, set())["slurm"] == _parameters(Session.__init__, set())["slurm"]
     per_run = _parameters(Session.submit, {"self", "fn", "args", "kwargs", "stdout",
@@ -112,11 +112,12 @@ def test_ddp_has_a_flag_for_every_option_a_cell_can_take_and_no_other():
 def test_ddp_session_has_a_flag_for_every_option_a_session_starts_with():
     parser = DDPMagics.ddp_session.parser
     job = {field.name for field, _ in flagged(Slurm)}
-    options = _dests(parser) - {"help", "action", "slurm"} - job
+    options = _dests(parser) - {"help", "action", "job", "slurm", "grace"} - job
     assert options == {field.name for field, _ in flagged(RunOptions, session=True)}
     assert options == {"gpus", "nprocs", "backend", "timeout", "init"}
     assert options <= set(_parameters(Session.__init__, {"self"}))
     assert job <= _dests(parser) and "slurm" in _dests(parser)  # as %%ddp --slurm spells them
+    assert "grace" in _parameters(Session.__init__, {"self"})
 
 
 def test_no_flags_give_the_defaults():

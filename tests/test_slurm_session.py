@@ -3,8 +3,9 @@ nodes, and every ``%%ddp`` cell runs on both nodes' ranks, keeping their state.
 
 ``%ddp_session start --slurm`` submits the job and returns once every rank waits; cells
 then run as in a local session (names kept on the ranks, notebook names by value, the
-failure rules). Stopping the session, or the kernel's end, ends the job. Job processes
-are children of slurmd, not of the kernel: each test checks the job has left the queue.
+failure rules). The job outlives its kernel, and a new kernel attaches to its ranks with
+their state; stopping the session ends the job. Job processes are children of slurmd,
+not of the kernel: each test checks the job has left the queue.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import io
 import os
 import re
+import shutil
 import signal
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -33,10 +37,11 @@ START = "%ddp_session start --slurm --nodes 2 --nprocs 1 --time 00:10:00 --cpus-
 JOB_ID = re.compile(r"SLURM job (\d+) is running on n\[1-2\]")
 
 
-def start_session(kernel: Kernel, slurm_env: dict[str, str], jobs: list[str]) -> str:
+def start_session(kernel: Kernel, slurm_env: dict[str, str], jobs: list[str],
+                  options: str = "") -> str:
     """Start a two-node session in ``kernel``; its job id."""
     kernel.run(setup_cell(slurm_env)).assert_ok()
-    run = kernel.run(START, timeout=120).assert_ok()
+    run = kernel.run(f"{START} {options}", timeout=120).assert_ok()
     match = JOB_ID.search(run.stream_text())
     assert match, run.describe()
     jobs.append(match.group(1))
@@ -65,10 +70,13 @@ nodes.index("n2")
 
 @pytest.fixture(scope="module")
 def session_jobs(slurm_env):
-    """The module kernel's job (the per-test ``jobs`` fixture would cancel it)."""
+    """The module kernel's jobs (the per-test ``jobs`` fixture would cancel them after
+    the first test); any still running at the end are cancelled, and waited for."""
     submitted: list[str] = []
     yield submitted
     for job_id in submitted:
+        if not job_ended(slurm_env, job_id):
+            slurm(slurm_env, "scancel", job_id)
         wait_until(lambda job_id=job_id: job_ended(slurm_env, job_id), timeout=60,
                    interval=0.2)
 
@@ -80,6 +88,7 @@ def cluster_session(slurm_env, session_jobs, tmp_path_factory):
     try:
         start_session(kernel, slurm_env, session_jobs)
         yield kernel
+        kernel.run("%ddp_session stop").assert_ok()
     finally:
         kernel.shutdown()
 
@@ -105,12 +114,15 @@ def test_the_session_waits_for_its_job_and_says_where_it_runs(slurm_env, jobs, t
         job_id = JOB_ID.search(text).group(1)
         jobs.append(job_id)
         assert f"SLURM job {job_id} is queued" in text, text  # the wait, live
+        assert (f"the ranks outlive this kernel as long as the job runs: after a restart, "
+                f"%ddp_session attach {job_id}") in text, text
         status = run.result()
         assert f"2 ranks (gloo) on SLURM job {job_id} on n[1-2]" in status, status
         assert "rank 1: pid" in status
+        kernel.run("%ddp_session stop").assert_ok()
+        assert job_ended(slurm_env, job_id)
     finally:
         kernel.shutdown()
-    wait_until(lambda: job_ended(slurm_env, job_id), timeout=30, interval=0.2)
 
 
 def test_names_stay_on_both_nodes_and_notebook_names_follow_each_cell(cluster_session):
@@ -264,13 +276,56 @@ def test_stop_ends_the_job_and_leaves_nothing(fresh_cluster_session, slurm_env):
 
 
 @pytest.mark.parametrize("how", ["killed", "shut down"])
-def test_a_kernel_that_goes_ends_its_sessions_job(fresh_cluster_session, slurm_env, how):
-    kernel, job_id = fresh_cluster_session
-    cell(kernel, "x = 1").assert_ok()
-    ranks = _snapshot(session_pids(kernel).values())
-    kernel.end(how)
-    wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
-    wait_until(lambda: not _alive(ranks), timeout=15)
+def test_with_no_grace_a_kernel_that_goes_ends_its_sessions_job(slurm_env, jobs, tmp_path,
+                                                                 how):
+    kernel = Kernel(tmp_path)
+    try:
+        job_id = start_session(kernel, slurm_env, jobs, "--grace 0")
+        cell(kernel, "x = 1").assert_ok()
+        ranks = _snapshot(session_pids(kernel).values())
+        kernel.end(how)
+        wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
+        wait_until(lambda: not _alive(ranks), timeout=15)
+    finally:
+        kernel.shutdown()
+
+
+# --- a new kernel attaches ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["killed", "shut down", "killed mid-cell"])
+def test_a_new_kernel_attaches_to_the_sessions_ranks_with_their_state(
+        slurm_env, jobs, tmp_path, how):
+    first = Kernel(tmp_path)
+    try:
+        job_id = start_session(first, slurm_env, jobs)
+        cell(first, "import torch.distributed as dist\nkept = [dist.get_rank()]").assert_ok()
+        ranks = _snapshot(session_pids(first).values())
+        if how == "killed mid-cell":  # the ranks stop that cell, and keep the state
+            first.submit("%%ddp\nprint('busy', flush=True)\nwhile True:\n    pass"
+                         ).wait_for_output("busy")
+        first.end("killed" if how.startswith("killed") else how)
+    finally:
+        first.shutdown()
+    assert not job_ended(slurm_env, job_id) and _alive(ranks)  # they wait for a kernel
+    second = Kernel(tmp_path)  # as a restarted kernel is: a new process
+    try:
+        second.run(setup_cell(slurm_env) + "\nkept = 'the notebook s'").assert_ok()
+        run = second.run(f"%ddp_session attach {job_id}", timeout=60).assert_ok()
+        assert (f"attached to the session on SLURM job {job_id} (2 ranks, 2 names kept "
+                "on them)") in run.stream_text(), run.describe()
+        again = cell(second, """
+kept.append(dist.get_rank() + 10)
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, kept)
+everyone
+""").assert_ok()  # `kept` is the ranks' own, not the notebook's
+        assert again.result() == "[[0, 10], [1, 11]]", again.describe()
+        assert set(session_pids(second).values()) == set(ranks)  # the same processes
+        second.run("%ddp_session stop").assert_ok()
+        assert job_ended(slurm_env, job_id)
+    finally:
+        second.shutdown()
 
 
 # --- in Python ----------------------------------------------------------------------
@@ -301,3 +356,59 @@ def test_the_python_api_runs_on_the_nodes(slurm_env, jobs, monkeypatch, capsys):
 def test_options_a_session_job_cannot_take_are_refused(slurm_env):
     with pytest.raises(ValueError, match="does not take requeue"):
         nbddp.Session(nprocs=1, slurm=nbddp.Slurm(requeue=True))
+    with pytest.raises(ValueError, match="grace is for a session on SLURM"):
+        nbddp.Session(nprocs=1, grace=60)
+
+
+def test_attach_names_the_session_jobs_to_choose_from(slurm_env, jobs, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    with pytest.raises(nbddp.NbddpError, match="SLURM job 999999 is not a running session"):
+        nbddp.Session.attach(999999)
+    job = nbddp.Slurm(nodes=1, cpus_per_task=1)  # (beside the module's two-node session)
+    with nbddp.Session(nprocs=1, slurm=job) as one, nbddp.Session(nprocs=1, slurm=job) as two:
+        ids = [session.status().where.split()[2] for session in (one, two)]
+        jobs.extend(ids)
+        with pytest.raises(nbddp.NbddpError, match="several session jobs run") as error:
+            nbddp.Session.attach()
+        assert all(f"SLURM job {job_id}: 1 rank on 1 node, started" in str(error.value)
+                   for job_id in ids), error.value
+        monkeypatch.setattr(nbddp._session, "ATTACH_WAIT", 3.0)
+        with pytest.raises(nbddp.NbddpError, match="did not come within 3 s"):
+            nbddp.Session.attach(ids[0])  # its ranks are this process's session's
+
+
+NOBODY = 65534
+
+
+def test_another_user_cannot_read_the_key_or_move_the_address(slurm_env, jobs, monkeypatch,
+                                                              tmp_path_factory):
+    """On a shared filesystem whose folders anyone may pass through, the session's folder
+    keeps its key and the kernel's address to their owner: another user can neither
+    read the key (to attach) nor replace the address (to lure the ranks)."""
+    shared = Path(tempfile.mkdtemp(prefix="nbddp-shared-", dir="/var/tmp"))
+    try:
+        shared.chmod(0o755)
+        monkeypatch.setenv("NBDDP_RUNS_DIR", str(shared / "runs"))
+        monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+        with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=2, cpus_per_task=1)) as session:
+            jobs.append(session.status().where.split()[2])
+            folder = session._group.run_dir.path
+            assert (folder.stat().st_mode & 0o777, (folder / "key").stat().st_mode & 0o777,
+                    (folder / "channel.address").stat().st_mode & 0o777) == (0o700, 0o600, 0o600)
+            attempt = subprocess.run(
+                ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "sh",
+                 "-c", 'cat "$0/key"; echo "127.0.0.1 1" > "$0/channel.address"', str(folder)],
+                capture_output=True, text=True, timeout=30)
+            assert attempt.stderr.count("Permission denied") == 2, attempt.stderr
+            assert session.run(_rank_sum) == 1.0  # the ranks still answer this kernel
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def _rank_sum() -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    return float(value.item())

@@ -69,14 +69,6 @@ class KernelLink:
                               run_dir)
 
     @classmethod
-    def remote(cls, run_dir: RunDir, rank: int) -> KernelLink:
-        """A session's rank on a cluster node: connect to the kernel's TCP channel (named
-        in the shared run folder), and serve it as a local rank does."""
-        host, port = run_dir.address.read_text().split()
-        return cls._listening(rank, ChannelClient((host, int(port)), run_dir.key.read_bytes()),
-                              run_dir)
-
-    @classmethod
     def _listening(cls, rank: int, channel: ChannelClient, run_dir: RunDir) -> KernelLink:
         link = cls(rank, channel, None, run_dir)
         threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
@@ -118,6 +110,11 @@ class KernelLink:
         return self._answers.get()
 
     def _listen(self) -> None:
+        self._serve_channel()
+        self._kernel_gone()
+
+    def _serve_channel(self) -> None:
+        """Take the kernel's messages until the channel closes."""
         assert self._channel is not None
         try:
             while True:
@@ -136,6 +133,10 @@ class KernelLink:
                                      daemon=True, name="nbddp-stacks").start()
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
+
+    def _kernel_gone(self) -> None:
+        """The kernel closed the channel: stop the rank if it is busy (nobody will read
+        its report), or end its wait for a Start."""
         if self.busy.is_set():
             print("nbddp: the notebook kernel went away; stopping this rank", file=sys.stderr)
             os._exit(1)

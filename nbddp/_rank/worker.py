@@ -1,6 +1,6 @@
 """The entry point torchrun runs on every rank.
 
-``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox | --remote]``
+``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox | --remote [--grace S]]``
 
 Bootstrap order matters. Output goes to a log file first, so even a crash is recorded.
 Then the rank connects to the kernel, says hello, and prepares while the kernel may not
@@ -12,7 +12,9 @@ Each ``Start`` is a run (see ``_rank.loop``): a one-off run ends the rank; a ses
 goes back to waiting, until the kernel closes the link. A SLURM job's rank
 (``--mailbox``) reads its ``Start`` from the run folder and carries on if the kernel
 goes (see ``_rank.link``); a SLURM session's rank (``--remote``) waits for each Start on
-the kernel's TCP channel, as a local one does on its socket. This module imports
+the kernel's TCP channel, as a local one does on its socket, and outlives its kernel for
+``--grace`` seconds (by default, as long as the job runs) for another to attach (see
+``_rank.attachable``). This module imports
 nothing of the kernel side.
 """
 
@@ -30,9 +32,10 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from .._wire.messages import Hello, Ready, Requeueing, Result, StopRequested
+from .._wire.messages import Assigned, Hello, Ready, Requeueing, Result, StopRequested
 from .._wire.rundir import RunDir
 from .._wire.stacks import answer_stacks
+from .attachable import AttachableLink
 from .debugger import install as install_pdb
 from .link import KernelLink
 from .loop import Rank, failure, prepare
@@ -98,6 +101,10 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         return 1
     link.send(Ready(rank))
     me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir))
+    if isinstance(link, AttachableLink):  # what a kernel that attaches is told (the
+        link.greeting = lambda: [Hello(rank, os.getpid()), *(  # names before Ready, which
+            [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
+            Ready(rank)]  # is what it waits for)
     while (start := link.wait_start()) is not None:
         link.busy.set()
         report = me.run(start, link.send)
@@ -108,10 +115,12 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
     return 0
 
 
-def _link(run_dir: RunDir, rank: int, mailbox: bool, remote: bool) -> KernelLink:
-    if mailbox:
+def _link(run_dir: RunDir, rank: int, args: argparse.Namespace) -> KernelLink:
+    if args.mailbox:
         return KernelLink.slurm(run_dir, rank)
-    return KernelLink.remote(run_dir, rank) if remote else KernelLink.local(run_dir, rank)
+    if args.remote:
+        return AttachableLink.connect(run_dir, rank, args.grace)
+    return KernelLink.local(run_dir, rank)
 
 
 def main(argv: list[str]) -> None:
@@ -121,14 +130,17 @@ def main(argv: list[str]) -> None:
     link_kind = parser.add_mutually_exclusive_group()
     link_kind.add_argument("--mailbox", action="store_true")
     link_kind.add_argument("--remote", action="store_true")
+    parser.add_argument("--grace", type=float)
     args = parser.parse_args(argv)
     rank = int(os.environ["RANK"])
     run_dir = RunDir(args.run_dir, shared=args.mailbox or args.remote)
     _redirect_output(run_dir.rank_log(rank))
     answer_stacks(run_dir.stacks_file(rank))
     _die_with_launcher()
-    link = _link(run_dir, rank, args.mailbox, args.remote)
+    link = _link(run_dir, rank, args)
     link.send(Hello(rank, os.getpid()))
+    if isinstance(link, AttachableLink):
+        link.greeting = lambda: [Hello(rank, os.getpid())]
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
     install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
     code = _serve(link, run_dir, rank, args.prepare)

@@ -180,7 +180,9 @@ class WaitingGroup(RankGroup):
         can allocate ahead: ``LocalGroup``)."""
 
     def _place_payload(self, payload: Packed) -> Path:
-        """Write the payload where the ranks read it; its file."""
+        """Write the payload where the ranks read it; its file (one a kernel that was
+        attached to these ranks before left is replaced)."""
+        self.run_dir.payload.unlink(missing_ok=True)
         dataplane.write(self.run_dir.payload, payload)
         return self.run_dir.payload
 

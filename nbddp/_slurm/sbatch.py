@@ -14,7 +14,10 @@ from collections.abc import Sequence
 
 from .._run.config import torchrun_environment
 from .._wire.rundir import (
+    ADDRESS,
+    KEY,
     LAUNCHER_LOG,
+    PAYLOAD,
     REQUEUE_FILE,
     REQUEUE_FILE_ENV,
     STOP_FILE,
@@ -100,27 +103,32 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
 
 
 def session_sbatch_text(run_dir: str, python: str, options: SlurmOptions,
-                        prepare: str | None) -> str:
+                        prepare: str | None, grace: float | None) -> str:
     """The sbatch file of a session's ranks: on each node, nbddp's torchrun wrapper
-    starts ranks that connect to the kernel's TCP channel and wait there for each run.
-    The job ends when the kernel closes the channel (the ranks at rest then exit), or
-    when it is cancelled."""
+    starts ranks that connect to the kernel's TCP channel and wait there for each run,
+    and for a kernel to attach for ``grace`` seconds after theirs went (None: as long
+    as the job runs). However the job ends, its secrets go with it."""
     folder, python = shlex.quote(run_dir), shlex.quote(python)
     lines = _directives("nbddp-session", options, f"{run_dir}/{LAUNCHER_LOG}", None,
                         ["--open-mode=append"])
     worker = f"-m nbddp._worker {folder} --remote" + (f" --prepare {prepare}" if prepare else "")
+    worker += f" --grace {grace:g}" if grace is not None else ""
+    secrets = " ".join(f"{folder}/{name}" for name in (KEY, ADDRESS, PAYLOAD))
     lines += [
         "",
         "# Started by nbddp for a notebook's session: the ranks reach the kernel over the",
         "# TCP channel named in this run folder, and run one cell after another.",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         f"port={rendezvous_port(options.port)}",
+        f"trap {shlex.quote(f'rm -f {secrets}')} EXIT",
+        "trap 'exit 143' TERM  # scancel, the time limit: the secrets go too",
         "",
-        f"exec srun --kill-on-bad-exit=1 {python} -m nbddp._torchrun {folder} - \\",
+        f"srun --kill-on-bad-exit=1 {python} -m nbddp._torchrun {folder} - \\",
         f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.nprocs_per_node} "
         "--max-restarts 0 \\",
         "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" --rdzv-endpoint \"$head:$port\" \\",
-        f"    {worker}",
+        f"    {worker} &",
+        'wait "$!"',
     ]
     return "\n".join(lines) + "\n"
 

@@ -11,26 +11,36 @@ stacks, with a message, and stops them all by cancelling the job. Closing the ch
 makes the ranks at rest exit, so a kernel that dies, however it dies, ends the job too.
 Each change of the job's state is said once: while the session starts (``take_unsaid``),
 or in the cell that waits for a replacement job (``SessionJobHooks``).
+
+The ranks outlive their kernel for a grace period (by default, as long as the job runs):
+at its exit the kernel only detaches, and a new kernel attaches (``attached``) with what
+the session's folder keeps: the job and the session's shape (``SessionRecord``), and the
+key. The folder and its files are the user's alone, so no one else can attach.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
+import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import NbddpError
+from .._run.config import Output
 from .._run.group import GroupHooks
-from .._run.records import Records
+from .._run.records import Records, folders, records_root
 from .._run.shape import GroupShape
 from .._run.waiting import WaitingGroup
 from .._wire.channel import ChannelServer, new_key, tcp_address
-from .._wire.messages import Interrupt, ShowStacks, Stacks
+from .._wire.messages import Assigned, Interrupt, ShowStacks, Stacks
 from .._wire.rundir import RunDir
 from .._wire.stacks import STACKS_WAIT, render
-from .launcher import JobStatus, SlurmLauncher, kernel_host, sbatch
+from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
 from .sbatch import session_sbatch_text
 
@@ -41,14 +51,44 @@ _OPEN_LOCK = threading.Lock()
 
 
 @atexit.register
-def _cancel_open_jobs() -> None:
-    """At the kernel's exit, cancel every session job still held (the ranks would end
-    by themselves as the channel closes; this also ends one still in the queue)."""
+def _leave_open_jobs() -> None:
+    """At the kernel's exit, detach from every session job whose ranks wait for another
+    kernel, and cancel the others (also one still in the queue)."""
     with _OPEN_LOCK:
         groups = list(_OPEN)
     for group in groups:
-        group.stop()
-        group.close()
+        if group.grace != 0 and group.is_ready:
+            group.detach()
+        else:
+            group.stop()
+            group.close()
+
+
+@dataclass(frozen=True)
+class SessionRecord:
+    """What a kernel that attaches needs to know of a session: its job, its shape, and
+    the session's own settings (kept in the folder's ``session.json``)."""
+
+    job_id: str
+    options: SlurmOptions
+    nprocs: int
+    backend: str | None
+    init: bool
+    timeout: float | None
+    output: Output
+    grace: float | None
+    started: float
+    """When the job was submitted (seconds since the epoch)."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def read(cls, run_dir: RunDir) -> SessionRecord:
+        fields = json.loads(run_dir.session.read_text())
+        options = fields.pop("options")
+        options["extra"] = tuple(options["extra"])
+        return cls(options=SlurmOptions(**options), **fields)
 
 
 @dataclass(frozen=True)
@@ -60,13 +100,16 @@ class JobChanged:
 
 
 class SlurmSessionGroup(WaitingGroup):
-    """A session's ranks as the SLURM job submitted now for ``shape`` and ``options``."""
+    """A session's ranks as one SLURM job: ``submit`` one, or attach to a running one."""
 
     launcher_name = "the SLURM job"
 
-    def __init__(self, shape: GroupShape, options: SlurmOptions) -> None:
-        super().__init__(shape, RunDir.of_job(Records.create().path))
-        self.options = options
+    def __init__(self, shape: GroupShape, options: SlurmOptions, grace: float | None,
+                 run_dir: RunDir) -> None:
+        super().__init__(shape, run_dir)
+        self.options, self.grace = options, grace
+        self.names: tuple[str, ...] | None = None
+        """The names rank 0's code has bound, as it says when a kernel attaches."""
         self.status = JobStatus("UNKNOWN")
         self._changes: list[JobStatus] = []
         self._said = 0  # changes shown in the notebook so far
@@ -76,25 +119,61 @@ class SlurmSessionGroup(WaitingGroup):
         self._stopped = False
         with _OPEN_LOCK:
             _OPEN.add(self)
-        try:
-            key = new_key()
-            self.run_dir.write_private(self.run_dir.key, key)
-            host = _kernel_address()
-            self._server = ChannelServer((host, 0), key, self._deliver)
-            self.run_dir.write_private(self.run_dir.address,
-                                       f"{host} {self._server.port}".encode())
-            self._submit()
-        except BaseException:
-            self.stop()
-            self.close()
-            raise
 
-    def _submit(self) -> None:
-        self.run_dir.sbatch.write_text(session_sbatch_text(
-            str(self.run_dir.path), self.shape.python, self.options, self.shape.prepare))
-        job_id = sbatch(self.run_dir.sbatch, dict(self.shape.env), self.shape.cwd)
+    @classmethod
+    def submit(cls, shape: GroupShape, options: SlurmOptions, grace: float | None,
+               settings: dict[str, Any]) -> SlurmSessionGroup:
+        """Listen, and submit the job of a new session (``settings``: the session's own,
+        kept for a kernel that attaches: ``timeout``, ``output``)."""
+        group = cls(shape, options, grace, RunDir.of_job(Records.create().path))
+        try:
+            group.run_dir.write_private(group.run_dir.key, new_key())
+            group._listen()
+            group.run_dir.sbatch.write_text(session_sbatch_text(
+                str(group.run_dir.path), shape.python, options, shape.prepare, grace))
+            job_id = sbatch(group.run_dir.sbatch, dict(shape.env), shape.cwd)
+            group.run_dir.write_private(group.run_dir.session, SessionRecord(
+                job_id, options, shape.nprocs, shape.backend, shape.init, grace=grace,
+                started=time.time(), **settings).to_json())
+            group._follow(job_id)
+        except BaseException:
+            group.stop()
+            group.close()
+            raise
+        return group
+
+    @classmethod
+    def attached(cls, shape: GroupShape, run_dir: RunDir,
+                 record: SessionRecord) -> SlurmSessionGroup:
+        """Listen anew for the ranks of a running session's job, which connect to the
+        new address as soon as their last kernel has gone."""
+        group = cls(shape, record.options, record.grace, run_dir)
+        try:
+            group._listen()
+            group._follow(record.job_id)
+        except BaseException:
+            group.detach()
+            raise
+        return group
+
+    def _listen(self) -> None:
+        host = _kernel_address()
+        self._server = ChannelServer((host, 0), self.run_dir.key.read_bytes(), self._deliver)
+        self.run_dir.replace_private(self.run_dir.address,
+                                     f"{host} {self._server.port}".encode())
+
+    def _follow(self, job_id: str) -> None:
         self.slurm_job_id, self.where = job_id, f"SLURM job {job_id}"
         self._follow_launcher(SlurmLauncher(job_id, self._job_changed))
+
+    def detach(self) -> None:
+        """Leave the job running for a kernel to attach: close the channel and remove its
+        address (the ranks wait for another), keep the key."""
+        if self._server is not None:
+            self._server.close()
+        self.run_dir.address.unlink(missing_ok=True)
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
 
     def _job_changed(self, status: JobStatus) -> None:
         with self._lock:
@@ -133,6 +212,8 @@ class SlurmSessionGroup(WaitingGroup):
                 if answer.dump is not None}
 
     def _took(self, message: Any) -> bool:
+        if isinstance(message, Assigned) and self._start is None:
+            self.names = message.names  # said to a kernel that attaches, before any run
         if not isinstance(message, Stacks):
             return False
         if message.call == self._stack_calls:
@@ -186,3 +267,21 @@ class SessionJobHooks(GroupHooks):
         elif event.status.state == "RUNNING" and state.status == "queued":
             state.status, state.message = "running", f"on {event.status.nodes}"
             self.supervisor.view.touch()  # the time in the queue was no stall
+
+
+def running_sessions(job_id: str | None = None) -> list[tuple[SessionRecord, RunDir]]:
+    """This account's session jobs that still run (under ``$NBDDP_RUNS_DIR``), oldest
+    first; only ``job_id``'s if given."""
+    found = []
+    for folder in folders(records_root()):
+        run_dir = RunDir.of_job(folder)
+        try:
+            record = SessionRecord.read(run_dir)
+        except (OSError, ValueError, TypeError):
+            continue  # not a session's folder, or not one of this account's
+        if job_id is not None and record.job_id != job_id:
+            continue
+        with contextlib.suppress(NbddpError):
+            if not job_status(record.job_id).ended and run_dir.key.exists():
+                found.append((record, run_dir))
+    return found

@@ -41,6 +41,8 @@ JOB = "job.json"
 """A SLURM job's id and shape, to re-attach to it."""
 SBATCH = "job.sbatch"
 """A SLURM job's batch script."""
+SESSION = "session.json"
+"""A SLURM session's job id and shape, for a kernel that attaches to it."""
 LAUNCHER_LOG = "torchrun.log"
 """torchrun's own output (a batch job's too); kept with the run's records."""
 METRICS = "metrics.jsonl"
@@ -91,6 +93,7 @@ class RunDir:
         self.start = path / START
         self.job = path / JOB
         self.sbatch = path / SBATCH
+        self.session = path / SESSION
         self.launcher_log = path / LAUNCHER_LOG
 
     @classmethod
@@ -145,6 +148,13 @@ class RunDir:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+
+    def replace_private(self, path: Path, data: bytes) -> None:
+        """Write ``path`` anew (0600), in one step for its readers."""
+        fresh = path.with_name(f".{path.name}.{os.getpid()}")
+        fresh.unlink(missing_ok=True)
+        self.write_private(fresh, data)
+        os.replace(fresh, path)
 
     def remove(self) -> None:
         """Remove the run dir; a shared one (the records) keeps all but its secrets."""

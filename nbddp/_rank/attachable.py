@@ -1,0 +1,111 @@
+"""A SLURM session's rank: its link to a kernel that may go, and to the next that attaches.
+
+A session's ranks on a cluster outlive their kernel (a restart, a crash) for a grace
+period, with their state, so that a new kernel can attach to them. The kernel's TCP
+address is in the session's folder, beside the key (both private to the user); a
+kernel that attaches listens anew and replaces the address. A rank whose channel
+closed stops its run if one was going (as an interrupt would: the state stays), then
+reads the address file until it names a kernel it has not tried, connects with the key
+(which the kernel must prove too), and greets it again: hello, ready, and rank 0's
+names. When the grace period passes with no kernel, the rank ends (and so the job).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .._wire.channel import ChannelClient
+from .._wire.messages import DebugInput
+from .._wire.rundir import RunDir
+from .link import KernelLink
+
+ADDRESS_POLL = 0.5
+"""Seconds between two reads of the address file while no kernel is attached."""
+
+
+class AttachableLink(KernelLink):
+    """A link to the session's kernel of the moment (see the module's docstring)."""
+
+    def __init__(self, rank: int, channel: ChannelClient, run_dir: RunDir, address: str,
+                 grace: float | None) -> None:
+        super().__init__(rank, channel, None, run_dir)
+        self._address = address
+        self._grace = grace
+        self.greeting: Callable[[], list[Any]] = list
+        """What this rank says to a kernel that attaches (set by the worker as it goes)."""
+
+    @classmethod
+    def connect(cls, run_dir: RunDir, rank: int, grace: float | None) -> AttachableLink:
+        """Connect to the kernel named in the session's folder, and listen to it."""
+        address = run_dir.address.read_text()
+        link = cls(rank, _client(address, run_dir), run_dir, address, grace)
+        threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
+        return link
+
+    def send(self, message: Any) -> None:
+        """Send to the kernel of the moment; with none attached, the message is lost (a
+        run's output or report while its kernel is gone: nobody reads it)."""
+        with contextlib.suppress(OSError):
+            super().send(message)
+
+    def _listen(self) -> None:
+        while True:
+            self._serve_channel()
+            if self._grace == 0:
+                self._kernel_gone()
+                return
+            self._settle()
+            channel = self._next_kernel()
+            if channel is None:
+                print("nbddp: no kernel attached within the grace period; this rank ends",
+                      file=sys.stderr)
+                self._starts.put(None)
+                return
+            with self._lock:
+                gone, self._channel = self._channel, channel
+            if gone is not None:
+                gone.close()
+            for message in self.greeting():
+                self.send(message)
+
+    def _settle(self) -> None:
+        """The kernel went: interrupt the run this rank is in, if any (its report is
+        lost, its state kept), and wait until the rank is back at rest."""
+        self._answers.put(DebugInput(None, "the notebook kernel went away"))  # pdb goes on
+        if self.busy.is_set():
+            print("nbddp: the notebook kernel went away; interrupting this run",
+                  file=sys.stderr)
+            os.kill(os.getpid(), signal.SIGINT)
+        while self.busy.is_set():
+            time.sleep(0.05)
+
+    def _next_kernel(self) -> ChannelClient | None:
+        """Wait for a kernel at an address not tried yet, within the grace period."""
+        deadline = None if self._grace is None else time.monotonic() + self._grace
+        while deadline is None or time.monotonic() < deadline:
+            time.sleep(ADDRESS_POLL)
+            try:
+                address = self._run_dir.address.read_text()
+            except OSError:
+                continue  # (the last kernel removed it as it went)
+            if address == self._address:
+                continue
+            self._address = address
+            try:
+                return _client(address, self._run_dir)
+            except (OSError, ValueError, ConnectionError) as exc:
+                print(f"nbddp: cannot attach to the kernel at {address.strip()}: {exc}",
+                      file=sys.stderr)
+        return None
+
+
+def _client(address: str, run_dir: RunDir) -> ChannelClient:
+    host, port = address.split()
+    return ChannelClient((host, int(port)), run_dir.key.read_bytes())
