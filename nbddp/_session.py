@@ -39,6 +39,7 @@ from ._run.supervisor import Ending, Supervisor
 from ._run.waiting import WaitingGroup
 from ._slurm.options import Slurm, SlurmOptions, cluster_run
 from ._slurm.session import SessionRecord, SlurmSessionGroup, running_sessions
+from ._slurm.step import Allocation
 from ._wire.dataplane import Packed
 from ._wire.messages import Assigned
 from ._wire.payload import Payload
@@ -194,7 +195,7 @@ class Session:
                                  "session's ranks end with the kernel")
             self._begin(options.on_this_machine(), None, None)
         else:
-            config, cluster = cluster_run(options, slurm)
+            config, cluster = cluster_run(options, _on_the_allocation(slurm))
             _check_session_job(cluster, grace)
             self._begin(config, cluster, grace)
         self._group = self._new_group()
@@ -256,7 +257,7 @@ class Session:
         shape = GroupShape.of(self.config)
         group: WaitingGroup
         if self._cluster is not None:
-            group = SlurmSessionGroup.submit(
+            group = SlurmSessionGroup.start(
                 self._cluster_shape(), self._cluster, self._grace,
                 {"timeout": self.config.timeout, "output": self.config.output})
             group.where = f"session, {group.where}"
@@ -482,6 +483,19 @@ def _check_session_job(options: SlurmOptions, grace: float | None) -> None:
         raise ValueError(f"grace is a number of seconds, 0 or more (or None), got {grace!r}")
 
 
+def _on_the_allocation(slurm: bool | Slurm) -> bool | Slurm:
+    """Where the kernel runs in an allocation, the session's job step takes all of its
+    nodes (``Allocation.check`` refuses other choices)."""
+    allocation = Allocation.here()
+    if allocation is None:
+        return slurm
+    chosen = Slurm() if slurm is True else slurm
+    if not isinstance(chosen, Slurm):
+        return slurm  # (cluster_run says what is wrong with it)
+    allocation.check(chosen.options(1, 0))
+    return dataclasses.replace(chosen, nodes=allocation.nodes)
+
+
 def _no_single_session(found: list[tuple[SessionRecord, RunDir]],
                        job_id: str | int | None) -> str:
     """Why ``Session.attach`` cannot choose: no session job runs, or several do."""
@@ -502,6 +516,9 @@ def _wait_for_job(group: SlurmSessionGroup) -> bool:
     saying each change of the job's state; True once every rank waits. The time in
     the queue is unbounded (Ctrl-C cancels); the ranks' start, ``START_TIMEOUT``."""
     running_since = None
+    if group.step_of is not None:
+        print(f"nbddp: the session's ranks start as a job step of SLURM allocation "
+              f"{group.step_of.job_id} ({group.step_of.nodelist})", flush=True)
     while not group.wait_ready(0.1) and not group.broken:
         for line in group.take_unsaid():
             print(line, flush=True)

@@ -91,11 +91,12 @@ WAITING_LANE = {
     "test_docs.py", "test_session.py", "test_security.py", "test_stacks.py",
     "test_rank_view.py", "test_kernel.py", "test_pdb.py", "test_metrics.py",
     "test_models_back.py", "test_slurm_session.py",
+    "cluster_session.ipynb",  # (a notebook: its SLURM jobs queue beside no other test's)
 }
 """Modules whose tests spend much of their time waiting (on SLURM's scheduler, a timeout,
 a silent rank, a kernel): on a 2-core machine they run beside the rest, which keep both
 cores busy, and the suite takes about two thirds of the time. Every other test, and the
-notebooks, run in the ``busy`` lane; together the lanes run every test once."""
+other notebooks, run in the ``busy`` lane; together the lanes run every test once."""
 
 
 def lane_of(item: pytest.Item) -> str:

@@ -412,3 +412,49 @@ def _rank_sum() -> float:
     value = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(value)
     return float(value.item())
+
+
+# --- a kernel inside an allocation --------------------------------------------------
+
+
+def test_a_kernel_inside_an_allocation_runs_the_session_as_a_job_step(slurm_env, jobs,
+                                                                      tmp_path):
+    """As a kernel that ``salloc``'s shell (or a batch job's Jupyter) started: the session
+    uses the allocation's nodes with ``srun``, submits nothing, and outlives the kernel
+    for another to attach; stopping it ends the step, not the allocation."""
+    granted = subprocess.run(["salloc", "--no-shell", "--nodes=2", "--ntasks-per-node=1",
+                              "--time=10"], env=slurm_env, capture_output=True, text=True,
+                             timeout=120)
+    allocation = re.search(r"Granted job allocation (\d+)", granted.stderr).group(1)
+    jobs.append(allocation)
+    inside = {**slurm_env, "SLURM_JOB_ID": allocation, "SLURM_JOB_NUM_NODES": "2",
+              "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODELIST": "n[1-2]"}
+    first = Kernel(tmp_path, env=inside)
+    try:
+        first.run(setup_cell(slurm_env)).assert_ok()
+        run = first.run("%ddp_session start --slurm --nprocs 1", timeout=120).assert_ok()
+        assert f"job step of SLURM allocation {allocation} (n[1-2])" in run.stream_text()
+        assert "submitted" not in run.stream_text() and "queued" not in run.stream_text()
+        where = cell(first, """
+import torch.distributed as dist
+mine = (os.environ["SLURMD_NODENAME"], os.environ["SLURM_JOB_ID"], "SLURM_STEP_ID" in os.environ)
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, mine)
+sorted(everyone)
+""").assert_ok()
+        assert where.result() == str([("n1", allocation, True), ("n2", allocation, True)])
+        first.end("killed")
+    finally:
+        first.shutdown()
+    second = Kernel(tmp_path, env=inside)
+    try:
+        second.run(setup_cell(slurm_env)).assert_ok()
+        second.run("%ddp_session attach", timeout=60).assert_ok()  # the one session running
+        assert cell(second, "mine[0]").assert_ok().result() in ("'n1'", "'n2'")
+        second.run("%ddp_session stop").assert_ok()
+    finally:
+        second.shutdown()
+    steps = slurm(slurm_env, "squeue", "--steps", "--noheader", f"--jobs={allocation}",
+                  "--format=%j")
+    assert "nbddp-session" not in steps, steps  # the step ended with the session
+    assert not job_ended(slurm_env, allocation)  # and the allocation stays the user's

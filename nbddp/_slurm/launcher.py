@@ -169,6 +169,22 @@ def find_run_dir(job_id: str) -> RunDir:
                      "job was submitted with: nbddp.attach(job_id, run_dir)")
 
 
+def stopped_by_slurm(job_id: str, known: JobStatus | None = None) -> str | None:
+    """Why SLURM (or someone else) ended the job, e.g. ``SLURM job 12 reached its time
+    limit``; None if it was not stopped so. ``known``: its last status, if that is final
+    (otherwise SLURM is asked now)."""
+    status = known
+    if status is None:
+        try:
+            status = job_status(job_id)
+        except NbddpError:
+            return None
+    what = _STOPPED_BY_SLURM.get(status.state)
+    if what is None:
+        return None
+    return f"SLURM job {job_id} {what}" + (f" ({status.reason})" if status.reason else "")
+
+
 class SlurmLauncher:
     """A submitted job, seen as a ``Job`` sees its launcher: ``wait`` until it has left
     the queue (reporting each state change), ``stop`` it with ``scancel``."""
@@ -188,14 +204,7 @@ class SlurmLauncher:
         """Why the job ended, if SLURM or someone else stopped it, e.g. a time limit
         (asked of SLURM now if the job has not been seen to end: its ranks' deaths are
         often heard of first)."""
-        status = self.status
-        if not self._ended.is_set():
-            with contextlib.suppress(NbddpError):
-                status = job_status(self.job_id)
-        what = _STOPPED_BY_SLURM.get(status.state)
-        if what is None:
-            return None
-        return f"SLURM job {self.job_id} {what}" + (f" ({status.reason})" if status.reason else "")
+        return stopped_by_slurm(self.job_id, self.status if self._ended.is_set() else None)
 
     def wait(self) -> int:
         """Poll the job until it has ended; its exit code (0 if SLURM no longer knows)."""

@@ -102,18 +102,34 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
     return "\n".join(lines) + "\n"
 
 
+def session_torchrun(run_dir: str, python: str, nodes: int, nprocs_per_node: int) -> list[str]:
+    """The command each node of a session runs (one task per node, in a batch job or a
+    job step of the kernel's allocation), up to its rendezvous options: nbddp's torchrun
+    wrapper, with no lifeline (the job outlives a kernel)."""
+    return [python, "-m", "nbddp._torchrun", run_dir, "-", "--nnodes", str(nodes),
+            "--nproc-per-node", str(nprocs_per_node), "--max-restarts", "0",
+            "--rdzv-backend", "c10d"]
+
+
+def session_worker(run_dir: str, prepare: str | None, grace: float | None) -> list[str]:
+    """The rest of that command: the ranks connect to the kernel's TCP channel and wait
+    there for each run, and for a kernel to attach for ``grace`` seconds after theirs went
+    (None: as long as the job runs)."""
+    return ["-m", "nbddp._worker", run_dir, "--remote",
+            *(["--prepare", prepare] if prepare else []),
+            *(["--grace", f"{grace:g}"] if grace is not None else [])]
+
+
 def session_sbatch_text(run_dir: str, python: str, options: SlurmOptions,
                         prepare: str | None, grace: float | None) -> str:
-    """The sbatch file of a session's ranks: on each node, nbddp's torchrun wrapper
-    starts ranks that connect to the kernel's TCP channel and wait there for each run,
-    and for a kernel to attach for ``grace`` seconds after theirs went (None: as long
-    as the job runs). However the job ends, its secrets go with it."""
-    folder, python = shlex.quote(run_dir), shlex.quote(python)
+    """The sbatch file of a session's ranks (``session_command`` on every node). However
+    the job ends, its secrets go with it."""
+    folder = shlex.quote(run_dir)
     lines = _directives("nbddp-session", options, f"{run_dir}/{LAUNCHER_LOG}", None,
-                        ["--open-mode=append"])
-    worker = f"-m nbddp._worker {folder} --remote" + (f" --prepare {prepare}" if prepare else "")
-    worker += f" --grace {grace:g}" if grace is not None else ""
+                        ["--open-mode=append",  # a requeue would lose the state: the
+                         "--no-requeue"])  # session starts fresh ranks itself, and says so
     secrets = " ".join(f"{folder}/{name}" for name in (KEY, ADDRESS, PAYLOAD))
+    rendezvous = '--rdzv-id "$SLURM_JOB_ID" --rdzv-endpoint "$head:$port"'
     lines += [
         "",
         "# Started by nbddp for a notebook's session: the ranks reach the kernel over the",
@@ -123,14 +139,17 @@ def session_sbatch_text(run_dir: str, python: str, options: SlurmOptions,
         f"trap {shlex.quote(f'rm -f {secrets}')} EXIT",
         "trap 'exit 143' TERM  # scancel, the time limit: the secrets go too",
         "",
-        f"srun --kill-on-bad-exit=1 {python} -m nbddp._torchrun {folder} - \\",
-        f"    --nnodes \"$SLURM_NNODES\" --nproc-per-node {options.nprocs_per_node} "
-        "--max-restarts 0 \\",
-        "    --rdzv-backend c10d --rdzv-id \"$SLURM_JOB_ID\" --rdzv-endpoint \"$head:$port\" \\",
-        f"    {worker} &",
+        "srun --kill-on-bad-exit=1 " + _words(session_torchrun(
+            run_dir, python, options.nodes, options.nprocs_per_node)) + " \\",
+        f"    {rendezvous} \\",
+        f"    {_words(session_worker(run_dir, prepare, grace))} &",
         'wait "$!"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def _words(words: list[str]) -> str:
+    return " ".join(shlex.quote(word) for word in words)
 
 
 def _restart_exports(max_restarts: int) -> list[str]:

@@ -43,6 +43,7 @@ from .._wire.stacks import STACKS_WAIT, render
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
 from .sbatch import session_sbatch_text
+from .step import Allocation, AttachedStep, JobStep
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +80,8 @@ class SessionRecord:
     grace: float | None
     started: float
     """When the job was submitted (seconds since the epoch)."""
+    step: str | None = None
+    """The job step's name, where the session runs in the kernel's allocation."""
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -110,6 +113,8 @@ class SlurmSessionGroup(WaitingGroup):
         self.options, self.grace = options, grace
         self.names: tuple[str, ...] | None = None
         """The names rank 0's code has bound, as it says when a kernel attaches."""
+        self.step_of: Allocation | None = None
+        """The kernel's allocation, where the ranks run as a job step of it."""
         self.status = JobStatus("UNKNOWN")
         self._changes: list[JobStatus] = []
         self._said = 0  # changes shown in the notebook so far
@@ -121,26 +126,48 @@ class SlurmSessionGroup(WaitingGroup):
             _OPEN.add(self)
 
     @classmethod
-    def submit(cls, shape: GroupShape, options: SlurmOptions, grace: float | None,
-               settings: dict[str, Any]) -> SlurmSessionGroup:
-        """Listen, and submit the job of a new session (``settings``: the session's own,
-        kept for a kernel that attaches: ``timeout``, ``output``)."""
+    def start(cls, shape: GroupShape, options: SlurmOptions, grace: float | None,
+              settings: dict[str, Any]) -> SlurmSessionGroup:
+        """Listen, and start a new session's ranks: a job step where the kernel runs in
+        an allocation (``allocation``), else a batch job of their own (``settings``: the
+        session's own, kept for a kernel that attaches: ``timeout``, ``output``)."""
+        allocation = Allocation.here()
         group = cls(shape, options, grace, RunDir.of_job(Records.create().path))
         try:
             group.run_dir.write_private(group.run_dir.key, new_key())
             group._listen()
-            group.run_dir.sbatch.write_text(session_sbatch_text(
-                str(group.run_dir.path), shape.python, options, shape.prepare, grace))
-            job_id = sbatch(group.run_dir.sbatch, dict(shape.env), shape.cwd)
+            step = None
+            if allocation is not None:
+                step = group._start_step(allocation)
+                job_id = allocation.job_id
+            else:
+                job_id = group._submit()
             group.run_dir.write_private(group.run_dir.session, SessionRecord(
                 job_id, options, shape.nprocs, shape.backend, shape.init, grace=grace,
-                started=time.time(), **settings).to_json())
-            group._follow(job_id)
+                started=time.time(), step=step, **settings).to_json())
         except BaseException:
             group.stop()
             group.close()
             raise
         return group
+
+    def _submit(self) -> str:
+        self.run_dir.sbatch.write_text(session_sbatch_text(
+            str(self.run_dir.path), self.shape.python, self.options, self.shape.prepare,
+            self.grace))
+        job_id = sbatch(self.run_dir.sbatch, dict(self.shape.env), self.shape.cwd)
+        self._follow(job_id)
+        return job_id
+
+    def _start_step(self, allocation: Allocation) -> str:
+        """``srun`` in the kernel's allocation; the step's name."""
+        allocation.check(self.options)
+        step = JobStep(allocation, self.run_dir, self.shape, self.options, self.grace)
+        self.slurm_job_id, self.step_of = allocation.job_id, allocation
+        self.where = f"SLURM allocation {allocation.job_id}"
+        self.status = JobStatus("RUNNING", nodes=allocation.nodelist)
+        self._follow_launcher(step)
+        return step.name
 
     @classmethod
     def attached(cls, shape: GroupShape, run_dir: RunDir,
@@ -150,7 +177,12 @@ class SlurmSessionGroup(WaitingGroup):
         group = cls(shape, record.options, record.grace, run_dir)
         try:
             group._listen()
-            group._follow(record.job_id)
+            if record.step is None:
+                group._follow(record.job_id)
+            else:
+                group.slurm_job_id = record.job_id
+                group.where = f"SLURM allocation {record.job_id}"
+                group._follow_launcher(AttachedStep(record.job_id, record.step))
         except BaseException:
             group.detach()
             raise
