@@ -26,7 +26,7 @@ import nbddp
 
 from .conftest import wait_until
 from .kernel_driver import Kernel
-from .slurm import job_ended, slurm
+from .slurm import SLURM_DIR, job_ended, slurm
 from .test_kernel import _alive, _snapshot
 from .test_pdb import answer
 from .test_slurm_submit import setup_cell
@@ -288,6 +288,35 @@ def test_with_no_grace_a_kernel_that_goes_ends_its_sessions_job(slurm_env, jobs,
         wait_until(lambda: not _alive(ranks), timeout=15)
     finally:
         kernel.shutdown()
+
+
+def test_a_node_whose_slurmd_stops_mid_cell_ends_the_cell_naming_the_lost_node(
+        fresh_cluster_session, slurm_env):
+    """n2's slurmd stops answering (SIGSTOP) while a cell runs, and SLURM takes the node
+    down, as slurmctld does once the node's timeout passes: the job fails, and the cell
+    says so, naming the cause; the session says its state is gone. Then the node comes
+    back, and its slurmd ends what was left of the job there."""
+    kernel, job_id = fresh_cluster_session
+    ranks = _snapshot(session_pids(kernel).values())
+    slurmd = int((SLURM_DIR / "pids" / "slurmd-n2.pid").read_text())
+    run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\ntime.sleep(600)")
+    run.wait_for_output("working")
+    os.kill(slurmd, signal.SIGSTOP)
+    try:
+        slurm(slurm_env, "scontrol", "update", "NodeName=n2", "State=DOWN",
+              "Reason=nbddp test: slurmd stopped")
+        run.finish(timeout=60)
+    finally:
+        os.kill(slurmd, signal.SIGCONT)
+        slurm(slurm_env, "scontrol", "update", "NodeName=n2", "State=RESUME")
+    text = run.error_text()
+    assert run.error()["ename"] == "NbddpError", run.describe()
+    assert f"SLURM job {job_id} lost a node" in text, text
+    assert "the session was restarted: variables defined in earlier cells are gone" in text
+    wait_until(lambda: not _alive(ranks), timeout=60)  # n2's too, once its slurmd is back
+    wait_until(lambda: "idle" in slurm(slurm_env, "sinfo", "-h", "-n", "n2", "-o", "%t"),
+               timeout=60, interval=0.5)
+    kernel.run("%ddp_session stop").assert_ok()  # (and its replacement job)
 
 
 # --- a new kernel attaches ----------------------------------------------------------
