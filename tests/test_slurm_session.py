@@ -195,6 +195,25 @@ def test_a_cell_timeout_says_where_each_node_was_and_keeps_the_state(cluster_ses
     assert cell(cluster_session, "waited").assert_ok().result() == "'yes'"
 
 
+def test_a_gib_argument_reaches_both_nodes_and_a_gib_result_comes_back(cluster_session):
+    cluster_session.run("import torch\nbig = torch.arange(2**28, dtype=torch.int32)"
+                        ).assert_ok()  # 1 GiB, a notebook name the cell reads
+    run = cell(cluster_session, """
+import torch.distributed as dist
+seen = torch.tensor([big[-1].item() + big.numel()])  # what each rank received (int64)
+dist.all_reduce(seen)
+back = big * 2
+seen.item()
+""", "--out back", timeout=180).assert_ok()
+    assert int(run.result()) == 2 * (2**28 - 1 + 2**28), run.describe()  # both ranks
+    check = cluster_session.run("back.shape[0] == 2**28 and back.dtype == torch.int32 and "
+                                "bool((back == 2 * torch.arange(2**28, dtype=torch.int32))"
+                                ".all())").assert_ok()
+    assert check.result() == "True"
+    cell(cluster_session, "del back").assert_ok()  # (the ranks' copy, kept as a name)
+    cluster_session.run("del big, back").assert_ok()
+
+
 def test_pdb_on_the_second_nodes_rank_is_answered_in_the_notebook(cluster_session):
     rank = second_node_rank(cluster_session)
     run = cluster_session.submit("""%%ddp
