@@ -258,6 +258,10 @@ class DDPMagics(Magics):
         if args.action == "start":
             self.session = open_session = _start_session(args)
         elif args.action == "attach":
+            if _values(RunOptions, args, session=True) != _values(RunOptions, parse_argstring(
+                    self.ddp_session, "attach"), session=True):
+                raise UsageError("attach takes the session as it was started: no options "
+                                 "but the job id")
             self.session = open_session = Session.attach(args.job)
         elif open_session is None:
             print("no session is open; start one with %ddp_session start --nprocs N")
@@ -286,9 +290,9 @@ def _running_cell_number(shell: Any) -> int:
 
 
 def _start_session(args: Any) -> Session:
-    if _job_flags(args) and not args.slurm:
-        raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
-                         "add --slurm to start the session's ranks as one")
+    if (_job_flags(args) or args.grace is not None) and not args.slurm:
+        raise UsageError("--nodes, --time, --partition, --sbatch and --grace describe a "
+                         "SLURM job: add --slurm to start the session's ranks as one")
     run = _values(RunOptions, args, session=True)
     try:
         if args.slurm:

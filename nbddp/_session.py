@@ -220,10 +220,15 @@ class Session:
         group = SlurmSessionGroup.attached(session._cluster_shape(), run_dir, record)
         session._group = group
         group.reusable, group.where = True, f"session, {group.where}"
-        if not group.wait_ready(ATTACH_WAIT):
+        try:
+            ready = group.wait_ready(ATTACH_WAIT)
+        except BaseException:  # Ctrl-C: the job stays for another try
             group.detach()
-            raise NbddpError(f"the ranks of SLURM job {record.job_id} did not come within "
-                             f"{ATTACH_WAIT:g} s: is another kernel still attached to them?")
+            raise
+        if not ready:
+            why = _not_attached(group, record.job_id)
+            group.detach()
+            raise NbddpError(why)
         session.names = frozenset(group.names or ())
         print(f"nbddp: attached to the session on SLURM job {record.job_id} "
               f"({record.nprocs} ranks, {len(session.names)} names kept on them)", flush=True)
@@ -387,6 +392,8 @@ class Session:
         The next run's rooms are made as large as this one's data (the next cell likely
         sends and gets as much again)."""
         self.runs += 1
+        if isinstance(self._group, SlurmSessionGroup) and self._group.detached:
+            self._closed = True  # the kernel left the job for another: nothing to restart
         try:
             if run.kept:
                 if run.names is not None:
@@ -494,6 +501,18 @@ def _on_the_allocation(slurm: bool | Slurm) -> bool | Slurm:
         return slurm  # (cluster_run says what is wrong with it)
     allocation.check(chosen.options(1, 0))
     return dataclasses.replace(chosen, nodes=allocation.nodes)
+
+
+def _not_attached(group: SlurmSessionGroup, job_id: str) -> str:
+    """Why the ranks of a session's job did not come to a kernel that attached."""
+    if group.broken:
+        return f"SLURM job {job_id} ended before its ranks came back"
+    if group.status.state == "PENDING":
+        return (f"SLURM job {job_id} waits in the queue ({group.status.reason}): its "
+                "ranks are gone; stop it, and start a new session")
+    return (f"the ranks of SLURM job {job_id} did not come within {ATTACH_WAIT:g} s: another "
+            "kernel still attached to them keeps them (stop or restart it first), or they "
+            "are still finishing the cell that was running")
 
 
 def _no_single_session(found: list[tuple[SessionRecord, RunDir]],

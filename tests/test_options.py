@@ -167,6 +167,9 @@ def test_a_sessions_time_limit_is_not_taken_for_its_timeout():
     ("stop --slurm", "are for %ddp_session start"),
     ("status --time 00:10:00", "are for %ddp_session start"),
     ("start --slurm --requeue", "does not take requeue"),
+    ("start --grace 60", "add --slurm to start the session's ranks as one"),
+    ("attach 12 --nprocs 2", "no options but the job id"),
+    ("stop 12", "takes no job id"),
 ])
 def test_a_session_takes_a_slurm_jobs_flags_only_to_start_one(line, says):
     with pytest.raises(UsageError, match=says):  # said before anything is submitted

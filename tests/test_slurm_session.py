@@ -428,6 +428,34 @@ def test_attach_names_the_session_jobs_to_choose_from(slurm_env, jobs, monkeypat
 NOBODY = 65534
 
 
+def test_attach_takes_no_folder_that_anyone_else_made_or_can_write(slurm_env, jobs,
+                                                                   monkeypatch):
+    """A user who can write to the runs folder (a group's project space) plants a copy of
+    a session's folder, with a key of their own: attach must not listen with it."""
+    monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
+    monkeypatch.setattr(nbddp._session, "ATTACH_WAIT", 2.0)
+    with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=1, cpus_per_task=1)) as session:
+        job_id = session.status().where.split()[2]
+        jobs.append(job_id)
+        real = session._group.run_dir.path
+        planted = real.with_name(real.name + "-planted")
+        shutil.copytree(real, planted, ignore=shutil.ignore_patterns("torchelastic-*"))
+        try:
+            with pytest.raises(nbddp.NbddpError, match="several session jobs run"):
+                nbddp.Session.attach(job_id)  # (the control: a private copy is one)
+            for plant in ("group may write", "someone else's key"):
+                if plant == "group may write":
+                    planted.chmod(0o770)
+                else:
+                    planted.chmod(0o700)
+                    os.chown(planted / "key", NOBODY, NOBODY)
+                with pytest.raises(nbddp.NbddpError, match="did not come within 2 s"):
+                    nbddp.Session.attach(job_id)  # the real folder alone: its ranks are ours
+        finally:
+            shutil.rmtree(planted)
+        assert sorted(session.run_all(_rank_sum)) == [0.0]
+
+
 def test_another_user_cannot_read_the_key_or_move_the_address(slurm_env, jobs, monkeypatch,
                                                               tmp_path_factory):
     """On a shared filesystem whose folders anyone may pass through, the session's folder

@@ -23,11 +23,15 @@ from typing import Any
 
 from .._wire.channel import ChannelClient
 from .._wire.messages import DebugInput
-from .._wire.rundir import RunDir
+from .._wire.rundir import RunDir, parse_address
 from .link import KernelLink
 
 ADDRESS_POLL = 0.5
 """Seconds between two reads of the address file while no kernel is attached."""
+SETTLE_WAIT = 30.0
+"""How long the run in progress when the kernel went may take to stop after its
+interrupt; a rank still in it then (stuck in a collective) ends, as no kernel could use
+it."""
 
 
 class AttachableLink(KernelLink):
@@ -36,7 +40,7 @@ class AttachableLink(KernelLink):
     def __init__(self, rank: int, channel: ChannelClient, run_dir: RunDir, address: str,
                  grace: float | None) -> None:
         super().__init__(rank, channel, None, run_dir)
-        self._address = address
+        self._served = address  # the kernel's address this rank has been connected to
         self._grace = grace
         self.greeting: Callable[[], list[Any]] = list
         """What this rank says to a kernel that attaches (set by the worker as it goes)."""
@@ -66,6 +70,7 @@ class AttachableLink(KernelLink):
             if channel is None:
                 print("nbddp: no kernel attached within the grace period; this rank ends",
                       file=sys.stderr)
+                self._run_dir.remove()  # the key and the address: nobody may attach now
                 self._starts.put(None)
                 return
             with self._lock:
@@ -76,36 +81,51 @@ class AttachableLink(KernelLink):
                 self.send(message)
 
     def _settle(self) -> None:
-        """The kernel went: interrupt the run this rank is in, if any (its report is
-        lost, its state kept), and wait until the rank is back at rest."""
-        self._answers.put(DebugInput(None, "the notebook kernel went away"))  # pdb goes on
-        if self.busy.is_set():
+        """The kernel went: no Start it sent is run from now on; interrupt the run this
+        rank is in, if any (its report is lost, its state kept), and wait until the rank
+        is back at rest (or end it, if it cannot come back: ``SETTLE_WAIT``)."""
+        with self._lock:
+            self._generation += 1
+            busy = self.busy.is_set()
+        if busy:
             print("nbddp: the notebook kernel went away; interrupting this run",
                   file=sys.stderr)
             os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + SETTLE_WAIT
         while self.busy.is_set():
+            if self.asking.is_set() and self._answers.empty():  # pdb: nobody to answer
+                self._answers.put(DebugInput(None, "the notebook kernel went away"))
+            if time.monotonic() > deadline:
+                print(f"nbddp: the run the kernel left did not stop within {SETTLE_WAIT:g} s; "
+                      "this rank ends", file=sys.stderr)
+                os._exit(1)
             time.sleep(0.05)
 
     def _next_kernel(self) -> ChannelClient | None:
-        """Wait for a kernel at an address not tried yet, within the grace period."""
+        """Wait for a kernel at another address than the one that went, within the grace
+        period (one that cannot be reached yet is tried again)."""
         deadline = None if self._grace is None else time.monotonic() + self._grace
+        said = None
         while deadline is None or time.monotonic() < deadline:
             time.sleep(ADDRESS_POLL)
             try:
                 address = self._run_dir.address.read_text()
             except OSError:
                 continue  # (the last kernel removed it as it went)
-            if address == self._address:
+            if address == self._served:
                 continue
-            self._address = address
             try:
-                return _client(address, self._run_dir)
+                channel = _client(address, self._run_dir)
             except (OSError, ValueError, ConnectionError) as exc:
-                print(f"nbddp: cannot attach to the kernel at {address.strip()}: {exc}",
-                      file=sys.stderr)
+                if said != address:
+                    said = address
+                    print(f"nbddp: cannot attach to the kernel at {address.strip()} yet: "
+                          f"{exc}", file=sys.stderr)
+                continue
+            self._served = address
+            return channel
         return None
 
 
 def _client(address: str, run_dir: RunDir) -> ChannelClient:
-    host, port = address.split()
-    return ChannelClient((host, int(port)), run_dir.key.read_bytes())
+    return ChannelClient(parse_address(address), run_dir.key.read_bytes())

@@ -37,7 +37,7 @@ from .._wire.messages import (
     decode,
     split_frames,
 )
-from .._wire.rundir import RunDir
+from .._wire.rundir import RunDir, parse_address
 from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
 from .restarts import requeue_count, restart_count
 
@@ -56,8 +56,13 @@ class KernelLink:
         self._channel, self._mailbox, self._run_dir = channel, mailbox, run_dir
         self._seq = 0
         self._lock = threading.Lock()
-        self._starts: queue.Queue[Start | None] = queue.Queue()
+        self._starts: queue.Queue[tuple[int, Start] | None] = queue.Queue()
+        self._generation = 0
+        """Which kernel this link serves (a SLURM session's rank may serve several, one
+        after another): a Start from an earlier one is not run."""
         self._answers: queue.Queue[DebugInput] = queue.Queue()
+        self.asking = threading.Event()
+        """Set while pdb waits for the notebook's answer."""
         self.busy = threading.Event()
         """Set while the rank runs a Start: the kernel closing the link then means it
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
@@ -95,19 +100,29 @@ class KernelLink:
                     self._channel = None  # the kernel went; the mailbox carries on
 
     def wait_start(self) -> Start | None:
-        """Block until the kernel says what to run (a SLURM rank reads it from its file);
-        None once the kernel has closed the link."""
+        """Block until the kernel says what to run (a SLURM rank reads it from its file),
+        and mark the rank busy; None once the kernel has closed the link."""
         if self._mailbox is not None:
             bodies, _ = split_frames(self._run_dir.start.read_bytes())
             return decode(bodies[0])
-        return self._starts.get()
+        while (item := self._starts.get()) is not None:
+            generation, start = item
+            with self._lock:
+                if generation == self._generation:
+                    self.busy.set()
+                    return start
+        return None
 
     def ask(self, prompt: DebugPrompt) -> DebugInput:
         """Send pdb's prompt to the kernel and wait for the user's line."""
         if self._mailbox is not None:
             return DebugInput(None, "a SLURM job's ranks cannot take input from the notebook")
-        self.send(prompt)
-        return self._answers.get()
+        self.asking.set()
+        try:
+            self.send(prompt)
+            return self._answers.get()
+        finally:
+            self.asking.clear()
 
     def _listen(self) -> None:
         self._serve_channel()
@@ -123,7 +138,7 @@ class KernelLink:
                     with contextlib.suppress(OSError):  # (the next receive says why)
                         self.send(Present(self.rank, message.call))
                 elif isinstance(message, Start):
-                    self._starts.put(message)
+                    self._starts.put((self._generation, message))
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
                 elif isinstance(message, Interrupt):  # raised in the main thread, if busy
@@ -162,8 +177,7 @@ class KernelLink:
 def _reach_kernel(run_dir: RunDir) -> ChannelClient | None:
     """A SLURM rank's TCP connection to the kernel, or None if it cannot be reached."""
     try:
-        host, port = run_dir.address.read_text().split()
-        return ChannelClient((host, int(port)), run_dir.key.read_bytes())
+        return ChannelClient(parse_address(run_dir.address.read_text()), run_dir.key.read_bytes())
     except (OSError, ValueError, ConnectionError) as exc:
         print(f"nbddp: cannot reach the notebook kernel ({exc}); reporting through files "
               f"in {run_dir.path}", file=sys.stderr)

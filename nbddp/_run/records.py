@@ -19,14 +19,14 @@ import shutil
 import time
 from pathlib import Path
 
-from .._wire.rundir import LAUNCHER_LOG, METRICS, PAYLOAD, rank_log_name
+from .._wire.rundir import KEY, LAUNCHER_LOG, METRICS, PAYLOAD, rank_log_name
 
 KEEP_RUNS = 20
 LOG_TAIL_BYTES = 64 * 2**20
 _PREFIX = "run-"
 STACKS = "stacks.txt"
 """Where each rank was when a timeout or an interrupt stopped the run."""
-_LIVE_JOB_MARK = PAYLOAD  # removed when the run that owns the folder ends
+_LIVE_MARKS = (PAYLOAD, KEY)  # removed when the job (or session) that owns the folder ends
 
 
 class Records:
@@ -91,5 +91,5 @@ def folders(root: Path | None = None) -> list[Path]:
 def _prune(root: Path) -> None:
     runs = folders(root)
     for old in runs[:-KEEP_RUNS]:
-        if not (old / _LIVE_JOB_MARK).exists():
+        if not any((old / mark).exists() for mark in _LIVE_MARKS):
             shutil.rmtree(old, ignore_errors=True)

@@ -81,6 +81,11 @@ class WaitingGroup(RankGroup):
     def handed_over(self) -> bool:
         return self._start is not None
 
+    @property
+    def gone(self) -> str | None:
+        """Why the group can run nothing more (a rank or the launcher stopped), if so."""
+        return self._gone
+
     def wait_ready(self, timeout: float | None) -> bool:
         """Block until every rank waits for its Start; False if the group broke first
         or ``timeout`` passed."""

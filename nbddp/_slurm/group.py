@@ -18,7 +18,7 @@ from .._wire.messages import (
     RankOptions,
     encode,
 )
-from .._wire.rundir import RunDir
+from .._wire.rundir import RunDir, address_text
 from .follow import RequeueCount, SlurmHooks
 from .launcher import SlurmLauncher, kernel_host, read_shape, submit
 from .options import SlurmOptions
@@ -67,8 +67,7 @@ class SlurmGroup(RankGroup):
             logger.info("nbddp: no TCP channel for the ranks: %s", exc)
             return
         self._server = ChannelServer((host, 0), key, self._deliver)
-        self.run_dir.write_private(self.run_dir.address,
-                                   f"{host} {self._server.port}".encode())
+        self.run_dir.write_private(self.run_dir.address, address_text(host, self._server.port))
 
     @classmethod
     def attached(cls, run_dir: RunDir) -> SlurmGroup:

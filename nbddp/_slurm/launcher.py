@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ _STOP_POLL_INTERVAL = 0.2
 _CLEAN_END_WAIT = 30.0  # every rank returned: the job ends by itself within this
 _CANCEL_WAIT = 120.0
 _COMMAND_TIMEOUT = 60.0
+_COMPLETING_TRIES, _COMPLETING_PAUSE = 10, 0.3
 # States in which a job may still have processes (squeue's default set, and more).
 _ACTIVE = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
            "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED",
@@ -174,11 +176,16 @@ def stopped_by_slurm(job_id: str, known: JobStatus | None = None) -> str | None:
     limit``; None if it was not stopped so. ``known``: its last status, if that is final
     (otherwise SLURM is asked now)."""
     status = known
-    if status is None:
+    for _ in range(_COMPLETING_TRIES if status is None else 0):
         try:
             status = job_status(job_id)
         except NbddpError:
             return None
+        if status.state != "COMPLETING":  # (a cancelled job completes before it says so)
+            break
+        time.sleep(_COMPLETING_PAUSE)
+    if status is None:
+        return None
     what = _STOPPED_BY_SLURM.get(status.state)
     if what is None:
         return None
@@ -196,6 +203,7 @@ class SlurmLauncher:
         self._wake = threading.Event()
         self._ended = threading.Event()
         self._interval = _POLL_INTERVAL
+        self._released = False
 
     def add_rank(self, pid: int) -> None:
         """Ranks run on other machines: they are stopped through SLURM, not by PID."""
@@ -207,8 +215,9 @@ class SlurmLauncher:
         return stopped_by_slurm(self.job_id, self.status if self._ended.is_set() else None)
 
     def wait(self) -> int:
-        """Poll the job until it has ended; its exit code (0 if SLURM no longer knows)."""
-        while True:
+        """Poll the job until it has ended (or ``release``); its exit code (0 if SLURM no
+        longer knows)."""
+        while not self._released:
             try:
                 status = job_status(self.job_id)
             except NbddpError as exc:  # a slow or restarting slurmctld: try again
@@ -222,6 +231,12 @@ class SlurmLauncher:
                 return status.exit_code or 0
             self._wake.wait(self._interval)
             self._wake.clear()
+        return 0  # released: the job goes on without this kernel
+
+    def release(self) -> None:
+        """Stop following the job, and leave it running (a kernel that detached)."""
+        self._released = True
+        self._wake.set()
 
     def stop(self, clean: bool = False) -> None:
         """Let a job whose ranks all returned end by itself; cancel any other, and wait

@@ -3,8 +3,8 @@ torchrun joined by c10d rendezvous on the job's own port.
 
 ``sbatch_text`` is the file ``export`` writes beside a script; ``submission_sbatch_text``
 is the batch script of a run submitted from the notebook, ``session_sbatch_text`` that
-of a session's ranks. Both are pure functions of
-their arguments, pinned by golden-file tests.
+of a session's ranks. All are pure functions of their arguments, the first two pinned by
+golden-file tests.
 """
 
 from __future__ import annotations
@@ -122,8 +122,8 @@ def session_worker(run_dir: str, prepare: str | None, grace: float | None) -> li
 
 def session_sbatch_text(run_dir: str, python: str, options: SlurmOptions,
                         prepare: str | None, grace: float | None) -> str:
-    """The sbatch file of a session's ranks (``session_command`` on every node). However
-    the job ends, its secrets go with it."""
+    """The sbatch file of a session's ranks (``session_torchrun`` and ``session_worker``
+    on every node). However the job ends, its secrets go with it."""
     folder = shlex.quote(run_dir)
     lines = _directives("nbddp-session", options, f"{run_dir}/{LAUNCHER_LOG}", None,
                         ["--open-mode=append",  # a requeue would lose the state: the

@@ -38,7 +38,7 @@ from .._run.shape import GroupShape
 from .._run.waiting import WaitingGroup
 from .._wire.channel import ChannelServer, new_key, tcp_address
 from .._wire.messages import Assigned, Interrupt, ShowStacks, Stacks
-from .._wire.rundir import RunDir
+from .._wire.rundir import RunDir, address_text, read_own_key
 from .._wire.stacks import STACKS_WAIT, render
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
@@ -58,7 +58,7 @@ def _leave_open_jobs() -> None:
     with _OPEN_LOCK:
         groups = list(_OPEN)
     for group in groups:
-        if group.grace != 0 and group.is_ready:
+        if group.grace != 0 and group.is_ready and group.gone is None:
             group.detach()
         else:
             group.stop()
@@ -122,6 +122,8 @@ class SlurmSessionGroup(WaitingGroup):
         self._stacks: dict[int, Stacks] = {}  # the latest request's answers
         self._stacks_came = threading.Condition(self._lock)
         self._stopped = False
+        self._detached = False
+        self._follower: SlurmLauncher | JobStep | AttachedStep | None = None
         with _OPEN_LOCK:
             _OPEN.add(self)
 
@@ -161,11 +163,11 @@ class SlurmSessionGroup(WaitingGroup):
 
     def _start_step(self, allocation: Allocation) -> str:
         """``srun`` in the kernel's allocation; the step's name."""
-        allocation.check(self.options)
         step = JobStep(allocation, self.run_dir, self.shape, self.options, self.grace)
         self.slurm_job_id, self.step_of = allocation.job_id, allocation
         self.where = f"SLURM allocation {allocation.job_id}"
         self.status = JobStatus("RUNNING", nodes=allocation.nodelist)
+        self._follower = step
         self._follow_launcher(step)
         return step.name
 
@@ -182,7 +184,8 @@ class SlurmSessionGroup(WaitingGroup):
             else:
                 group.slurm_job_id = record.job_id
                 group.where = f"SLURM allocation {record.job_id}"
-                group._follow_launcher(AttachedStep(record.job_id, record.step))
+                group._follower = AttachedStep(record.job_id, record.step)
+                group._follow_launcher(group._follower)
         except BaseException:
             group.detach()
             raise
@@ -190,17 +193,27 @@ class SlurmSessionGroup(WaitingGroup):
 
     def _listen(self) -> None:
         host = _kernel_address()
-        self._server = ChannelServer((host, 0), self.run_dir.key.read_bytes(), self._deliver)
-        self.run_dir.replace_private(self.run_dir.address,
-                                     f"{host} {self._server.port}".encode())
+        self._server = ChannelServer((host, 0), read_own_key(self.run_dir.path), self._deliver)
+        self.run_dir.replace_private(self.run_dir.address, address_text(host, self._server.port))
 
     def _follow(self, job_id: str) -> None:
         self.slurm_job_id, self.where = job_id, f"SLURM job {job_id}"
-        self._follow_launcher(SlurmLauncher(job_id, self._job_changed))
+        self._follower = SlurmLauncher(job_id, self._job_changed)
+        self._follow_launcher(self._follower)
+
+    @property
+    def detached(self) -> bool:
+        """This kernel left the job to another (``detach``)."""
+        return self._detached
 
     def detach(self) -> None:
-        """Leave the job running for a kernel to attach: close the channel and remove its
-        address (the ranks wait for another), keep the key."""
+        """Leave the job running for a kernel to attach: stop following it, close the
+        channel and remove its address (the ranks wait for another), keep the key. From
+        then on ``stop`` and ``close`` leave the job alone (a run that ends as the
+        channel closes must not cancel it)."""
+        self._detached = True
+        if self._follower is not None:
+            self._follower.release()
         if self._server is not None:
             self._server.close()
         self.run_dir.address.unlink(missing_ok=True)
@@ -255,12 +268,17 @@ class SlurmSessionGroup(WaitingGroup):
 
     def stop(self, clean: bool = False) -> None:
         """Cancel the job and wait until it has left the queue (or, ``clean``, let it end
-        by itself first: the ranks at rest exit when the channel closes)."""
+        by itself first: the ranks at rest exit when the channel closes). Nothing, once
+        detached."""
+        if self._detached:
+            return
         super().stop(clean)
         self._stopped = True
         self._forget_when_done()
 
     def close(self) -> None:
+        if self._detached:
+            return  # (the key stays for the kernel that attaches)
         super().close()
         self._forget_when_done()
 
@@ -308,12 +326,20 @@ def running_sessions(job_id: str | None = None) -> list[tuple[SessionRecord, Run
     for folder in folders(records_root()):
         run_dir = RunDir.of_job(folder)
         try:
+            read_own_key(folder)  # (a folder anyone else made or can write to is not)
             record = SessionRecord.read(run_dir)
         except (OSError, ValueError, TypeError):
-            continue  # not a session's folder, or not one of this account's
+            continue  # not a session's folder, or not this user's alone
         if job_id is not None and record.job_id != job_id:
             continue
         with contextlib.suppress(NbddpError):
-            if not job_status(record.job_id).ended and run_dir.key.exists():
+            if _still_runs(record):
                 found.append((record, run_dir))
     return found
+
+
+def _still_runs(record: SessionRecord) -> bool:
+    """Whether the session's ranks may still run: its job, or its job step."""
+    if record.step is not None:
+        return AttachedStep(record.job_id, record.step).running()
+    return not job_status(record.job_id).ended

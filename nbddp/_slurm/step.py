@@ -13,11 +13,13 @@ attach to its ranks.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 
 from .._errors import NbddpError
@@ -26,6 +28,8 @@ from .._wire.rundir import RunDir
 from .launcher import stopped_by_slurm
 from .options import PORT_BASE, PORT_SPAN, SlurmOptions
 from .sbatch import session_torchrun, session_worker
+
+logger = logging.getLogger(__name__)
 
 _STOP_WAIT = 30.0  # srun passes SIGTERM on, then SLURM's KillWait, then SIGKILL
 _COMMAND_TIMEOUT = 60.0
@@ -112,6 +116,9 @@ class JobStep:
     def add_rank(self, pid: int) -> None:
         """Ranks run on the allocation's nodes: the step stops them, not their PIDs."""
 
+    def release(self) -> None:
+        """The kernel detached: ``srun`` goes on (in its own session), for another."""
+
     def wait(self) -> int:
         return self.process.wait()
 
@@ -126,6 +133,7 @@ class JobStep:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+                AttachedStep(self.allocation.job_id, self.name).stop()  # srun's tasks too
 
     def stopped_from_outside(self) -> str | None:
         """The allocation's end (its time limit, a cancel), if that ended the step."""
@@ -140,6 +148,7 @@ class AttachedStep:
     def __init__(self, job_id: str, name: str) -> None:
         self.job_id, self.name = job_id, name
         self._ended = threading.Event()
+        self._released = False
 
     def _step_id(self) -> str | None:
         """``JOB.STEP`` of the session's step; None once it has ended."""
@@ -160,18 +169,37 @@ class AttachedStep:
     def add_rank(self, pid: int) -> None:
         """Ranks run on the allocation's nodes: the step stops them, not their PIDs."""
 
+    def running(self) -> bool:
+        return self._step_id() is not None
+
+    def release(self) -> None:
+        """Stop following the step (a kernel that detached): ``wait`` returns."""
+        self._released = True
+        self._ended.set()
+
     def wait(self) -> int:
-        while self._step_id() is not None:
+        while not self._released and self._step_id() is not None:
             self._ended.wait(_POLL_INTERVAL)
         self._ended.set()
         return 0
 
     def stop(self, clean: bool = False) -> None:
-        step = self._step_id()
-        if step:
-            subprocess.run(["scancel", step], capture_output=True, timeout=_COMMAND_TIMEOUT,
-                           stdin=subprocess.DEVNULL, check=False)
-        self._ended.wait(_STOP_WAIT)
+        """``scancel`` the step (asked again while SLURM does not answer), and wait until
+        it has gone."""
+        deadline = time.monotonic() + _STOP_WAIT
+        while time.monotonic() < deadline:
+            step = self._step_id()
+            if step is None:
+                return
+            if step:
+                done = subprocess.run(["scancel", step], capture_output=True, text=True,
+                                      timeout=_COMMAND_TIMEOUT, stdin=subprocess.DEVNULL,
+                                      check=False)
+                if done.returncode != 0:
+                    logger.warning("nbddp: scancel %s: %s", step, done.stderr.strip())
+            time.sleep(_POLL_INTERVAL)
+        logger.warning("nbddp: job step %s of SLURM job %s still runs %s s after scancel",
+                       self.name, self.job_id, _STOP_WAIT)
 
     def stopped_from_outside(self) -> str | None:
         return stopped_by_slurm(self.job_id)

@@ -80,8 +80,8 @@ class _Link:
 
     def __init__(self, sock: socket.socket, send_key: bytes, receive_key: bytes) -> None:
         self.sock = sock
-        if sock.family in (socket.AF_INET, socket.AF_INET6):  # a small frame goes at once,
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # not 40 ms later
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            _tune_tcp(sock)
         self._send_key, self._receive_key = send_key, receive_key
         self._sent = self._received = 0
         self._send_lock = threading.Lock()
@@ -104,6 +104,16 @@ class _Link:
             raise ConnectionError("a frame failed its authentication check")
         self._received += 1
         return decode(body)
+
+
+def _tune_tcp(sock: socket.socket) -> None:
+    """A small frame goes at once, not 40 ms later (Nagle's algorithm and delayed ACKs);
+    a peer whose machine vanished is noticed within minutes (keepalive), not never."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def _keys(key: bytes, kernel_nonce: bytes, rank_nonce: bytes) -> tuple[bytes, bytes]:

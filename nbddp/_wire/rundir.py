@@ -59,6 +59,18 @@ REQUEUE_FILE_ENV = "NBDDP_REQUEUE_FILE"
 """Names the requeue file for the ranks (set by the batch script)."""
 
 
+def address_text(host: str, port: int | None) -> bytes:
+    """What the address file says: ``host port`` of the kernel's TCP channel (a TCP
+    server's port, never None)."""
+    return f"{host} {port}".encode()
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """The ``(host, port)`` an address file names (ValueError if it names none)."""
+    host, port = text.split()
+    return host, int(port)
+
+
 def rank_log_name(rank: int) -> str:
     """A rank's output: in the run dir until its ``Start`` names the records, then there."""
     return f"rank-{rank}.log"
@@ -165,6 +177,32 @@ class RunDir:
             shutil.rmtree(self.path, ignore_errors=True)
         if self.twin is not None:
             shutil.rmtree(self.twin, ignore_errors=True)
+
+
+def read_own_key(folder: Path) -> bytes:
+    """The key in ``folder``, read only if the folder and the key are this user's and
+    nobody else's (no symlink, mode 0700 and 0600 or stricter): a folder that someone
+    else made or can write to could hold a key of theirs, which would let them in.
+    PermissionError otherwise."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW
+    directory = os.open(folder, flags | os.O_DIRECTORY)
+    try:
+        _check_own(os.fstat(directory), folder)
+        key = os.open(KEY, flags, dir_fd=directory)
+        try:
+            _check_own(os.fstat(key), folder / KEY)
+            with os.fdopen(os.dup(key), "rb") as f:
+                return f.read()
+        finally:
+            os.close(key)
+    finally:
+        os.close(directory)
+
+
+def _check_own(status: os.stat_result, path: Path) -> None:
+    if status.st_uid != os.getuid() or status.st_mode & 0o077:
+        raise PermissionError(f"{path} is not this user's alone (owner uid {status.st_uid}, "
+                              f"mode {status.st_mode & 0o777:o})")
 
 
 def _this_torchrun() -> str:
