@@ -82,17 +82,20 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _job_shape_flags(args: Any) -> bool:
+    """Whether a flag that shapes a SLURM job (its nodes, time, partition...) was given."""
+    return bool(args.nodes != 1 or args.time or args.partition or args.sbatch
+                or args.cpus_per_task)
+
+
 def _job_flags(args: Any) -> bool:
     """Whether any flag that describes a SLURM job was given."""
-    return bool(args.nodes != 1 or args.time or args.partition or args.sbatch
-                or args.cpus_per_task or args.requeue or args.signal_before is not None)
+    return _job_shape_flags(args) or bool(args.requeue or args.signal_before is not None)
 
 
 def _check_combination(args: Any) -> None:
     """Flags that mean something only beside others: the SLURM job's."""
-    cluster_only = (args.nodes != 1 or args.time or args.partition or args.sbatch
-                    or args.cpus_per_task)
-    if cluster_only and not (args.export or args.slurm):
+    if _job_shape_flags(args) and not (args.export or args.slurm):
         raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
                          "add --slurm to submit the cell, or --export PATH to write it")
     if args.export and args.slurm:

@@ -46,6 +46,7 @@ from ._wire.payload import Payload
 from ._wire.rundir import RunDir
 
 R = TypeVar("R")
+G = TypeVar("G", bound=WaitingGroup)
 
 SETTLE_SECONDS = 10.0
 """How long a session's ranks may take to come back to rest after a failure, an
@@ -218,8 +219,7 @@ class Session:
                            timeout=record.timeout, output=record.output)
         session._begin(config, record.options, record.grace)
         group = SlurmSessionGroup.attached(session._cluster_shape(), run_dir, record)
-        session._group = group
-        group.reusable, group.where = True, f"session, {group.where}"
+        session._group = _as_sessions(group)
         try:
             ready = group.wait_ready(ATTACH_WAIT)
         except BaseException:  # Ctrl-C: the job stays for another try
@@ -259,20 +259,17 @@ class Session:
                                    gpus=self._cluster.gpus_per_node)
 
     def _new_group(self, standby: bool = True) -> WaitingGroup:
-        shape = GroupShape.of(self.config)
         group: WaitingGroup
         if self._cluster is not None:
             group = SlurmSessionGroup.start(
                 self._cluster_shape(), self._cluster, self._grace,
                 {"timeout": self.config.timeout, "output": self.config.output})
-            group.where = f"session, {group.where}"
         else:
+            shape = GroupShape.of(self.config)
             taken = STANDBY.take(shape) if standby else None  # waiting ranks become the session's
             group = taken[0] if taken is not None else LocalGroup(shape)
-            group.where = "session"
-        group.reusable = True
         self._started = time.monotonic()
-        return group
+        return _as_sessions(group)
 
     def _wait_ready(self) -> None:
         """Block until every rank waits for its first run (Ctrl-C stops them)."""
@@ -475,6 +472,13 @@ def _rss_mib(pid: int) -> float | None:
     except OSError:
         pass
     return None
+
+
+def _as_sessions(group: G) -> G:
+    """``group`` as a session's: its ranks stay for the next run, and the panel says so."""
+    group.reusable = True
+    group.where = f"session, {group.where}" if group.where else "session"
+    return group
 
 
 def _check_session_job(options: SlurmOptions, grace: float | None) -> None:

@@ -43,7 +43,6 @@ class LocalGroup(WaitingGroup):
             _LOCAL_GROUPS.add(self)
         self._rooms: dict[str, Room] = {}
         self._rooms_closed = False
-        self._stopped = False
         try:
             key = new_key()
             self.run_dir.write_private(self.run_dir.key, key)
@@ -125,12 +124,6 @@ class LocalGroup(WaitingGroup):
     def interrupt(self, ranks: set[int]) -> None:
         self._torchrun.interrupt([self._pids[r] for r in ranks if r in self._pids])
 
-    def stop(self, clean: bool = False) -> None:
-        self.on_change = None
-        super().stop(clean)
-        self._stopped = True
-        self._forget_when_done()
-
     def retire(self) -> None:
         """Close first: nothing needs the channel or the run dir once every rank has
         returned, and a kernel killed while torchrun exits must leave neither behind."""
@@ -142,10 +135,7 @@ class LocalGroup(WaitingGroup):
             self._rooms_closed = True
         self._discard_rooms()
         super().close()
-        self._forget_when_done()
 
-    def _forget_when_done(self) -> None:
-        """Stopped and closed: nothing is left for the exit hook to end."""
-        if self._stopped and self._closed:
-            with _LOCAL_GROUPS_LOCK:
-                _LOCAL_GROUPS.discard(self)
+    def _forget(self) -> None:
+        with _LOCAL_GROUPS_LOCK:
+            _LOCAL_GROUPS.discard(self)

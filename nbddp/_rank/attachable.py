@@ -16,15 +16,14 @@ import contextlib
 import os
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from .._wire.channel import ChannelClient
 from .._wire.messages import DebugInput
-from .._wire.rundir import RunDir, parse_address
-from .link import KernelLink
+from .._wire.rundir import RunDir
+from .link import KernelLink, channel_to
 
 ADDRESS_POLL = 0.5
 """Seconds between two reads of the address file while no kernel is attached."""
@@ -49,8 +48,8 @@ class AttachableLink(KernelLink):
     def connect(cls, run_dir: RunDir, rank: int, grace: float | None) -> AttachableLink:
         """Connect to the kernel named in the session's folder, and listen to it."""
         address = run_dir.address.read_text()
-        link = cls(rank, _client(address, run_dir), run_dir, address, grace)
-        threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
+        link = cls(rank, channel_to(address, run_dir), run_dir, address, grace)
+        link._listen_in_background()
         return link
 
     def send(self, message: Any) -> None:
@@ -115,7 +114,7 @@ class AttachableLink(KernelLink):
             if address == self._served:
                 continue
             try:
-                channel = _client(address, self._run_dir)
+                channel = channel_to(address, self._run_dir)
             except (OSError, ValueError, ConnectionError) as exc:
                 if said != address:
                     said = address
@@ -126,6 +125,3 @@ class AttachableLink(KernelLink):
             return channel
         return None
 
-
-def _client(address: str, run_dir: RunDir) -> ChannelClient:
-    return ChannelClient(parse_address(address), run_dir.key.read_bytes())

@@ -70,14 +70,13 @@ class KernelLink:
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
         """Connect to the kernel; if it goes away while the rank is busy, stop the rank."""
-        return cls._listening(rank, ChannelClient(run_dir.socket, run_dir.key.read_bytes()),
-                              run_dir)
-
-    @classmethod
-    def _listening(cls, rank: int, channel: ChannelClient, run_dir: RunDir) -> KernelLink:
-        link = cls(rank, channel, None, run_dir)
-        threading.Thread(target=link._listen, daemon=True, name="nbddp-kernel-link").start()
+        link = cls(rank, ChannelClient(run_dir.socket, run_dir.key.read_bytes()), None,
+                   run_dir)
+        link._listen_in_background()
         return link
+
+    def _listen_in_background(self) -> None:
+        threading.Thread(target=self._listen, daemon=True, name="nbddp-kernel-link").start()
 
     @classmethod
     def slurm(cls, run_dir: RunDir, rank: int) -> KernelLink:
@@ -104,6 +103,7 @@ class KernelLink:
         and mark the rank busy; None once the kernel has closed the link."""
         if self._mailbox is not None:
             bodies, _ = split_frames(self._run_dir.start.read_bytes())
+            self.busy.set()
             return decode(bodies[0])
         while (item := self._starts.get()) is not None:
             generation, start = item
@@ -174,10 +174,16 @@ class KernelLink:
                 end.close()
 
 
+def channel_to(address: str, run_dir: RunDir) -> ChannelClient:
+    """A connection to the kernel's TCP channel at ``address`` (the address file's text),
+    with the run's key."""
+    return ChannelClient(parse_address(address), run_dir.key.read_bytes())
+
+
 def _reach_kernel(run_dir: RunDir) -> ChannelClient | None:
     """A SLURM rank's TCP connection to the kernel, or None if it cannot be reached."""
     try:
-        return ChannelClient(parse_address(run_dir.address.read_text()), run_dir.key.read_bytes())
+        return channel_to(run_dir.address.read_text(), run_dir)
     except (OSError, ValueError, ConnectionError) as exc:
         print(f"nbddp: cannot reach the notebook kernel ({exc}); reporting through files "
               f"in {run_dir.path}", file=sys.stderr)

@@ -14,8 +14,7 @@ goes back to waiting, until the kernel closes the link. A SLURM job's rank
 goes (see ``_rank.link``); a SLURM session's rank (``--remote``) waits for each Start on
 the kernel's TCP channel, as a local one does on its socket, and outlives its kernel for
 ``--grace`` seconds (by default, as long as the job runs) for another to attach (see
-``_rank.attachable``). This module imports
-nothing of the kernel side.
+``_rank.attachable``). This module imports nothing of the kernel side.
 """
 
 from __future__ import annotations
@@ -105,8 +104,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         link.greeting = lambda: [Hello(rank, os.getpid()), *(  # names before Ready, which
             [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
             Ready(rank)]  # is what it waits for)
-    while (start := link.wait_start()) is not None:
-        link.busy.set()
+    while (start := link.wait_start()) is not None:  # (it marks the rank busy)
         report = me.run(start, link.send)
         link.send(report)
         link.busy.clear()

@@ -68,6 +68,7 @@ class WaitingGroup(RankGroup):
         self._present: set[int] = set()  # who answered the latest
         self._answered = threading.Condition(self._lock)
         self._payload_file: Path | None = None
+        self._stopped = False
 
     launcher_name = "torchrun"
     """What started the ranks, as the notebook names it when it stops."""
@@ -222,6 +223,23 @@ class WaitingGroup(RankGroup):
             silent = ", ".join(str(rank) for rank in sorted(called - self._present))
             raise RanksGone(f"rank {silent} did not answer within {ROLL_CALL_WAIT:g} s")
         self._check_present(called)
+
+    def stop(self, clean: bool = False) -> None:
+        self.on_change = None
+        super().stop(clean)
+        self._stopped = True
+        self._forget_if_done()
+
+    def close(self) -> None:
+        super().close()
+        self._forget_if_done()
+
+    def _forget_if_done(self) -> None:
+        if self._stopped and self._closed:
+            self._forget()
+
+    def _forget(self) -> None:
+        """Stopped and closed: the backend's exit hook has nothing left to end here."""
 
     def _check_present(self, called: set[int]) -> None:
         """(Under the lock) Every rank ``called`` answered: raise ``RanksGone`` if one of

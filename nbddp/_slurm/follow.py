@@ -111,11 +111,18 @@ class SlurmHooks(GroupHooks):
         if status.restarts > supervisor.attempt.requeue:
             self.requeued(status.restarts)
         supervisor.output.write(f"nbddp: {status.describe(self.job_id)}\n")
-        state, requeue = supervisor.state, supervisor.attempt.requeue
+        requeue = supervisor.attempt.requeue
         if status.state == "PENDING" and requeue:
-            state.message = f"requeue {requeue}, queued ({status.reason})"
-        elif status.state == "PENDING":
-            state.status, state.message = "queued", status.reason
-        elif status.state == "RUNNING":
-            state.status, state.message = "running", f"on {status.nodes}"
-            supervisor.view.touch()  # the time in the queue was no stall
+            supervisor.state.message = f"requeue {requeue}, queued ({status.reason})"
+        else:
+            show_job_state(supervisor, status)
+
+
+def show_job_state(supervisor: Supervisor, status: JobStatus) -> None:
+    """The panel follows a job's state: queued (and why), then where it runs."""
+    state = supervisor.state
+    if status.state == "PENDING":
+        state.status, state.message = "queued", status.reason
+    elif status.state == "RUNNING":
+        state.status, state.message = "running", f"on {status.nodes}"
+        supervisor.view.touch()  # the time in the queue was no stall

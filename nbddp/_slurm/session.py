@@ -40,6 +40,7 @@ from .._wire.channel import ChannelServer, new_key, tcp_address
 from .._wire.messages import Assigned, Interrupt, ShowStacks, Stacks
 from .._wire.rundir import RunDir, address_text, read_own_key
 from .._wire.stacks import STACKS_WAIT, render
+from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
 from .sbatch import session_sbatch_text
@@ -121,7 +122,6 @@ class SlurmSessionGroup(WaitingGroup):
         self._stack_calls = 0
         self._stacks: dict[int, Stacks] = {}  # the latest request's answers
         self._stacks_came = threading.Condition(self._lock)
-        self._stopped = False
         self._detached = False
         self._follower: SlurmLauncher | JobStep | AttachedStep | None = None
         with _OPEN_LOCK:
@@ -217,8 +217,7 @@ class SlurmSessionGroup(WaitingGroup):
         if self._server is not None:
             self._server.close()
         self.run_dir.address.unlink(missing_ok=True)
-        with _OPEN_LOCK:
-            _OPEN.discard(self)
+        self._forget()
 
     def _job_changed(self, status: JobStatus) -> None:
         with self._lock:
@@ -270,23 +269,16 @@ class SlurmSessionGroup(WaitingGroup):
         """Cancel the job and wait until it has left the queue (or, ``clean``, let it end
         by itself first: the ranks at rest exit when the channel closes). Nothing, once
         detached."""
-        if self._detached:
-            return
-        super().stop(clean)
-        self._stopped = True
-        self._forget_when_done()
+        if not self._detached:
+            super().stop(clean)
 
     def close(self) -> None:
-        if self._detached:
-            return  # (the key stays for the kernel that attaches)
-        super().close()
-        self._forget_when_done()
+        if not self._detached:  # (the key stays for the kernel that attaches)
+            super().close()
 
-    def _forget_when_done(self) -> None:
-        """Stopped and closed: nothing is left for the exit hook to end."""
-        if self._stopped and self._closed:
-            with _OPEN_LOCK:
-                _OPEN.discard(self)
+    def _forget(self) -> None:
+        with _OPEN_LOCK:
+            _OPEN.discard(self)
 
 
 def _kernel_address() -> str:
@@ -311,12 +303,7 @@ class SessionJobHooks(GroupHooks):
     def _changed(self, event: JobChanged) -> None:
         for line in self.group.take_unsaid():
             self.supervisor.output.write(line + "\n")
-        state = self.supervisor.state
-        if event.status.state == "PENDING":
-            state.status, state.message = "queued", event.status.reason
-        elif event.status.state == "RUNNING" and state.status == "queued":
-            state.status, state.message = "running", f"on {event.status.nodes}"
-            self.supervisor.view.touch()  # the time in the queue was no stall
+        show_job_state(self.supervisor, event.status)
 
 
 def running_sessions(job_id: str | None = None) -> list[tuple[SessionRecord, RunDir]]:

@@ -82,69 +82,10 @@ class Allocation:
                              f"there is a job step of it, which takes no {', '.join(asked)}")
 
 
-class JobStep:
-    """The session's ``srun`` in the allocation, seen as a group sees its launcher."""
-
-    def __init__(self, allocation: Allocation, run_dir: RunDir, shape: GroupShape,
-                 options: SlurmOptions, grace: float | None) -> None:
-        self.allocation = allocation
-        self.name = f"nbddp-session-{secrets.token_hex(4)}"
-        """The step's name, by which a kernel that attaches finds it (``AttachedStep``)."""
-        head = allocation.first_node()
-        port = PORT_BASE + secrets.randbelow(PORT_SPAN)  # apart from the job's own steps
-        command = [
-            "srun", f"--jobid={allocation.job_id}", f"--job-name={self.name}",
-            f"--nodes={allocation.nodes}",
-            "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            "--overlap",  # beside the step the kernel itself may run in (srun jupyter ...)
-            *([f"--cpus-per-task={options.cpus_per_task}"] if options.cpus_per_task else []),
-            *session_torchrun(str(run_dir.path), shape.python, allocation.nodes,
-                              options.nprocs_per_node),
-            "--rdzv-id", f"nbddp-{allocation.job_id}-{port}", "--rdzv-endpoint", f"{head}:{port}",
-            *session_worker(str(run_dir.path), shape.prepare, grace),
-        ]
-        log = os.open(run_dir.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-        try:
-            self.process = subprocess.Popen(
-                command, env=dict(shape.env), cwd=shape.cwd, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        except FileNotFoundError:
-            raise NbddpError("srun not found: a session inside a SLURM allocation needs "
-                             "SLURM's commands on PATH") from None
-        finally:
-            os.close(log)
-
-    def add_rank(self, pid: int) -> None:
-        """Ranks run on the allocation's nodes: the step stops them, not their PIDs."""
-
-    def release(self) -> None:
-        """The kernel detached: ``srun`` goes on (in its own session), for another."""
-
-    def wait(self) -> int:
-        return self.process.wait()
-
-    def stop(self, clean: bool = False) -> None:
-        """End the step: SIGTERM to ``srun`` (it stops the tasks on every node), SIGKILL
-        if it has not ended within ``_STOP_WAIT`` s."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(_STOP_WAIT)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-                AttachedStep(self.allocation.job_id, self.name).stop()  # srun's tasks too
-
-    def stopped_from_outside(self) -> str | None:
-        """The allocation's end (its time limit, a cancel), if that ended the step."""
-        return stopped_by_slurm(self.allocation.job_id)
-
-
 class AttachedStep:
-    """The job step of a session that a kernel attached to (its ``srun`` was started by
-    an earlier kernel): found by its name among the allocation's steps, followed until
-    it has ended, stopped with ``scancel`` of that step alone."""
+    """A session's job step as SLURM knows it: found by its name among the allocation's
+    steps, followed until it has ended, stopped with ``scancel`` of that step alone. How
+    a kernel that attached follows a step an earlier kernel's ``srun`` started."""
 
     def __init__(self, job_id: str, name: str) -> None:
         self.job_id, self.name = job_id, name
@@ -204,3 +145,54 @@ class AttachedStep:
 
     def stopped_from_outside(self) -> str | None:
         return stopped_by_slurm(self.job_id)
+
+
+class JobStep(AttachedStep):
+    """The session's ``srun`` in the allocation, started by this kernel: followed by its
+    process, stopped by signalling it (and, should ``srun`` not end, as any step)."""
+
+    def __init__(self, allocation: Allocation, run_dir: RunDir, shape: GroupShape,
+                 options: SlurmOptions, grace: float | None) -> None:
+        super().__init__(allocation.job_id, f"nbddp-session-{secrets.token_hex(4)}")
+        head = allocation.first_node()
+        port = PORT_BASE + secrets.randbelow(PORT_SPAN)  # apart from the job's own steps
+        command = [
+            "srun", f"--jobid={allocation.job_id}", f"--job-name={self.name}",
+            f"--nodes={allocation.nodes}",
+            "--ntasks-per-node=1", "--kill-on-bad-exit=1",
+            "--overlap",  # beside the step the kernel itself may run in (srun jupyter ...)
+            *([f"--cpus-per-task={options.cpus_per_task}"] if options.cpus_per_task else []),
+            *session_torchrun(str(run_dir.path), shape.python, allocation.nodes,
+                              options.nprocs_per_node),
+            "--rdzv-id", f"nbddp-{allocation.job_id}-{port}", "--rdzv-endpoint", f"{head}:{port}",
+            *session_worker(str(run_dir.path), shape.prepare, grace),
+        ]
+        log = os.open(run_dir.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            self.process = subprocess.Popen(
+                command, env=dict(shape.env), cwd=shape.cwd, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        except FileNotFoundError:
+            raise NbddpError("srun not found: a session inside a SLURM allocation needs "
+                             "SLURM's commands on PATH") from None
+        finally:
+            os.close(log)
+
+    def release(self) -> None:
+        """The kernel detached: ``srun`` goes on (in its own session), for another."""
+
+    def wait(self) -> int:
+        return self.process.wait()
+
+    def stop(self, clean: bool = False) -> None:
+        """End the step: SIGTERM to ``srun`` (it stops the tasks on every node), SIGKILL
+        if it has not ended within ``_STOP_WAIT`` s, and then ``scancel`` its tasks."""
+        if self.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(_STOP_WAIT)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+                super().stop()
