@@ -45,6 +45,16 @@ def slurm(env: dict[str, str], *args: str, timeout: float = 60) -> str:
     return done.stdout
 
 
+def resume_node(env: dict[str, str], node: str) -> None:
+    """Bring a node that a test took down back into service. With ``ReturnToService=2``
+    its slurmd may have registered and returned it already; then SLURM refuses the
+    RESUME as an invalid state change, which is fine."""
+    done = subprocess.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 or "Invalid node state" in done.stderr, (
+        f"RESUME of {node} failed ({done.returncode}): {done.stderr}")
+
+
 def job_info(env: dict[str, str], job_id: str) -> dict[str, str]:
     """``scontrol show job`` as a dict (sacct needs accounting, which this cluster lacks)."""
     text = slurm(env, "scontrol", "show", "job", "--oneliner", job_id)

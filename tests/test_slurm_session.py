@@ -26,7 +26,7 @@ import nbddp
 
 from .conftest import wait_until
 from .kernel_driver import Kernel
-from .slurm import SLURM_DIR, job_ended, slurm
+from .slurm import SLURM_DIR, job_ended, resume_node, slurm
 from .test_kernel import _alive, _snapshot
 from .test_pdb import answer
 from .test_slurm_submit import setup_cell
@@ -327,7 +327,7 @@ def test_a_node_whose_slurmd_stops_mid_cell_ends_the_cell_naming_the_lost_node(
         run.finish(timeout=60)
     finally:
         os.kill(slurmd, signal.SIGCONT)
-        slurm(slurm_env, "scontrol", "update", "NodeName=n2", "State=RESUME")
+        resume_node(slurm_env, "n2")
     text = run.error_text()
     assert run.error()["ename"] == "NbddpError", run.describe()
     assert f"SLURM job {job_id} lost a node" in text, text
