@@ -12,7 +12,10 @@ person meets it:
    for reference. Target: median at most ``ROUND_TRIP_TARGET`` s.
 3. **A large argument**: a ``%%ddp`` cell that reads a notebook tensor of ``--gib`` GiB
    (sent with the cell), less the trivial cell's time: the rate from the kernel to the
-   ranks of every node. Target: at least ``ARGUMENT_TARGET`` bytes/s.
+   ranks of every node (one copy per node, into its shared memory). Target: at least
+   ``ARGUMENT_TARGET`` bytes/s.
+4. **A large result**: the same cell, which also sends the tensor back (``--out``),
+   less the large argument's time: the rate from rank 0 back to the kernel.
 
 Needs a SLURM cluster (``bash scripts/slurm-up.sh``, then ``source
 /tmp/nbddp-slurm/env``) whose nodes share this filesystem.
@@ -68,7 +71,8 @@ def kernel_figures(nodes: int, repeats: int, gib: float) -> dict[str, list[float
 
     elements = int(gib * 2**30) // 4
     cells = {"plain cell": "1 + 1", "%%ddp noop": "%%ddp\nNone",
-             "%%ddp large argument": "%%ddp\nint(big.numel())"}
+             "%%ddp large argument": "%%ddp\nint(big.numel())",
+             "%%ddp large result": "%%ddp --out back\nback = big"}
     times: dict[str, list[float]] = {name: [] for name in cells}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-", dir=HERE) as cwd:
         manager, client = start_new_kernel(kernel_name="python3", cwd=cwd)
@@ -115,6 +119,8 @@ def main() -> None:
     start = summary([t for t, _ in nb], [t for t, _ in plain], START_TARGET, False)
     medians = {cell: statistics.median(values) for cell, values in cells.items()}
     moved = opts.gib * 2**30 / max(medians["%%ddp large argument"] - medians["%%ddp noop"], 1e-9)
+    back = opts.gib * 2**30 / max(medians["%%ddp large result"]
+                                  - medians["%%ddp large argument"], 1e-9)
     print(f"\n{opts.nodes} nodes x {NPROCS} CPU ranks:")
     print(f"  session start {start['nbddp_median']:.2f} s vs plain job "
           f"{start['torchrun_median']:.2f} s: ratio {start['ratio']:.3f} (target "
@@ -125,9 +131,10 @@ def main() -> None:
           f"{'met' if medians['%%ddp noop'] <= ROUND_TRIP_TARGET else 'MISSED'}")
     print(f"  {opts.gib:g} GiB argument: {moved / 1e9:.2f} GB/s (target >= "
           f"{ARGUMENT_TARGET / 1e9:g} GB/s: {'met' if moved >= ARGUMENT_TARGET else 'MISSED'})")
+    print(f"  {opts.gib:g} GiB result: {back / 1e9:.2f} GB/s")
     write_json(opts.json, {"nodes": opts.nodes, "nprocs_per_node": NPROCS,
                            "start_wall_s": start, "cells_s": cells, "medians_s": medians,
-                           "argument_bytes_per_s": moved})
+                           "argument_bytes_per_s": moved, "result_bytes_per_s": back})
 
 
 if __name__ == "__main__":

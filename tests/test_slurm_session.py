@@ -214,6 +214,66 @@ seen.item()
     cluster_session.run("del big, back").assert_ok()
 
 
+MAPPED_FILE = """
+import re, socket
+
+def mapped_file(tensor):
+    \"\"\"The file whose mapping holds ``tensor``'s bytes (None: plain memory).\"\"\"
+    address = tensor.data_ptr()
+    for line in open("/proc/self/maps"):
+        span, *_, path = line.split(maxsplit=5) + [""] * (6 - len(line.split(maxsplit=5)))
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            return path.strip() or None
+"""
+
+
+@pytest.mark.parametrize("room", ["shared memory", "local disk"])
+def test_an_argument_crosses_once_per_node_into_a_folder_of_the_node(slurm_env, jobs, tmp_path,
+                                                                 room):
+    """Two nodes, two ranks each: each node's ranks map one copy of a 64 MiB argument, in
+    that node's own private folder in shared memory (not the shared filesystem), and a
+    64 MiB result comes back; the session's folder never holds the payload, and stopping
+    the session leaves no node folder behind. Where the nodes have no shared memory to
+    use (``NBDDP_SHM_DIR=""``, as for a small ``/dev/shm``), the copy is on local disk."""
+    folder = "NBDDP_NODE_SHM" if room == "shared memory" else "NBDDP_NODE_DISK"
+    extra = {} if room == "shared memory" else {"NBDDP_SHM_DIR": ""}
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(slurm_env, **extra)).assert_ok()
+        run = kernel.run(START.replace("--nprocs 1", "--nprocs 2"), timeout=120).assert_ok()
+        jobs.append(JOB_ID.search(run.stream_text()).group(1))
+        kernel.run("import torch\nbig = torch.arange(2**24, dtype=torch.int32)").assert_ok()
+        cell(kernel, MAPPED_FILE).assert_ok()
+        run = cell(kernel, """
+import torch.distributed as dist
+import sys
+here = (os.environ["SLURMD_NODENAME"], mapped_file(big), os.environ["FOLDER"],
+        int(big[-1]), os.path.exists(os.path.join(sys.argv[1], "payload.pkl")))
+back = big + 1
+everyone = [None] * dist.get_world_size()
+dist.all_gather_object(everyone, here)
+everyone
+""".replace("FOLDER", folder), "--out back", timeout=120).assert_ok()
+        seen = eval(run.result())  # noqa: S307 - the ranks' own repr: [(node, file, ...)]
+        by_node: dict[str, set[str]] = {}
+        for node, file, node_folder, last, in_session_folder in seen:
+            assert last == 2**24 - 1 and not in_session_folder, seen
+            assert file is not None and file.startswith(node_folder + "/"), seen
+            by_node.setdefault(node, set()).add(file)
+        assert sorted(by_node) == ["n1", "n2"], seen
+        assert all(len(files) == 1 for files in by_node.values()), seen  # one copy a node
+        assert by_node["n1"] != by_node["n2"], seen
+        folders = {folder for _, _, folder, _, _ in seen}
+        check = kernel.run("bool((back == torch.arange(1, 2**24 + 1, dtype=torch.int32)).all())"
+                           ).assert_ok()
+        assert check.result() == "True", check.describe()
+        kernel.run("%ddp_session stop", timeout=120).assert_ok()
+        wait_until(lambda: not any(Path(folder).exists() for folder in folders), timeout=30)
+    finally:
+        kernel.shutdown()
+
+
 def test_pdb_on_the_second_nodes_rank_is_answered_in_the_notebook(cluster_session):
     rank = second_node_rank(cluster_session)
     run = cluster_session.submit("""%%ddp

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._wire.channel import ChannelClient
+from .._wire.dataplane import Packed
 from .._wire.messages import DebugInput
 from .._wire.rundir import RunDir
 from .link import KernelLink, channel_to
@@ -52,11 +53,11 @@ class AttachableLink(KernelLink):
         link._listen_in_background()
         return link
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Any, data: Packed | None = None) -> None:
         """Send to the kernel of the moment; with none attached, the message is lost (a
         run's output or report while its kernel is gone: nobody reads it)."""
         with contextlib.suppress(OSError):
-            super().send(message)
+            super().send(message, data)
 
     def _listen(self) -> None:
         while True:

@@ -20,14 +20,18 @@ import queue
 import signal
 import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 from .._wire.channel import ChannelClient
+from .._wire.dataplane import Packed
 from .._wire.mailbox import MailboxWriter, mailbox_path
 from .._wire.messages import (
     DebugInput,
     DebugPrompt,
     Interrupt,
+    KeepPayload,
+    PayloadKept,
     Present,
     RollCall,
     Sequenced,
@@ -39,6 +43,7 @@ from .._wire.messages import (
 )
 from .._wire.rundir import RunDir, parse_address
 from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
+from .._wire.transfer import Inbox, Outgoing, place_in
 from .restarts import requeue_count, restart_count
 
 ATTEMPT = restart_count()
@@ -66,6 +71,7 @@ class KernelLink:
         self.busy = threading.Event()
         """Set while the rank runs a Start: the kernel closing the link then means it
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
+        self._kept: Path | None = None  # the payload this node's ranks map (local rank 0)
 
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
@@ -84,7 +90,10 @@ class KernelLink:
         return cls(rank, _reach_kernel(run_dir),
                    MailboxWriter(mailbox_path(run_dir.path, rank)), run_dir)
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Any, data: Packed | None = None) -> None:
+        """Send ``message``; with ``data``, the data file it names goes along over the
+        channel (a kernel on another machine: a result's tensors)."""
+        outgoing = Outgoing(data) if data is not None else None
         with self._lock:
             numbered = Sequenced(self._seq, message, ATTEMPT, REQUEUE)
             self._seq += 1
@@ -92,7 +101,7 @@ class KernelLink:
                 self._mailbox.send(numbered)
             if self._channel is not None:
                 try:
-                    self._channel.send(numbered)
+                    self._channel.send(numbered, outgoing)
                 except OSError:
                     if self._mailbox is None:
                         raise
@@ -138,7 +147,10 @@ class KernelLink:
                     with contextlib.suppress(OSError):  # (the next receive says why)
                         self.send(Present(self.rank, message.call))
                 elif isinstance(message, Start):
+                    self._drop_kept_unless(message.payload)
                     self._starts.put((self._generation, message))
+                elif isinstance(message, KeepPayload):
+                    self._keep(message.file)
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
                 elif isinstance(message, Interrupt):  # raised in the main thread, if busy
@@ -148,6 +160,20 @@ class KernelLink:
                                      daemon=True, name="nbddp-stacks").start()
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
+
+    def _keep(self, file: str) -> None:
+        """This node's copy of the next run's payload is ``file``: the last one goes (its
+        ranks mapped it when their run started), and the kernel hears where it is."""
+        self._drop_kept_unless(file)
+        self._kept = Path(file) if file else None
+        with contextlib.suppress(OSError):
+            self.send(PayloadKept(self.rank, file))
+
+    def _drop_kept_unless(self, payload: str) -> None:
+        """Remove the payload this node kept for an earlier run, unless it is ``payload``."""
+        if self._kept is not None and str(self._kept) != payload:
+            self._kept.unlink(missing_ok=True)
+            self._kept = None
 
     def _kernel_gone(self) -> None:
         """The kernel closed the channel: stop the rank if it is busy (nobody will read
@@ -172,12 +198,29 @@ class KernelLink:
         for end in (self._channel, self._mailbox):
             if end is not None:
                 end.close()
+        if self._kept is not None:
+            self._kept.unlink(missing_ok=True)
+
+
+NODE_SHM_ENV = "NBDDP_NODE_SHM"
+"""Names this node's private folder in shared memory for data files the kernel sends
+(made, and removed at its end, by nbddp's torchrun wrapper: ``_rank.torchrun``)."""
+NODE_DISK_ENV = "NBDDP_NODE_DISK"
+"""Names this node's private folder on local disk, for those that do not fit there."""
+
+
+def node_inbox(run_dir: RunDir) -> Inbox:
+    """Where data files from the kernel land on this node: its shared memory where they
+    fit, else its local disk (else the run folder, where the wrapper made neither)."""
+    shm, disk = os.environ.get(NODE_SHM_ENV), os.environ.get(NODE_DISK_ENV)
+    return place_in(Path(shm) if shm else None, Path(disk) if disk else run_dir.path)
 
 
 def channel_to(address: str, run_dir: RunDir) -> ChannelClient:
     """A connection to the kernel's TCP channel at ``address`` (the address file's text),
-    with the run's key."""
-    return ChannelClient(parse_address(address), run_dir.key.read_bytes())
+    with the run's key; data files the kernel sends land in this node's inbox."""
+    return ChannelClient(parse_address(address), run_dir.key.read_bytes(),
+                         node_inbox(run_dir))
 
 
 def _reach_kernel(run_dir: RunDir) -> ChannelClient | None:

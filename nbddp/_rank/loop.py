@@ -16,6 +16,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any, Protocol, runtime_checkable
@@ -31,6 +32,22 @@ from .stats import use_device
 from .whole import make_whole
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@dataclass(frozen=True)
+class Report:
+    """How a run went (``Result``, ``Failure`` or ``Requeueing``), and the data file its
+    result sends along to a kernel on another machine, if any."""
+
+    message: Result | Failure | Requeueing
+    data: dataplane.Packed | None = None
+
+
+def _packed_payload(start: Start) -> dataplane.Packed:
+    """The run's payload: in the Start itself, or mapped from its data file."""
+    if start.packed is not None:
+        return dataplane.Packed(start.packed)
+    return dataplane.read(Path(start.payload))
 
 
 @runtime_checkable
@@ -71,47 +88,50 @@ class Rank:
         self.scope = Scope()
         self.interrupts = Interrupts()
 
-    def run(self, start: Start, send: Callable[[Any], None]) -> Result | Failure | Requeueing:
+    def run(self, start: Start, send: Callable[[Any], None]) -> Report:
         """Take up ``start``'s run, run it, and say how it went (never raises)."""
         reporter = None
         try:
             self._adopt(start)
             reporter = start_reporting(self.rank, send)
-            payload = Payload.unpack(dataplane.read(Path(start.payload)))
+            payload = Payload.unpack(_packed_payload(start))
             scope = self.scope if start.session else Scope()
             with scope.tracking():
                 value = self._call(payload, start, scope)
             wanted = self.rank == 0 or start.options.all_ranks
-            return self._result(value, start) if wanted else Result(self.rank)
+            return self._result(value, start) if wanted else Report(Result(self.rank))
         except RequeueRequested:
             mark_requeue()
-            return Requeueing(self.rank)
+            return Report(Requeueing(self.rank))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
             if isinstance(exc, SystemExit) and exc.code in (None, 0):
-                return Result(self.rank, dumps_value(None) if self.rank == 0 else None)
-            return failure(self.rank, exc)
+                return Report(Result(self.rank, dumps_value(None) if self.rank == 0 else None))
+            return Report(failure(self.rank, exc))
         finally:
             if reporter is not None:
                 stop_reporting()  # what is still buffered goes before the report
             if start.session and self.rank == 0:
                 send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
 
-    def _result(self, value: Any, start: Start) -> Result:
+    def _result(self, value: Any, start: Start) -> Report:
         """The report of a value: in the message, or its tensor and array bytes in a
-        data file (in shared memory if it fits), which the kernel maps and removes."""
+        data file (in shared memory if it fits), which the kernel maps and removes; to a
+        kernel on another machine, the file goes along with the message."""
         try:
             packed = dataplane.pack(value, to_cpu=True)
         except Exception as exc:
             raise TypeError(f"the function's return value cannot be sent back to the "
                             f"notebook: {type(exc).__name__}: {exc}") from exc
         if not packed.buffers:
-            return Result(self.rank, packed.data)
+            return Report(Result(self.rank, packed.data))
+        if start.remote:
+            return Report(Result(self.rank), packed)
         shm = Path(start.data) if start.data else None
         folder = dataplane.place(dataplane.size_of(packed), self.run_dir, shm)
         path = folder / f"result-{self.rank}-{secrets.token_hex(4)}.data"
         room = folder / dataplane.RESULT_ROOM if folder == shm and self.rank == 0 else None
         dataplane.write(path, packed, room)  # into the room the kernel allocated, if any
-        return Result(self.rank, file=str(path))
+        return Report(Result(self.rank, file=str(path)))
 
     def _adopt(self, start: Start) -> None:
         """Take up the run: the notebook's nbddp, its records, directory and environment."""

@@ -9,7 +9,11 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
 - torchrun's own logs go inside the run dir (``--log-dir``), not into a temp dir;
 - the kernel holds the write end of a pipe (the lifeline); if the kernel dies the pipe
   closes and this process stops torchrun, so no rank outlives the notebook. A SLURM job
-  has no lifeline (``-``): it outlives a kernel restart, and can be re-attached.
+  has no lifeline (``-``): it outlives a kernel restart, and can be re-attached;
+- with ``--node-data`` (after the lifeline; a SLURM session's), it makes this node's
+  private folders for the data files the kernel sends (in shared memory, and on local
+  disk for those that do not fit there), names them to the ranks, and removes them when
+  torchrun ends, however its ranks ended.
 """
 
 from __future__ import annotations
@@ -17,13 +21,17 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
+from .._wire.dataplane import shm_root
 from .._wire.rundir import RunDir
+from .link import NODE_DISK_ENV, NODE_SHM_ENV
 
 _GRACE_SECONDS = 5.0
 
@@ -56,21 +64,39 @@ def _write_failures(run_dir: RunDir, error) -> None:
         tmp.replace(path)
 
 
+def _node_folders() -> list[Path]:
+    """This node's private (0700, unguessable) folders for data files, named to the
+    ranks: one in shared memory where there is one, one on local disk (``$TMPDIR``)."""
+    folders = []
+    shm = shm_root()
+    if shm is not None:
+        folders.append(Path(tempfile.mkdtemp(prefix="nbddp-node-", dir=shm)))
+        os.environ[NODE_SHM_ENV] = str(folders[-1])
+    folders.append(Path(tempfile.mkdtemp(prefix="nbddp-node-")))
+    os.environ[NODE_DISK_ENV] = str(folders[-1])
+    return folders
+
+
 def main(argv: list[str]) -> int:
     run_dir, lost = RunDir.existing(Path(argv[0])), threading.Event()
     if argv[1] != "-":
         threading.Thread(target=_watch_lifeline, args=(int(argv[1]), run_dir, lost),
                          daemon=True).start()
+    args = argv[2:]
+    folders = _node_folders() if args[:1] == ["--node-data"] else []
+    args = args[len(folders) > 0:]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     try:
-        run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *argv[2:]]))
+        run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *args]))
     except ChildFailedError as error:
         _write_failures(run_dir, error)
         return 1
     finally:
         if lost.is_set():  # nobody else is left to clean up: torchrun stopped its ranks
             run_dir.remove()
+        for folder in folders:
+            shutil.rmtree(folder, ignore_errors=True)
     return 0
 

@@ -27,6 +27,7 @@ import faulthandler
 import io
 import os
 import signal
+import socket
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -83,6 +84,13 @@ def _die_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def hello(rank: int) -> Hello:
+    """What this rank says first: who it is, and where it runs (SLURM's node name: the
+    test cluster's virtual nodes share one host)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return Hello(rank, os.getpid(), node, int(os.environ.get("LOCAL_RANK", "0")))
+
+
 def _exit(code: int) -> None:
     """Leave without C++ static destructors (gloo can abort in them after a clean run)."""
     atexit._run_exitfuncs()
@@ -101,15 +109,15 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
     link.send(Ready(rank))
     me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir))
     if isinstance(link, AttachableLink):  # what a kernel that attaches is told (the
-        link.greeting = lambda: [Hello(rank, os.getpid()), *(  # names before Ready, which
+        link.greeting = lambda: [hello(rank), *(  # names before Ready, which
             [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
             Ready(rank)]  # is what it waits for)
     while (start := link.wait_start()) is not None:  # (it marks the rank busy)
         report = me.run(start, link.send)
-        link.send(report)
+        link.send(report.message, report.data)
         link.busy.clear()
         if not start.session:
-            return 0 if isinstance(report, (Result, Requeueing)) else 1
+            return 0 if isinstance(report.message, (Result, Requeueing)) else 1
     return 0
 
 
@@ -136,9 +144,9 @@ def main(argv: list[str]) -> None:
     answer_stacks(run_dir.stacks_file(rank))
     _die_with_launcher()
     link = _link(run_dir, rank, args)
-    link.send(Hello(rank, os.getpid()))
+    link.send(hello(rank))
     if isinstance(link, AttachableLink):
-        link.greeting = lambda: [Hello(rank, os.getpid())]
+        link.greeting = lambda: [hello(rank)]
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
     install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
     code = _serve(link, run_dir, rank, args.prepare)

@@ -54,6 +54,7 @@ class WaitingGroup(RankGroup):
         super().__init__(shape.nprocs, run_dir)
         self.shape = shape
         self._pids: dict[int, int] = {}  # rank -> PID, for those that said hello
+        self._hellos: dict[int, Hello] = {}  # and where each of them runs
         self.ready: set[int] = set()
         self.broken = False
         """A rank or the launcher ended before the group was handed a run."""
@@ -138,8 +139,9 @@ class WaitingGroup(RankGroup):
         if self.launcher is not None:
             self.launcher.add_rank(hello.pid)
         self._pids[hello.rank] = hello.pid
+        self._hellos[hello.rank] = hello
         if self._start is not None and self._server is not None:
-            self._server.send(hello.rank, self._start)
+            self._send_start(hello.rank)
 
     def _wait_launcher(self, launcher: Launcher) -> None:
         code = launcher.wait()
@@ -163,23 +165,32 @@ class WaitingGroup(RankGroup):
 
     def hand_over(self, payload: Packed, records: Records, options: RankOptions,
                   handover: Handover) -> None:
-        """Call the roll of the ranks that wait for their Start, write the payload while
+        """Call the roll of the ranks that wait for their Start, place the payload while
         they answer, then send every rank its Start (a rank that has not said hello yet
         gets it when it does). Raises ``RanksGone``, and sends no Start, if the waiting
         ranks are not all there. A session's group is handed one run after another: each
         replaces the last one's payload."""
         called = self._roll_call()
-        if self._payload_file is not None:
-            self._payload_file.unlink(missing_ok=True)
-        self._payload_file = self._place_payload(payload)
-        start = self._start_message(self._payload_file, records, options, handover)
+        start = self._prepare_start(payload, records, options, handover)
         with self._lock:
             self._await_answers(called)
             self.records = records
             self._start = start
-            assert self._server is not None
             for rank in self._pids:
-                self._server.send(rank, start)
+                self._send_start(rank)
+
+    def _prepare_start(self, payload: Packed, records: Records, options: RankOptions,
+                       handover: Handover) -> Start:
+        """The run's Start, its payload placed where the ranks read it."""
+        if self._payload_file is not None:
+            self._payload_file.unlink(missing_ok=True)
+        self._payload_file = self._place_payload(payload)
+        return self._start_message(self._payload_file, records, options, handover)
+
+    def _send_start(self, rank: int) -> None:
+        """(Under the lock, once the run is known) Send ``rank`` its Start."""
+        assert self._server is not None and self._start is not None
+        self._server.send(rank, self._start)
 
     def make_room(self, payload: int, result: int = 0) -> None:
         """Get ready for a next payload and result of about these sizes (where the backend

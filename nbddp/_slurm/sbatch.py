@@ -105,8 +105,9 @@ def submission_sbatch_text(run_dir: str, python: str, options: SlurmOptions) -> 
 def session_torchrun(run_dir: str, python: str, nodes: int, nprocs_per_node: int) -> list[str]:
     """The command each node of a session runs (one task per node, in a batch job or a
     job step of the kernel's allocation), up to its rendezvous options: nbddp's torchrun
-    wrapper, with no lifeline (the job outlives a kernel)."""
-    return [python, "-m", "nbddp._torchrun", run_dir, "-", "--nnodes", str(nodes),
+    wrapper, with no lifeline (the job outlives a kernel), and folders on the node for
+    the data files the kernel sends."""
+    return [python, "-m", "nbddp._torchrun", run_dir, "-", "--node-data", "--nnodes", str(nodes),
             "--nproc-per-node", str(nprocs_per_node), "--max-restarts", "0",
             "--rdzv-backend", "c10d"]
 

@@ -34,12 +34,24 @@ from .._errors import NbddpError
 from .._run.config import Output
 from .._run.group import GroupHooks
 from .._run.records import Records, folders, records_root
-from .._run.shape import GroupShape
+from .._run.shape import GroupShape, Handover
 from .._run.waiting import WaitingGroup
+from .._wire import dataplane
 from .._wire.channel import ChannelServer, new_key, tcp_address
-from .._wire.messages import Assigned, Interrupt, ShowStacks, Stacks
+from .._wire.dataplane import Packed, shm_root
+from .._wire.messages import (
+    Assigned,
+    Interrupt,
+    KeepPayload,
+    PayloadKept,
+    RankOptions,
+    ShowStacks,
+    Stacks,
+    Start,
+)
 from .._wire.rundir import RunDir, address_text, read_own_key
 from .._wire.stacks import STACKS_WAIT, render
+from .._wire.transfer import Outgoing, place_in
 from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
@@ -124,6 +136,7 @@ class SlurmSessionGroup(WaitingGroup):
         self._stacks_came = threading.Condition(self._lock)
         self._detached = False
         self._follower: SlurmLauncher | JobStep | AttachedStep | None = None
+        self._delivery: PayloadDelivery | None = None
         with _OPEN_LOCK:
             _OPEN.add(self)
 
@@ -193,8 +206,47 @@ class SlurmSessionGroup(WaitingGroup):
 
     def _listen(self) -> None:
         host = _kernel_address()
-        self._server = ChannelServer((host, 0), read_own_key(self.run_dir.path), self._deliver)
+        self._server = ChannelServer((host, 0), read_own_key(self.run_dir.path), self._deliver,
+                                     inbox=place_in(shm_root(), self.run_dir.path))
         self.run_dir.replace_private(self.run_dir.address, address_text(host, self._server.port))
+
+    # --- the payload, once per node -------------------------------------------------
+
+    def _prepare_start(self, payload: Packed, records: Records, options: RankOptions,
+                       handover: Handover) -> Start:
+        """The run's Start: a small payload inside it; a larger one goes to each node's
+        local rank 0 (``PayloadDelivery``), and each rank's Start names its node's copy."""
+        start = dataclasses.replace(
+            self._start_message(self.run_dir.payload, records, options, handover),
+            remote=True)
+        if not payload.buffers and len(payload.data) <= INLINE_PAYLOAD:
+            self._delivery = None
+            return dataclasses.replace(start, packed=payload.data)
+        self._delivery = PayloadDelivery(payload, self.run_dir)
+        return start
+
+    def _send_start(self, rank: int) -> None:
+        assert self._server is not None and self._start is not None
+        delivery, hello = self._delivery, self._hellos[rank]
+        if delivery is None:
+            self._server.send(rank, self._start)
+            return
+        copy = delivery.copies.get(hello.node)
+        if copy is not None:
+            self._server.send(rank, dataclasses.replace(self._start, payload=copy))
+        elif hello.local_rank == 0:
+            delivery.send_to(self._server, rank)
+        # (the node's other ranks get their Start once its rank 0 has kept the payload)
+
+    def _payload_kept(self, kept: PayloadKept) -> None:
+        """(Under the lock) A node has the payload: its ranks get their Start."""
+        delivery = self._delivery
+        if delivery is None or kept.rank not in self._hellos:
+            return
+        delivery.kept(self._hellos[kept.rank].node, kept.file)
+        for rank, hello in self._hellos.items():
+            if hello.node == self._hellos[kept.rank].node:
+                self._send_start(rank)
 
     def _follow(self, job_id: str) -> None:
         self.slurm_job_id, self.where = job_id, f"SLURM job {job_id}"
@@ -258,6 +310,9 @@ class SlurmSessionGroup(WaitingGroup):
     def _took(self, message: Any) -> bool:
         if isinstance(message, Assigned) and self._start is None:
             self.names = message.names  # said to a kernel that attaches, before any run
+        if isinstance(message, PayloadKept):
+            self._payload_kept(message)
+            return True
         if not isinstance(message, Stacks):
             return False
         if message.call == self._stack_calls:
@@ -279,6 +334,41 @@ class SlurmSessionGroup(WaitingGroup):
     def _forget(self) -> None:
         with _OPEN_LOCK:
             _OPEN.discard(self)
+
+
+INLINE_PAYLOAD = 256 * 2**10
+"""A payload this small, with no tensor or array bytes, goes inside the Start."""
+
+
+class PayloadDelivery:
+    """One run's payload, on its way to each node's local rank 0, which keeps it on its
+    node (in shared memory where it fits) for the node's ranks: it crosses once per
+    node, hashed once (``_wire.transfer``). A node with no room for it reads it from the
+    session's folder on the shared filesystem instead."""
+
+    def __init__(self, payload: Packed, run_dir: RunDir) -> None:
+        self.payload, self.run_dir = payload, run_dir
+        self.outgoing = Outgoing(payload)
+        self.copies: dict[str, str] = {}
+        """Where each node keeps it, once it does."""
+        self._sent_to: set[int] = set()
+
+    def send_to(self, server: ChannelServer, rank: int) -> None:
+        """Send it to ``rank`` (a node's local rank 0), once, in the background."""
+        if rank not in self._sent_to:
+            self._sent_to.add(rank)
+            threading.Thread(target=server.send, args=(rank, KeepPayload(), self.outgoing),
+                             daemon=True, name="nbddp-payload").start()
+
+    def kept(self, node: str, file: str) -> None:
+        self.copies[node] = file or self._shared_copy()
+
+    def _shared_copy(self) -> str:
+        """The payload in the session's folder (written once), for a node without room."""
+        path = self.run_dir.payload
+        if not path.exists():
+            dataplane.write(path, self.payload)
+        return str(path)
 
 
 def _kernel_address() -> str:

@@ -33,6 +33,7 @@ logger = logging.getLogger(__name__)
 
 _STOP_WAIT = 30.0  # srun passes SIGTERM on, then SLURM's KillWait, then SIGKILL
 _COMMAND_TIMEOUT = 60.0
+_TERM_WAIT = 10.0  # how long a step may take to end after SIGTERM
 _POLL_INTERVAL = 1.0  # squeue --steps, while attached to a step
 
 
@@ -127,24 +128,33 @@ class AttachedStep:
 
     def stop(self, clean: bool = False) -> None:
         """``scancel`` the step (asked again while SLURM does not answer), and wait until
-        it has gone."""
-        deadline = time.monotonic() + _STOP_WAIT
-        while time.monotonic() < deadline:
+        it has gone. SIGTERM first, as ``srun`` passes it on: nbddp's torchrun on each
+        node then stops its ranks and removes the node's data folders; a step still
+        there after ``_TERM_WAIT`` s is killed."""
+        start, asked = time.monotonic(), False
+        while time.monotonic() < start + _STOP_WAIT:
             step = self._step_id()
             if step is None:
                 return
-            if step:
-                done = subprocess.run(["scancel", step], capture_output=True, text=True,
-                                      timeout=_COMMAND_TIMEOUT, stdin=subprocess.DEVNULL,
-                                      check=False)
-                if done.returncode != 0:
-                    logger.warning("nbddp: scancel %s: %s", step, done.stderr.strip())
+            if step and not asked:
+                asked = _scancel(step, "--signal=TERM")  # once: a second one would cut
+            elif step and time.monotonic() > start + _TERM_WAIT:  # the clean-up short
+                _scancel(step)
             time.sleep(_POLL_INTERVAL)
         logger.warning("nbddp: job step %s of SLURM job %s still runs %s s after scancel",
                        self.name, self.job_id, _STOP_WAIT)
 
     def stopped_from_outside(self) -> str | None:
         return stopped_by_slurm(self.job_id)
+
+
+def _scancel(step: str, *options: str) -> bool:
+    """``scancel`` a job step; whether SLURM took it."""
+    done = subprocess.run(["scancel", *options, step], capture_output=True, text=True,
+                          timeout=_COMMAND_TIMEOUT, stdin=subprocess.DEVNULL, check=False)
+    if done.returncode != 0:
+        logger.warning("nbddp: scancel %s: %s", step, done.stderr.strip())
+    return done.returncode == 0
 
 
 class JobStep(AttachedStep):

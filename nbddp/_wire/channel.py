@@ -22,11 +22,16 @@ connection and direction, over the frame and its sequence number: a frame inject
 altered, replayed or reordered on the way fails its check and closes the connection
 before it is unpickled. (A Unix socket in a private directory needs none of this; one
 code path for both transports keeps it simple, and costs microseconds a message.)
+
+A message may take a data file along (a cluster session's payload to a node, a result
+back): its bulk bytes go raw between two sealed frames, the second of which vouches for
+them (``_wire.transfer``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -40,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .messages import HEADER_SIZE, Disconnected, body_size, decode, encode
+from .transfer import FileFollows, Inbox, Incoming, Outgoing
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +82,11 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class _Link:
     """An authenticated connection: whole messages, each frame sealed by a MAC under
     this connection's key for its direction and numbered, so none can be forged,
-    altered, replayed or reordered. ``send`` is thread-safe; one thread ``receive``s."""
+    altered, replayed or reordered. ``send`` is thread-safe; one thread ``receive``s.
+
+    A message may carry a data file (``_wire.transfer``): it arrives with its ``file``
+    naming where the file landed here, in the ``inbox`` (a link without one refuses
+    files)."""
 
     def __init__(self, sock: socket.socket, send_key: bytes, receive_key: bytes) -> None:
         self.sock = sock
@@ -85,16 +95,48 @@ class _Link:
         self._send_key, self._receive_key = send_key, receive_key
         self._sent = self._received = 0
         self._send_lock = threading.Lock()
+        self.inbox: Inbox | None = None
 
-    def send(self, message: Any) -> None:
-        frame = encode(message)
+    def send(self, message: Any, data: Outgoing | None = None) -> None:
+        """Send ``message``; with ``data``, the data file it names goes along."""
         with self._send_lock:
-            tag = _mac(self._send_key, b"frame", self._sent.to_bytes(8, "big"), frame)
-            self._sent += 1
-            self.sock.sendall(frame + tag)
+            if data is None:
+                self._send_frame(message)
+                return
+            self._send_frame(data.announce(message))
+            for view in data.views():
+                self.sock.sendall(view)
+            self._send_frame(data.seal())
+
+    def _send_frame(self, message: Any) -> None:
+        """(Under the send lock.)"""
+        frame = encode(message)
+        tag = _mac(self._send_key, b"frame", self._sent.to_bytes(8, "big"), frame)
+        self._sent += 1
+        self.sock.sendall(frame + tag)
 
     def receive(self) -> Any:
         """The next message; ConnectionError if the link closed or a frame was forged."""
+        message = self._receive_frame()
+        if isinstance(message, FileFollows):
+            return self._receive_file(message)
+        return message
+
+    def _receive_file(self, announced: FileFollows) -> Any:
+        """The message a data file came with, its ``file`` set to where it landed (``""``:
+        this machine had no room for it)."""
+        if self.inbox is None:
+            raise ConnectionError("a data file came on a link that takes none")
+        incoming = Incoming(announced, self.inbox)
+        try:
+            incoming.receive(self.sock)
+            path = incoming.accept(self._receive_frame())
+        except BaseException:
+            incoming.discard()
+            raise
+        return _with_file(announced.message, str(path) if path is not None else "")
+
+    def _receive_frame(self) -> Any:
         header = _recv_exact(self.sock, HEADER_SIZE)
         body = _recv_exact(self.sock, body_size(header))
         tag = _recv_exact(self.sock, MAC_BYTES)
@@ -104,6 +146,16 @@ class _Link:
             raise ConnectionError("a frame failed its authentication check")
         self._received += 1
         return decode(body)
+
+
+def _with_file(message: Any, file: str) -> Any:
+    """``message`` (or the one a ``Sequenced`` wraps) naming ``file``."""
+    inner = getattr(message, "message", None)
+    if inner is not None and hasattr(inner, "file"):
+        return dataclasses.replace(message, message=dataclasses.replace(inner, file=file))
+    if not hasattr(message, "file"):
+        raise ConnectionError(f"a data file came with a {type(message).__name__}")
+    return dataclasses.replace(message, file=file)
 
 
 def _tune_tcp(sock: socket.socket) -> None:
@@ -188,11 +240,14 @@ class ChannelServer:
     ``address`` is a socket path, or a TCP (host, port) to bind (port 0: any free one;
     ``port`` says which). Each connection is served by a thread of its own, so one
     that says nothing holds up no other (and is dropped after the handshake timeout).
-    A rank's closed connection is delivered as ``Disconnected``.
+    A rank's closed connection is delivered as ``Disconnected``. With an ``inbox``,
+    ranks may send data files (``_wire.transfer``): they land there.
     """
 
-    def __init__(self, address: Address, key: bytes, deliver: Callable[[Any], None]) -> None:
+    def __init__(self, address: Address, key: bytes, deliver: Callable[[Any], None],
+                 inbox: Inbox | None = None) -> None:
         self.address, self._key, self._deliver = address, key, deliver
+        self._inbox = inbox
         self._listener, where = _new_socket(address)
         self._listener.bind(where)
         if isinstance(address, Path):
@@ -228,6 +283,7 @@ class ChannelServer:
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
             link = _challenge_rank(sock, self._key)
+            link.inbox = self._inbox
             sock.settimeout(None)
             while True:
                 message = link.receive()
@@ -255,14 +311,15 @@ class ChannelServer:
                 del self._peers[rank]
         sock.close()
 
-    def send(self, rank: int, message: Any) -> bool:
-        """Send ``message`` to ``rank``; False if that rank is not connected (any more)."""
+    def send(self, rank: int, message: Any, data: Outgoing | None = None) -> bool:
+        """Send ``message`` to ``rank`` (with ``data``: the data file it names); False if
+        that rank is not connected (any more)."""
         with self._lock:
             link = self._peers.get(rank)
         if link is None:
             return False
         try:
-            link.send(message)
+            link.send(message, data)
         except OSError:
             return False
         return True
@@ -286,21 +343,22 @@ class ChannelServer:
 
 class ChannelClient:
     """A rank's authenticated connection to the kernel; ``send`` is thread-safe, and
-    one thread at a time may ``receive``."""
+    one thread at a time may ``receive``. Data files the kernel sends land in ``inbox``."""
 
-    def __init__(self, address: Address, key: bytes) -> None:
+    def __init__(self, address: Address, key: bytes, inbox: Inbox | None = None) -> None:
         sock, where = _new_socket(address)
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
             sock.connect(where)
             self._link = _answer_kernel(sock, key)
+            self._link.inbox = inbox
             sock.settimeout(None)
         except BaseException:
             sock.close()
             raise
 
-    def send(self, message: Any) -> None:
-        self._link.send(message)
+    def send(self, message: Any, data: Outgoing | None = None) -> None:
+        self._link.send(message, data)
 
     def receive(self) -> Any:
         """The kernel's next message; ConnectionError once the kernel has closed the link

@@ -82,10 +82,9 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True) -> Packed:
 # --- files ----------------------------------------------------------------------------
 
 
-def write(path: Path, packed: Packed, room: Path | None = None) -> None:
-    """One private (0600) file: a header, the pickle, then each buffer page-aligned.
-    ``room`` (a file allocated ahead, of any size), if it is still there, becomes that
-    file: its pages are reused and it is cut or grown to size."""
+def layout(packed: Packed) -> tuple[int, list[tuple[int, memoryview]]]:
+    """How ``packed`` lies in its file: the file's size, and each part's offset and bytes
+    (the header with the pickle first, then each buffer, page-aligned; zeros between)."""
     raws = [memoryview(b).cast("B") if not isinstance(b, pickle.PickleBuffer)
             else b.raw() for b in packed.buffers]
     start = _HEAD.size + _SPAN.size * len(raws) + len(packed.data)
@@ -94,16 +93,25 @@ def write(path: Path, packed: Packed, room: Path | None = None) -> None:
         start = -(-start // _PAGE) * _PAGE
         spans.append((start, raw.nbytes))
         start += raw.nbytes
+    header = _HEAD.pack(_MAGIC, len(packed.data), len(raws)) + b"".join(
+        _SPAN.pack(*span) for span in spans)
+    parts = [(0, memoryview(header + packed.data))]
+    parts += [(offset, raw) for raw, (offset, _) in zip(raws, spans, strict=True)]
+    return start, parts
+
+
+def write(path: Path, packed: Packed, room: Path | None = None) -> None:
+    """One private (0600) file: a header, the pickle, then each buffer page-aligned.
+    ``room`` (a file allocated ahead, of any size), if it is still there, becomes that
+    file: its pages are reused and it is cut or grown to size."""
+    size, parts = layout(packed)
     fd = _take_room(room, path) if room is not None else None
     if fd is None:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, start)
-        header = _HEAD.pack(_MAGIC, len(packed.data), len(raws)) + b"".join(
-            _SPAN.pack(*span) for span in spans)
-        _write_all(fd, memoryview(header + packed.data), 0)
-        for raw, (offset, _) in zip(raws, spans, strict=True):
-            _write_all(fd, raw, offset)
+        os.ftruncate(fd, size)
+        for offset, part in parts:
+            _write_all(fd, part, offset)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)

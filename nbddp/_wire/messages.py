@@ -5,12 +5,13 @@ message; the channel's sockets and the start file carry these frames (a mailbox 
 marks and checksums each message instead: ``_wire.mailbox``). Frames are only decoded from
 authenticated peers or from private (0600) files.
 Tensor and array bytes do not travel in messages: they are in data files (``_wire.dataplane``)
-that a message names.
+that a message names; to and from another machine, the file goes along with the message
+(``_wire.transfer``).
 
     rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StopRequested, DebugPrompt,
-                     DebugDone, Assigned, Stacks, and a report: Result, Failure or
-                     Requeueing (each Sequenced)
-    kernel -> rank   RollCall, Start, DebugInput, Interrupt, ShowStacks
+                     DebugDone, Assigned, Stacks, PayloadKept, and a report: Result,
+                     Failure or Requeueing (each Sequenced)
+    kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks
     kernel only      Disconnected (a rank's connection closed)
 """
 
@@ -47,6 +48,10 @@ class Hello:
 
     rank: int
     pid: int
+    node: str = ""
+    """The machine it runs on (SLURM's name for it, or the host's)."""
+    local_rank: int = 0
+    """Its place among that machine's ranks: local rank 0 keeps the machine's data files."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,15 @@ class Assigned:
 
     rank: int
     names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class PayloadKept:
+    """A node's local rank 0 has the payload the kernel sent (``KeepPayload``) in
+    ``file``, on its node, for the node's ranks to map; ``""``: the node had no room."""
+
+    rank: int
+    file: str
 
 
 @dataclass(frozen=True)
@@ -216,6 +230,20 @@ class Start:
     """Keep the namespace and the process group, and wait for the next Start after this."""
     data: str | None = None
     """The run dir's twin in shared memory, where a result's data file goes if it fits."""
+    packed: bytes | None = None
+    """The payload itself, when it is small and has no data file (``payload`` is then
+    unused)."""
+    remote: bool = False
+    """The kernel runs on another machine: a result's data file crosses the channel."""
+
+
+@dataclass(frozen=True)
+class KeepPayload:
+    """To a node's local rank 0, with the run's payload as a data file (``file``: where
+    it landed on the node): keep it for the node's ranks, and say where (``PayloadKept``).
+    Its ``Start`` follows once every node has it."""
+
+    file: str = ""
 
 
 @dataclass(frozen=True)
