@@ -10,6 +10,7 @@ not of the kernel: each test checks the job has left the queue.
 
 from __future__ import annotations
 
+import glob
 import io
 import os
 import re
@@ -24,7 +25,7 @@ import pytest
 
 import nbddp
 
-from .conftest import wait_until
+from .conftest import SHM, wait_until
 from .kernel_driver import Kernel
 from .slurm import SLURM_DIR, job_ended, resume_node, slurm
 from .test_kernel import _alive, _snapshot
@@ -335,6 +336,29 @@ time.sleep(60)
     new_job = re.search(r"on SLURM job (\d+)", status).group(1)
     jobs.append(new_job)
     assert new_job != first_job
+
+
+def test_a_nodes_torchrun_killed_leaves_no_data_folder_on_it(fresh_cluster_session, slurm_env,
+                                                             jobs):
+    """nbddp's torchrun on n2 is killed (SIGKILL: it cannot clean up) while n2 keeps a
+    cell's 16 MiB payload: SLURM's task epilog removes the node's data folders anyway,
+    and the session goes on with a new job."""
+    kernel, job_id = fresh_cluster_session
+    rank = second_node_rank(kernel)
+    kernel.run("import torch\nbig = torch.ones(2**22)").assert_ok()
+    cell(kernel, "int(big.sum())").assert_ok()  # each node keeps its copy until the next
+    folders = glob.glob(f"{SHM}/nbddp-node-{os.getuid()}-{job_id}.*")
+    assert len(folders) == 2 and all(os.listdir(folder) for folder in folders), folders
+    torchrun = int(Path(f"/proc/{session_pids(kernel)[rank]}/stat").read_text()
+                   .rsplit(")", 1)[1].split()[1])  # the rank's parent
+    assert "nbddp._torchrun" in Path(f"/proc/{torchrun}/cmdline").read_text()
+    os.kill(torchrun, signal.SIGKILL)
+    wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
+    wait_until(lambda: not any(os.path.exists(folder) for folder in folders), timeout=30)
+    again = cell(kernel, "int(big.sum())", timeout=120)
+    assert again.result() == str(2**22), again.describe()
+    status = kernel.run("%ddp_session").assert_ok().result()
+    jobs.append(re.search(r"on SLURM job (\d+)", status).group(1))
 
 
 def test_stop_ends_the_job_and_leaves_nothing(fresh_cluster_session, slurm_env):

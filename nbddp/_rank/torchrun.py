@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from .._wire.dataplane import shm_root
-from .._wire.rundir import RunDir
+from .._wire.rundir import NODE_FOLDER, RunDir
 from .link import NODE_DISK_ENV, NODE_SHM_ENV
 
 _GRACE_SECONDS = 5.0
@@ -65,16 +65,31 @@ def _write_failures(run_dir: RunDir, error) -> None:
 
 
 def _node_folders() -> list[Path]:
-    """This node's private (0700, unguessable) folders for data files, named to the
-    ranks: one in shared memory where there is one, one on local disk (``$TMPDIR``)."""
+    """This node's private (0700) folders for data files, named to the ranks: one in
+    shared memory where there is one, one on local disk (``$TMPDIR``)."""
     folders = []
     shm = shm_root()
     if shm is not None:
-        folders.append(Path(tempfile.mkdtemp(prefix="nbddp-node-", dir=shm)))
+        folders.append(_private_folder(shm))
         os.environ[NODE_SHM_ENV] = str(folders[-1])
-    folders.append(Path(tempfile.mkdtemp(prefix="nbddp-node-")))
+    folders.append(_private_folder(Path(tempfile.gettempdir())))
     os.environ[NODE_DISK_ENV] = str(folders[-1])
     return folders
+
+
+def _private_folder(parent: Path) -> Path:
+    """A new folder of this user's alone in ``parent``, under the name the session's task
+    epilog removes (``NODE_FOLDER``); should someone have taken that name first (anyone
+    may write to ``/dev/shm``), one whose name nobody can guess instead."""
+    name = NODE_FOLDER.format(uid=os.getuid(), job=os.environ.get("SLURM_JOB_ID", "-"),
+                              step=os.environ.get("SLURM_STEP_ID", "-"),
+                              node=os.environ.get("SLURMD_NODENAME", "-"))
+    try:
+        os.mkdir(parent / name, 0o700)
+    except FileExistsError:
+        print(f"nbddp: {parent / name} exists already; using another name", file=sys.stderr)
+        return Path(tempfile.mkdtemp(prefix="nbddp-node-", dir=parent))
+    return parent / name
 
 
 def main(argv: list[str]) -> int:

@@ -17,6 +17,8 @@ from .._wire.rundir import (
     ADDRESS,
     KEY,
     LAUNCHER_LOG,
+    NODE_EPILOG,
+    NODE_FOLDER,
     PAYLOAD,
     REQUEUE_FILE,
     REQUEUE_FILE_ENV,
@@ -112,6 +114,18 @@ def session_torchrun(run_dir: str, python: str, nodes: int, nprocs_per_node: int
             "--rdzv-backend", "c10d"]
 
 
+def node_epilog_text() -> str:
+    """The task epilog of a session's ranks (``srun --task-epilog``): SLURM runs it on
+    every node once the node's torchrun has ended, however it ended, and it removes that
+    node's data folders (nbddp's torchrun removes them too, when it can)."""
+    name = NODE_FOLDER.format(uid="$(id -u)", job="${SLURM_JOB_ID}", step="${SLURM_STEP_ID}",
+                              node="${SLURMD_NODENAME}")
+    return ("#!/bin/sh\n"
+            "# nbddp: this node's data folders of a session, once its torchrun has ended\n"
+            f'name="{name}"\n'
+            'rm -rf -- "${NBDDP_SHM_DIR:-/dev/shm}/$name" "${TMPDIR:-/tmp}/$name"\n')
+
+
 def session_worker(run_dir: str, prepare: str | None, grace: float | None) -> list[str]:
     """The rest of that command: the ranks connect to the kernel's TCP channel and wait
     there for each run, and for a kernel to attach for ``grace`` seconds after theirs went
@@ -140,7 +154,8 @@ def session_sbatch_text(run_dir: str, python: str, options: SlurmOptions,
         f"trap {shlex.quote(f'rm -f {secrets}')} EXIT",
         "trap 'exit 143' TERM  # scancel, the time limit: the secrets go too",
         "",
-        "srun --kill-on-bad-exit=1 " + _words(session_torchrun(
+        f"srun --kill-on-bad-exit=1 --task-epilog={folder}/{NODE_EPILOG} \\",
+        "    " + _words(session_torchrun(
             run_dir, python, options.nodes, options.nprocs_per_node)) + " \\",
         f"    {rendezvous} \\",
         f"    {_words(session_worker(run_dir, prepare, grace))} &",

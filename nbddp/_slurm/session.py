@@ -55,7 +55,7 @@ from .._wire.transfer import Outgoing, place_in
 from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
-from .sbatch import session_sbatch_text
+from .sbatch import node_epilog_text, session_sbatch_text
 from .step import Allocation, AttachedStep, JobStep
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,8 @@ class SlurmSessionGroup(WaitingGroup):
         group = cls(shape, options, grace, RunDir.of_job(Records.create().path))
         try:
             group.run_dir.write_private(group.run_dir.key, new_key())
+            group.run_dir.write_private(group.run_dir.node_epilog, node_epilog_text().encode())
+            group.run_dir.node_epilog.chmod(0o700)
             group._listen()
             step = None
             if allocation is not None:

@@ -171,6 +171,7 @@ class JobStep(AttachedStep):
             f"--nodes={allocation.nodes}",
             "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             "--overlap",  # beside the step the kernel itself may run in (srun jupyter ...)
+            f"--task-epilog={run_dir.node_epilog}",
             *([f"--cpus-per-task={options.cpus_per_task}"] if options.cpus_per_task else []),
             *session_torchrun(str(run_dir.path), shape.python, allocation.nodes,
                               options.nprocs_per_node),

@@ -43,6 +43,12 @@ SBATCH = "job.sbatch"
 """A SLURM job's batch script."""
 SESSION = "session.json"
 """A SLURM session's job id and shape, for a kernel that attaches to it."""
+NODE_EPILOG = "node-epilog"
+"""A SLURM session's task epilog: SLURM runs it on each node however the node's torchrun
+ended (a SIGKILL too), and it removes that node's data folders."""
+NODE_FOLDER = "nbddp-node-{uid}-{job}.{step}-{node}"
+"""The name of a SLURM session node's data folders (in its shared memory and on its
+local disk): the node's torchrun makes them, and the task epilog finds them by it."""
 LAUNCHER_LOG = "torchrun.log"
 """torchrun's own output (a batch job's too); kept with the run's records."""
 METRICS = "metrics.jsonl"
@@ -106,6 +112,7 @@ class RunDir:
         self.job = path / JOB
         self.sbatch = path / SBATCH
         self.session = path / SESSION
+        self.node_epilog = path / NODE_EPILOG
         self.launcher_log = path / LAUNCHER_LOG
 
     @classmethod
