@@ -218,7 +218,8 @@ class Session:
         config = RunConfig(nprocs=record.nprocs, backend=record.backend, init=record.init,
                            timeout=record.timeout, output=record.output)
         session._begin(config, record.options, record.grace)
-        group = SlurmSessionGroup.attached(session._cluster_shape(), run_dir, record)
+        group = SlurmSessionGroup.attached(session._cluster_shape().unknown(), run_dir,
+                                           record)
         session._group = _as_sessions(group)
         try:
             ready = group.wait_ready(ATTACH_WAIT)

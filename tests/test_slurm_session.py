@@ -440,9 +440,12 @@ def test_a_new_kernel_attaches_to_the_sessions_ranks_with_their_state(
     finally:
         first.shutdown()
     assert not job_ended(slurm_env, job_id) and _alive(ranks)  # they wait for a kernel
-    second = Kernel(tmp_path)  # as a restarted kernel is: a new process
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    second = Kernel(elsewhere)  # as a restarted kernel is: a new process (here, elsewhere)
     try:
-        second.run(setup_cell(slurm_env) + "\nkept = 'the notebook s'").assert_ok()
+        second.run(setup_cell(slurm_env, NBDDP_TEST_KERNEL="second")
+                   + "\nkept = 'the notebook s'").assert_ok()
         run = second.run(f"%ddp_session attach {job_id}", timeout=60).assert_ok()
         assert (f"attached to the session on SLURM job {job_id} (2 ranks, 2 names kept "
                 "on them)") in run.stream_text(), run.describe()
@@ -454,6 +457,8 @@ everyone
 """).assert_ok()  # `kept` is the ranks' own, not the notebook's
         assert again.result() == "[[0, 10], [1, 11]]", again.describe()
         assert set(session_pids(second).values()) == set(ranks)  # the same processes
+        where = cell(second, "os.getcwd(), os.environ.get('NBDDP_TEST_KERNEL')").assert_ok()
+        assert eval(where.result()) == (str(elsewhere), "second"), where.describe()  # noqa: S307
         second.run("%ddp_session stop").assert_ok()
         assert job_ended(slurm_env, job_id)
     finally:

@@ -11,6 +11,7 @@ means a cold start.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Mapping
@@ -122,6 +123,14 @@ class GroupShape:
             return None
         handover, left_out = self.take_up(wanted)
         return None if left_out else handover
+
+    def unknown(self) -> GroupShape:
+        """This shape for ranks whose directory and environment this kernel does not know
+        (it attached to them: they started for another kernel, and took up what that
+        one's cells sent): the first hand-over gives them all of this kernel's, as a
+        fresh start would, but what they read when they started."""
+        return dataclasses.replace(self, cwd="", env={
+            name: value for name, value in self.env.items() if read_at_start(name)})
 
     def take_up(self, wanted: GroupShape) -> tuple[Handover, list[str]]:
         """What ranks started for this shape can take up of ``wanted``'s directory and
