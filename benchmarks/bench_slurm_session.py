@@ -12,8 +12,8 @@ person meets it:
    for reference. Target: median at most ``ROUND_TRIP_TARGET`` s.
 3. **A large argument**: a ``%%ddp`` cell that reads a notebook tensor of ``--gib`` GiB
    (sent with the cell), less the trivial cell's time: the rate from the kernel to the
-   ranks of every node (one copy per node, into its shared memory). Target: at least
-   ``ARGUMENT_TARGET`` bytes/s.
+   ranks of every node (one copy per node, into its shared memory; the route is the
+   session's, ``NBDDP_SESSION_DATA``). Target: at least ``ARGUMENT_TARGET`` bytes/s.
 4. **A large result**: the same cell, which also sends the tensor back (``--out``),
    less the large argument's time: the rate from rank 0 back to the kernel.
 

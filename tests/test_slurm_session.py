@@ -229,16 +229,22 @@ def mapped_file(tensor):
 """
 
 
-@pytest.mark.parametrize("room", ["shared memory", "local disk"])
+@pytest.mark.parametrize(("route", "room"), [("filesystem", "shared memory"),
+                                            ("channel", "shared memory"),
+                                            ("filesystem", "local disk")])
 def test_an_argument_crosses_once_per_node_into_a_folder_of_the_node(slurm_env, jobs, tmp_path,
-                                                                 room):
+                                                                     route, room):
     """Two nodes, two ranks each: each node's ranks map one copy of a 64 MiB argument, in
     that node's own private folder in shared memory (not the shared filesystem), and a
-    64 MiB result comes back; the session's folder never holds the payload, and stopping
-    the session leaves no node folder behind. Where the nodes have no shared memory to
-    use (``NBDDP_SHM_DIR=""``, as for a small ``/dev/shm``), the copy is on local disk."""
+    64 MiB result comes back; stopping the session leaves no node folder behind. The
+    payload goes through the session's folder (copied by each node), or over the
+    channel (``NBDDP_SESSION_DATA=channel``: the session's folder never holds it). Where
+    the nodes have no shared memory to use (``NBDDP_SHM_DIR=""``, as for a small
+    ``/dev/shm``), the copy is on local disk."""
     folder = "NBDDP_NODE_SHM" if room == "shared memory" else "NBDDP_NODE_DISK"
-    extra = {} if room == "shared memory" else {"NBDDP_SHM_DIR": ""}
+    extra = {"NBDDP_SESSION_DATA": route}
+    if room == "local disk":
+        extra["NBDDP_SHM_DIR"] = ""
     kernel = Kernel(tmp_path)
     try:
         kernel.run(setup_cell(slurm_env, **extra)).assert_ok()
@@ -259,7 +265,7 @@ everyone
         seen = eval(run.result())  # noqa: S307 - the ranks' own repr: [(node, file, ...)]
         by_node: dict[str, set[str]] = {}
         for node, file, node_folder, last, in_session_folder in seen:
-            assert last == 2**24 - 1 and not in_session_folder, seen
+            assert last == 2**24 - 1 and in_session_folder == (route == "filesystem"), seen
             assert file is not None and file.startswith(node_folder + "/"), seen
             by_node.setdefault(node, set()).add(file)
         assert sorted(by_node) == ["n1", "n2"], seen

@@ -43,7 +43,7 @@ from .._wire.messages import (
 )
 from .._wire.rundir import RunDir, parse_address
 from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
-from .._wire.transfer import Inbox, Outgoing, place_in
+from .._wire.transfer import Inbox, Outgoing, copy_into, place_in
 from .restarts import requeue_count, restart_count
 
 ATTEMPT = restart_count()
@@ -72,6 +72,7 @@ class KernelLink:
         """Set while the rank runs a Start: the kernel closing the link then means it
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
         self._kept: Path | None = None  # the payload this node's ranks map (local rank 0)
+        self._inbox = node_inbox(run_dir)
 
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
@@ -150,7 +151,7 @@ class KernelLink:
                     self._drop_kept_unless(message.payload)
                     self._starts.put((self._generation, message))
                 elif isinstance(message, KeepPayload):
-                    self._keep(message.file)
+                    self._keep(message.file or self._copy_to_node(message.copy_from))
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
                 elif isinstance(message, Interrupt):  # raised in the main thread, if busy
@@ -168,6 +169,16 @@ class KernelLink:
         self._kept = Path(file) if file else None
         with contextlib.suppress(OSError):
             self.send(PayloadKept(self.rank, file))
+
+    def _copy_to_node(self, shared: str) -> str:
+        """A copy of the payload in the session's folder, in this node's inbox (``""``:
+        no room for it; the node's ranks map the shared one)."""
+        try:
+            return str(copy_into(Path(shared), self._inbox))
+        except OSError as exc:
+            print(f"nbddp: no room on this node for the payload ({exc}); its ranks read "
+                  "it from the session's folder", file=sys.stderr)
+            return ""
 
     def _drop_kept_unless(self, payload: str) -> None:
         """Remove the payload this node kept for an earlier run, unless it is ``payload``."""

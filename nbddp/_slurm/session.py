@@ -25,9 +25,11 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from .._errors import NbddpError
@@ -217,15 +219,14 @@ class SlurmSessionGroup(WaitingGroup):
     def _prepare_start(self, payload: Packed, records: Records, options: RankOptions,
                        handover: Handover) -> Start:
         """The run's Start: a small payload inside it; a larger one goes to each node's
-        local rank 0 (``PayloadDelivery``), and each rank's Start names its node's copy."""
-        start = dataclasses.replace(
-            self._start_message(self.run_dir.payload, records, options, handover),
-            remote=True)
+        local rank 0 (``PayloadDelivery``), and each rank's Start names its node's copy.
+        A result's data comes back the way the payload went."""
+        start = self._start_message(self.run_dir.payload, records, options, handover)
         if not payload.buffers and len(payload.data) <= INLINE_PAYLOAD:
             self._delivery = None
             return dataclasses.replace(start, packed=payload.data)
         self._delivery = PayloadDelivery(payload, self.run_dir)
-        return start
+        return dataclasses.replace(start, remote=self._delivery.outgoing is not None)
 
     def _send_start(self, rank: int) -> None:
         assert self._server is not None and self._start is not None
@@ -342,35 +343,56 @@ INLINE_PAYLOAD = 256 * 2**10
 """A payload this small, with no tensor or array bytes, goes inside the Start."""
 
 
+DATA_ROUTE_ENV = "NBDDP_SESSION_DATA"
+"""How a cluster session's payloads reach the nodes: ``filesystem`` (the default: written
+once to the session's folder, copied by each node) or ``channel`` (sent to each node)."""
+
+
 class PayloadDelivery:
-    """One run's payload, on its way to each node's local rank 0, which keeps it on its
-    node (in shared memory where it fits) for the node's ranks: it crosses once per
-    node, hashed once (``_wire.transfer``). A node with no room for it reads it from the
-    session's folder on the shared filesystem instead."""
+    """One run's payload, on its way to each node's local rank 0, which keeps a copy on
+    its node (in shared memory where it fits) for the node's ranks to map: it crosses
+    once per node. It goes one of two ways:
+
+    - through the session's folder on the shared filesystem (the default): the kernel
+      writes it there once, whatever the number of nodes, and each node copies it;
+    - over the channel (``NBDDP_SESSION_DATA=channel``, or where the folder has no room
+      for it): the kernel sends it to each node, hashed once (``_wire.transfer``).
+
+    A node with no room for a copy maps the one in the session's folder."""
 
     def __init__(self, payload: Packed, run_dir: RunDir) -> None:
         self.payload, self.run_dir = payload, run_dir
-        self.outgoing = Outgoing(payload)
+        self.shared: Path | None = None
+        """The copy in the session's folder, once written."""
+        run_dir.payload.unlink(missing_ok=True)  # (an earlier run's)
+        if os.environ.get(DATA_ROUTE_ENV, "filesystem") != "channel":
+            with contextlib.suppress(OSError):  # (no room: over the channel, then)
+                self._write_shared()
+        self.outgoing = Outgoing(payload) if self.shared is None else None
         self.copies: dict[str, str] = {}
         """Where each node keeps it, once it does."""
         self._sent_to: set[int] = set()
 
     def send_to(self, server: ChannelServer, rank: int) -> None:
-        """Send it to ``rank`` (a node's local rank 0), once, in the background."""
-        if rank not in self._sent_to:
-            self._sent_to.add(rank)
+        """Have ``rank`` (a node's local rank 0) keep it, once, in the background."""
+        if rank in self._sent_to:
+            return
+        self._sent_to.add(rank)
+        if self.outgoing is None:
+            server.send(rank, KeepPayload(copy_from=str(self.shared)))
+        else:
             threading.Thread(target=server.send, args=(rank, KeepPayload(), self.outgoing),
                              daemon=True, name="nbddp-payload").start()
 
     def kept(self, node: str, file: str) -> None:
-        self.copies[node] = file or self._shared_copy()
+        self.copies[node] = file or str(self.shared or self._write_shared())
 
-    def _shared_copy(self) -> str:
-        """The payload in the session's folder (written once), for a node without room."""
+    def _write_shared(self) -> Path:
+        """The payload in the session's folder."""
         path = self.run_dir.payload
-        if not path.exists():
-            dataplane.write(path, self.payload)
-        return str(path)
+        dataplane.write(path, self.payload)
+        self.shared = path
+        return path
 
 
 def _kernel_address() -> str:

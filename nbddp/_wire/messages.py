@@ -234,16 +234,19 @@ class Start:
     """The payload itself, when it is small and has no data file (``payload`` is then
     unused)."""
     remote: bool = False
-    """The kernel runs on another machine: a result's data file crosses the channel."""
+    """A result's data file crosses the channel (the kernel runs on another machine, and
+    its payload came that way too)."""
 
 
 @dataclass(frozen=True)
 class KeepPayload:
-    """To a node's local rank 0, with the run's payload as a data file (``file``: where
-    it landed on the node): keep it for the node's ranks, and say where (``PayloadKept``).
-    Its ``Start`` follows once every node has it."""
+    """To a node's local rank 0: keep the run's payload on the node for its ranks, and say
+    where (``PayloadKept``). It came as a data file with this message (``file``: where it
+    landed on the node), or is to be copied from the session's folder (``copy_from``).
+    The node's ``Start`` follows once it has it."""
 
     file: str = ""
+    copy_from: str = ""
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,29 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         done += got
 
 
+def copy_into(source: Path, inbox: Inbox) -> Path:
+    """A private copy of the data file ``source`` (another machine's, on a shared
+    filesystem) in ``inbox``, copied by the kernel (``sendfile``); OSError if there is no
+    room for it (and then no partial copy stays)."""
+    with open(source, "rb") as src:
+        size = os.fstat(src.fileno()).st_size
+        path = inbox(size) / f"nbddp-in-{secrets.token_hex(8)}.data"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            done = 0
+            while done < size:
+                sent = os.sendfile(fd, src.fileno(), done, size - done)
+                if not sent:
+                    raise OSError(f"{source} ended early")
+                done += sent
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        finally:
+            os.close(fd)
+    return path
+
+
 def place_in(shm: Path | None, disk: Path) -> Inbox:
     """An inbox: ``shm`` where a file fits there (and leaves its margin), else ``disk``."""
     return lambda size: place(size, disk, shm)
