@@ -151,6 +151,8 @@ class KernelLink:
                     self._drop_kept_unless(message.payload)
                     self._starts.put((self._generation, message))
                 elif isinstance(message, KeepPayload):
+                    if message.copy_from:  # (the last copy goes first: room for the next)
+                        self._drop_kept_unless("")
                     self._keep(message.file or self._copy_to_node(message.copy_from))
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)

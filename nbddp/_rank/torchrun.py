@@ -97,13 +97,15 @@ def main(argv: list[str]) -> int:
     if argv[1] != "-":
         threading.Thread(target=_watch_lifeline, args=(int(argv[1]), run_dir, lost),
                          daemon=True).start()
-    args = argv[2:]
-    folders = _node_folders() if args[:1] == ["--node-data"] else []
-    args = args[len(folders) > 0:]
+    node_data = argv[2:3] == ["--node-data"]
+    args = argv[2 + node_data:]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    folders: list[Path] = []
     try:
+        if node_data:
+            folders = _node_folders()
         run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *args]))
     except ChildFailedError as error:
         _write_failures(run_dir, error)

@@ -116,8 +116,10 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         report = me.run(start, link.send)
         link.send(report.message, report.data)
         link.busy.clear()
+        ended_well = isinstance(report.message, (Result, Requeueing))
+        del report  # (its data, a CPU copy of the result's tensors, goes now)
         if not start.session:
-            return 0 if isinstance(report.message, (Result, Requeueing)) else 1
+            return 0 if ended_well else 1
     return 0
 
 

@@ -43,10 +43,12 @@ from .._wire.channel import ChannelServer, new_key, tcp_address
 from .._wire.dataplane import Packed, shm_root
 from .._wire.messages import (
     Assigned,
+    Failure,
     Interrupt,
     KeepPayload,
     PayloadKept,
     RankOptions,
+    Result,
     ShowStacks,
     Stacks,
     Start,
@@ -139,6 +141,8 @@ class SlurmSessionGroup(WaitingGroup):
         self._detached = False
         self._follower: SlurmLauncher | JobStep | AttachedStep | None = None
         self._delivery: PayloadDelivery | None = None
+        self._started: set[int] = set()  # the ranks sent this run's Start
+        self._received: list[Path] = []  # results' data files that came over the channel
         with _OPEN_LOCK:
             _OPEN.add(self)
 
@@ -222,6 +226,9 @@ class SlurmSessionGroup(WaitingGroup):
         local rank 0 (``PayloadDelivery``), and each rank's Start names its node's copy.
         A result's data comes back the way the payload went."""
         start = self._start_message(self.run_dir.payload, records, options, handover)
+        self._forget_received()
+        with self._lock:
+            self._started = set()
         if not payload.buffers and len(payload.data) <= INLINE_PAYLOAD:
             self._delivery = None
             return dataclasses.replace(start, packed=payload.data)
@@ -232,24 +239,62 @@ class SlurmSessionGroup(WaitingGroup):
         assert self._server is not None and self._start is not None
         delivery, hello = self._delivery, self._hellos[rank]
         if delivery is None:
+            self._started.add(rank)
             self._server.send(rank, self._start)
             return
+        if delivery.cancelled:
+            return  # (the run ended before this rank's node had the payload)
         copy = delivery.copies.get(hello.node)
         if copy is not None:
+            self._started.add(rank)
             self._server.send(rank, dataclasses.replace(self._start, payload=copy))
         elif hello.local_rank == 0:
             delivery.send_to(self._server, rank)
         # (the node's other ranks get their Start once its rank 0 has kept the payload)
 
     def _payload_kept(self, kept: PayloadKept) -> None:
-        """(Under the lock) A node has the payload: its ranks get their Start."""
+        """(Under the lock) A node has the payload: its ranks get their Start. A node that
+        had no room maps the copy in the session's folder, written first if the payload
+        came over the channel (on a thread of its own: this one reads the channel)."""
         delivery = self._delivery
         if delivery is None or kept.rank not in self._hellos:
             return
-        delivery.kept(self._hellos[kept.rank].node, kept.file)
+        node = self._hellos[kept.rank].node
+        if kept.file or delivery.shared is not None:
+            self._node_has(delivery, node, kept.file or str(delivery.shared))
+        else:
+            threading.Thread(target=self._share_for, args=(delivery, node, kept.rank),
+                             daemon=True, name="nbddp-payload").start()
+
+    def _node_has(self, delivery: PayloadDelivery, node: str, copy: str) -> None:
+        """(Under the lock) ``node`` keeps the payload at ``copy``: its ranks start."""
+        delivery.copies[node] = copy
+        if len(delivery.copies) == self.options.nodes:
+            delivery.release()
         for rank, hello in self._hellos.items():
-            if hello.node == self._hellos[kept.rank].node:
+            if hello.node == node:
                 self._send_start(rank)
+
+    def _share_for(self, delivery: PayloadDelivery, node: str, rank: int) -> None:
+        """Write the payload into the session's folder for ``node``, which had no room
+        for it; a run error naming the node if the folder has none either."""
+        try:
+            copy = str(delivery.write_shared())
+        except OSError as exc:
+            why = (f"node {node} has no room for the cell's data (in shared memory or on "
+                   f"local disk), and the session's folder has none either: {exc}")
+            self.events.put(Failure(rank, "NbddpError", "nbddp", why, why))
+            return
+        with self._lock:
+            self._node_has(delivery, node, copy)
+
+    def _forget_received(self) -> None:
+        """Remove the data files of results that came but were never read (a run that
+        failed or was interrupted after rank 0 returned)."""
+        with self._lock:
+            received, self._received = self._received, []
+        for path in received:
+            path.unlink(missing_ok=True)
 
     def _follow(self, job_id: str) -> None:
         self.slurm_job_id, self.where = job_id, f"SLURM job {job_id}"
@@ -291,10 +336,18 @@ class SlurmSessionGroup(WaitingGroup):
         return SessionJobHooks(supervisor, self)
 
     def interrupt(self, ranks: set[int]) -> None:
-        """Ask each rank of ``ranks`` to raise ``KeyboardInterrupt`` in the user's code."""
+        """Ask each rank of ``ranks`` to raise ``KeyboardInterrupt`` in the user's code.
+        A rank whose node did not yet have the payload never gets its Start: it is at
+        rest, and says so (as a rank that returned nothing)."""
         assert self._server is not None
-        for rank in ranks:
+        with self._lock:
+            if self._delivery is not None:
+                self._delivery.cancelled = True
+            waiting = {rank for rank in ranks if rank not in self._started}
+        for rank in ranks - waiting:
             self._server.send(rank, Interrupt())
+        for rank in sorted(waiting):
+            self.events.put(Result(rank))
 
     def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
         """Every rank's Python stacks, sent back over the channel; a rank that does not
@@ -316,6 +369,8 @@ class SlurmSessionGroup(WaitingGroup):
         if isinstance(message, PayloadKept):
             self._payload_kept(message)
             return True
+        if isinstance(message, Result) and message.file:
+            self._received.append(Path(message.file))  # (removed if nobody reads it)
         if not isinstance(message, Stacks):
             return False
         if message.call == self._stack_calls:
@@ -333,6 +388,8 @@ class SlurmSessionGroup(WaitingGroup):
     def close(self) -> None:
         if not self._detached:  # (the key stays for the kernel that attaches)
             super().close()
+        self._forget_received()
+        self._delivery = None
 
     def _forget(self) -> None:
         with _OPEN_LOCK:
@@ -367,10 +424,12 @@ class PayloadDelivery:
         run_dir.payload.unlink(missing_ok=True)  # (an earlier run's)
         if os.environ.get(DATA_ROUTE_ENV, "filesystem") != "channel":
             with contextlib.suppress(OSError):  # (no room: over the channel, then)
-                self._write_shared()
-        self.outgoing = Outgoing(payload) if self.shared is None else None
+                self.write_shared()
+        self.outgoing: Outgoing | None = Outgoing(payload) if self.shared is None else None
         self.copies: dict[str, str] = {}
         """Where each node keeps it, once it does."""
+        self.cancelled = False
+        """The run ended before every node had it: no more Starts go out."""
         self._sent_to: set[int] = set()
 
     def send_to(self, server: ChannelServer, rank: int) -> None:
@@ -378,21 +437,23 @@ class PayloadDelivery:
         if rank in self._sent_to:
             return
         self._sent_to.add(rank)
-        if self.outgoing is None:
+        if self.shared is not None or self.outgoing is None:
             server.send(rank, KeepPayload(copy_from=str(self.shared)))
         else:
             threading.Thread(target=server.send, args=(rank, KeepPayload(), self.outgoing),
                              daemon=True, name="nbddp-payload").start()
 
-    def kept(self, node: str, file: str) -> None:
-        self.copies[node] = file or str(self.shared or self._write_shared())
-
-    def _write_shared(self) -> Path:
+    def write_shared(self) -> Path:
         """The payload in the session's folder."""
         path = self.run_dir.payload
         dataplane.write(path, self.payload)
         self.shared = path
         return path
+
+    def release(self) -> None:
+        """Every node has it: let go of the user's tensors."""
+        self.payload = Packed(b"")
+        self.outgoing = None
 
 
 def _kernel_address() -> str:
