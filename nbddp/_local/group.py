@@ -72,7 +72,7 @@ class LocalGroup(WaitingGroup):
         if stopping(self._torchrun.process.pid):  # killed: the ranks die of it next
             raise RanksGone("torchrun had stopped")
         for rank in sorted(called):
-            if stopping(self._pids[rank]):  # killed since it answered
+            if stopping(self._hellos[rank].pid):  # killed since it answered
                 raise RanksGone(f"rank {rank} had stopped")
 
     def make_room(self, payload: int, result: int = 0) -> None:
@@ -122,7 +122,7 @@ class LocalGroup(WaitingGroup):
         return stacks
 
     def interrupt(self, ranks: set[int]) -> None:
-        self._torchrun.interrupt([self._pids[r] for r in ranks if r in self._pids])
+        self._torchrun.interrupt([self._hellos[r].pid for r in ranks if r in self._hellos])
 
     def retire(self) -> None:
         """Close first: nothing needs the channel or the run dir once every rank has

@@ -41,7 +41,7 @@ from .._wire.messages import (
     decode,
     split_frames,
 )
-from .._wire.rundir import RunDir, parse_address
+from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV, RunDir, parse_address
 from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
 from .._wire.transfer import Inbox, Outgoing, copy_into, place_in
 from .restarts import requeue_count, restart_count
@@ -72,7 +72,6 @@ class KernelLink:
         """Set while the rank runs a Start: the kernel closing the link then means it
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
         self._kept: Path | None = None  # the payload this node's ranks map (local rank 0)
-        self._inbox = node_inbox(run_dir)
 
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
@@ -94,8 +93,8 @@ class KernelLink:
     def send(self, message: Any, data: Packed | None = None) -> None:
         """Send ``message``; with ``data``, the data file it names goes along over the
         channel (a kernel on another machine: a result's tensors)."""
-        outgoing = Outgoing(data) if data is not None else None
         with self._lock:
+            outgoing = Outgoing(data) if data is not None and self._channel else None
             numbered = Sequenced(self._seq, message, ATTEMPT, REQUEUE)
             self._seq += 1
             if self._mailbox is not None:
@@ -151,9 +150,7 @@ class KernelLink:
                     self._drop_kept_unless(message.payload)
                     self._starts.put((self._generation, message))
                 elif isinstance(message, KeepPayload):
-                    if message.copy_from:  # (the last copy goes first: room for the next)
-                        self._drop_kept_unless("")
-                    self._keep(message.file or self._copy_to_node(message.copy_from))
+                    self._keep(message)
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
                 elif isinstance(message, Interrupt):  # raised in the main thread, if busy
@@ -164,10 +161,13 @@ class KernelLink:
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
 
-    def _keep(self, file: str) -> None:
-        """This node's copy of the next run's payload is ``file``: the last one goes (its
-        ranks mapped it when their run started), and the kernel hears where it is."""
-        self._drop_kept_unless(file)
+    def _keep(self, message: KeepPayload) -> None:
+        """Keep the next run's payload on this node, and tell the kernel where: the file
+        that came with ``message``, or a copy of the session folder's. The last run's copy
+        goes first (its ranks mapped it when their run started; the room is the next's)."""
+        self._drop_kept_unless(message.file)
+        file = message.file or (self._copy_to_node(message.copy_from) if message.copy_from
+                                 else "")  # ("": the node had no room for the file)
         self._kept = Path(file) if file else None
         with contextlib.suppress(OSError):
             self.send(PayloadKept(self.rank, file))
@@ -176,7 +176,7 @@ class KernelLink:
         """A copy of the payload in the session's folder, in this node's inbox (``""``:
         no room for it; the node's ranks map the shared one)."""
         try:
-            return str(copy_into(Path(shared), self._inbox))
+            return str(copy_into(Path(shared), node_inbox(self._run_dir)))
         except OSError as exc:
             print(f"nbddp: no room on this node for the payload ({exc}); its ranks read "
                   "it from the session's folder", file=sys.stderr)
@@ -213,13 +213,6 @@ class KernelLink:
                 end.close()
         if self._kept is not None:
             self._kept.unlink(missing_ok=True)
-
-
-NODE_SHM_ENV = "NBDDP_NODE_SHM"
-"""Names this node's private folder in shared memory for data files the kernel sends
-(made, and removed at its end, by nbddp's torchrun wrapper: ``_rank.torchrun``)."""
-NODE_DISK_ENV = "NBDDP_NODE_DISK"
-"""Names this node's private folder on local disk, for those that do not fit there."""
 
 
 def node_inbox(run_dir: RunDir) -> Inbox:

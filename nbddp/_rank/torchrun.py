@@ -30,8 +30,7 @@ import time
 from pathlib import Path
 
 from .._wire.dataplane import shm_root
-from .._wire.rundir import NODE_FOLDER, RunDir
-from .link import NODE_DISK_ENV, NODE_SHM_ENV
+from .._wire.rundir import NODE_DISK_ENV, NODE_FOLDER, NODE_SHM_ENV, RunDir
 
 _GRACE_SECONDS = 5.0
 

@@ -24,10 +24,12 @@ def run_value(results: Mapping[int, Result], all_ranks: bool, nprocs: int,
     result file held, once it is read (the next run's room for its result is made that
     large)."""
     ranks = range(nprocs) if all_ranks else [0]
+    for rank in ranks:
+        if results[rank].file == "":  # (it came over the channel, to no room here)
+            raise NbddpError(f"rank {rank}'s return value did not fit on this machine: no "
+                             "room for its data in shared memory or in the run's folder")
     try:
         values = [_value_of(results[r], got) for r in ranks]
-    except NbddpError:
-        raise
     except Exception as exc:
         raise NbddpError(f"the run finished, but its return value cannot be unpickled in "
                          f"the notebook: {type(exc).__name__}: {exc}") from exc
@@ -38,9 +40,6 @@ def _value_of(result: Result, got: Callable[[int], None]) -> Any:
     """A rank's return value; its data file is mapped, then removed (the mapping stays)."""
     if result.file is None:
         return loads_value(result.value or b"")
-    if not result.file:
-        raise NbddpError(f"rank {result.rank}'s return value did not fit on this machine: "
-                         "no room for its data in shared memory or in the run's folder")
     path = Path(result.file)
     try:
         packed = dataplane.read(path)

@@ -53,8 +53,7 @@ class WaitingGroup(RankGroup):
     def __init__(self, shape: GroupShape, run_dir: RunDir) -> None:
         super().__init__(shape.nprocs, run_dir)
         self.shape = shape
-        self._pids: dict[int, int] = {}  # rank -> PID, for those that said hello
-        self._hellos: dict[int, Hello] = {}  # and where each of them runs
+        self._hellos: dict[int, Hello] = {}  # the ranks that said hello: PID, node
         self.ready: set[int] = set()
         self.broken = False
         """A rank or the launcher ended before the group was handed a run."""
@@ -105,7 +104,7 @@ class WaitingGroup(RankGroup):
     def rank_pids(self) -> dict[int, int]:
         """Each rank's process id (once it has said hello)."""
         with self._lock:
-            return dict(self._pids)
+            return {rank: hello.pid for rank, hello in self._hellos.items()}
 
     def _deliver(self, message: Any) -> None:
         """Keep track of the ranks (the channel's threads call this), then queue it."""
@@ -138,7 +137,6 @@ class WaitingGroup(RankGroup):
         """(Under the lock) A rank is up: it gets the Start if the run is known."""
         if self.launcher is not None:
             self.launcher.add_rank(hello.pid)
-        self._pids[hello.rank] = hello.pid
         self._hellos[hello.rank] = hello
         if self._start is not None and self._server is not None:
             self._send_start(hello.rank)
@@ -176,7 +174,7 @@ class WaitingGroup(RankGroup):
             self._await_answers(called)
             self.records = records
             self._start = start
-            for rank in self._pids:
+            for rank in self._hellos:
                 self._send_start(rank)
 
     def _prepare_start(self, payload: Packed, records: Records, options: RankOptions,
@@ -210,14 +208,14 @@ class WaitingGroup(RankGroup):
         process of a group already up has stopped (a cold group's early end is the
         run's to tell, with the launcher's output)."""
         with self._lock:
-            called = {rank for rank in self.ready if rank in self._pids}
+            called = {rank for rank in self.ready if rank in self._hellos}
             self._calls += 1
             self._present = set()
             assert self._server is not None
             for rank in sorted(called):
                 if not self._server.send(rank, RollCall(self._calls)):
                     self._lose(f"rank {rank} had stopped")
-            if self._pids and self._gone is not None:
+            if self._hellos and self._gone is not None:
                 raise RanksGone(self._gone)
         return called
 

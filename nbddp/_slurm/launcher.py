@@ -85,6 +85,15 @@ class JobStatus:
         return f"SLURM job {job_id} is {self.state.lower()}"
 
 
+def scancel(target: str, *options: str) -> bool:
+    """``scancel`` a job or a job step (``JOB.STEP``); whether SLURM took it (a refusal is
+    logged)."""
+    done = _run("scancel", *options, target)
+    if done.returncode != 0:
+        logger.warning("nbddp: scancel %s: %s", target, done.stderr.strip())
+    return done.returncode == 0
+
+
 def _run(*args: str, env: dict[str, str] | None = None,
          cwd: str | None = None) -> subprocess.CompletedProcess:
     try:
@@ -246,9 +255,7 @@ class SlurmLauncher:
         if clean and self._ended.wait(_CLEAN_END_WAIT):
             return
         if not self._ended.is_set():
-            done = _run("scancel", self.job_id)
-            if done.returncode != 0:
-                logger.warning("nbddp: scancel %s: %s", self.job_id, done.stderr.strip())
+            scancel(self.job_id)
         if not self._ended.wait(_CANCEL_WAIT):
             logger.warning("nbddp: SLURM job %s still in the queue %s s after scancel",
                            self.job_id, _CANCEL_WAIT)

@@ -354,7 +354,7 @@ class SlurmSessionGroup(WaitingGroup):
         answer within ``wait`` s (and a moment for the network) is left out."""
         with self._lock:
             self._stack_calls += 1
-            call, ranks, self._stacks = self._stack_calls, set(self._pids), {}
+            call, ranks, self._stacks = self._stack_calls, set(self._hellos), {}
         assert self._server is not None
         asked = {rank for rank in ranks if self._server.send(rank, ShowStacks(call))}
         with self._lock:
@@ -418,7 +418,9 @@ class PayloadDelivery:
     A node with no room for a copy maps the one in the session's folder."""
 
     def __init__(self, payload: Packed, run_dir: RunDir) -> None:
-        self.payload, self.run_dir = payload, run_dir
+        self.payload: Packed | None = payload
+        """The user's payload, until every node has it."""
+        self.run_dir = run_dir
         self.shared: Path | None = None
         """The copy in the session's folder, once written."""
         run_dir.payload.unlink(missing_ok=True)  # (an earlier run's)
@@ -437,7 +439,7 @@ class PayloadDelivery:
         if rank in self._sent_to:
             return
         self._sent_to.add(rank)
-        if self.shared is not None or self.outgoing is None:
+        if self.shared is not None:
             server.send(rank, KeepPayload(copy_from=str(self.shared)))
         else:
             threading.Thread(target=server.send, args=(rank, KeepPayload(), self.outgoing),
@@ -445,6 +447,7 @@ class PayloadDelivery:
 
     def write_shared(self) -> Path:
         """The payload in the session's folder."""
+        assert self.payload is not None  # (a node short of room comes before release)
         path = self.run_dir.payload
         dataplane.write(path, self.payload)
         self.shared = path
@@ -452,8 +455,7 @@ class PayloadDelivery:
 
     def release(self) -> None:
         """Every node has it: let go of the user's tensors."""
-        self.payload = Packed(b"")
-        self.outgoing = None
+        self.payload = self.outgoing = None
 
 
 def _kernel_address() -> str:

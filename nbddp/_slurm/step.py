@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .._errors import NbddpError
 from .._run.shape import GroupShape
 from .._wire.rundir import RunDir
-from .launcher import stopped_by_slurm
+from .launcher import scancel, stopped_by_slurm
 from .options import PORT_BASE, PORT_SPAN, SlurmOptions
 from .sbatch import session_torchrun, session_worker
 
@@ -137,24 +137,15 @@ class AttachedStep:
             if step is None:
                 return
             if step and not asked:
-                asked = _scancel(step, "--signal=TERM")  # once: a second one would cut
+                asked = scancel(step, "--signal=TERM")  # once: a second one would cut
             elif step and time.monotonic() > start + _TERM_WAIT:  # the clean-up short
-                _scancel(step)
+                scancel(step)
             time.sleep(_POLL_INTERVAL)
         logger.warning("nbddp: job step %s of SLURM job %s still runs %s s after scancel",
                        self.name, self.job_id, _STOP_WAIT)
 
     def stopped_from_outside(self) -> str | None:
         return stopped_by_slurm(self.job_id)
-
-
-def _scancel(step: str, *options: str) -> bool:
-    """``scancel`` a job step; whether SLURM took it."""
-    done = subprocess.run(["scancel", *options, step], capture_output=True, text=True,
-                          timeout=_COMMAND_TIMEOUT, stdin=subprocess.DEVNULL, check=False)
-    if done.returncode != 0:
-        logger.warning("nbddp: scancel %s: %s", step, done.stderr.strip())
-    return done.returncode == 0
 
 
 class JobStep(AttachedStep):

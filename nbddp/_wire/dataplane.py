@@ -111,7 +111,7 @@ def write(path: Path, packed: Packed, room: Path | None = None) -> None:
     try:
         os.ftruncate(fd, size)
         for offset, part in parts:
-            _write_all(fd, part, offset)
+            write_at(fd, part, offset)
     except BaseException:
         os.close(fd)
         path.unlink(missing_ok=True)
@@ -128,7 +128,8 @@ def _take_room(room: Path, path: Path) -> int | None:
     return os.open(path, os.O_WRONLY)
 
 
-def _write_all(fd: int, data: memoryview, offset: int) -> None:
+def write_at(fd: int, data: memoryview, offset: int) -> None:
+    """All of ``data`` into ``fd`` at ``offset`` (OSError, e.g. ENOSPC, if it cannot)."""
     done = 0
     while done < data.nbytes:
         done += os.pwrite(fd, data[done:done + _CHUNK], offset + done)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .dataplane import Packed, layout, place
+from .dataplane import Packed, layout, place, write_at
 
 PIECE = 8 * 2**20
 """Bytes per hashed piece: small enough to hash while the next one moves."""
@@ -111,16 +111,9 @@ class Incoming:
         self.announced = announced
         self.path: Path | None = None
         self._fd: int | None = None
-        self._digests: list[Any] = []  # each piece's digest (a Future while it hashes)
+        self._digests: tuple[bytes, ...] = ()
         with contextlib.suppress(OSError):
-            self._open(inbox(announced.size))
-
-    def _open(self, folder: Path) -> None:
-        """A new 0600 file, under a name nobody can guess (the folder may be a machine's
-        ``/dev/shm`` itself, where anyone may write), never through a link."""
-        path = folder / f"nbddp-in-{secrets.token_hex(8)}.data"
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        self.path = path
+            self.path, self._fd = _new_file(inbox(announced.size))
 
     def receive(self, sock: socket.socket) -> None:
         """Read every piece off ``sock`` into the file (or, with no room for it, read and
@@ -128,6 +121,7 @@ class Incoming:
         chunk while this one reads and writes the next (a ring of ``_RING`` chunks)."""
         ring = [memoryview(bytearray(_CHUNK)) for _ in range(_RING)]
         pending: list[Future[None] | None] = [None] * _RING
+        digests: list[Future[bytes]] = []
         turn = 0
         with ThreadPoolExecutor(1, thread_name_prefix="nbddp-check") as hasher:
             for offset, length in self.announced.pieces:
@@ -142,8 +136,8 @@ class Incoming:
                     _recv_into(sock, view)
                     pending[slot] = hasher.submit(digest.update, view)
                     self._write(view, offset + start)
-                self._digests.append(hasher.submit(digest.digest))
-        self._digests = [d.result() if isinstance(d, Future) else d for d in self._digests]
+                digests.append(hasher.submit(digest.digest))
+        self._digests = tuple(digest.result() for digest in digests)
         if self._fd is not None:
             os.ftruncate(self._fd, self.announced.size)  # (zeros after the last piece)
 
@@ -151,16 +145,14 @@ class Incoming:
         if self._fd is None:
             return
         try:
-            done = 0
-            while done < view.nbytes:
-                done += os.pwrite(self._fd, view[done:], offset + done)
+            write_at(self._fd, view, offset)
         except OSError:  # no room (ENOSPC): the rest is read and dropped
             self.discard()
 
     def accept(self, seal: Any) -> Path | None:
         """The file, once ``seal`` vouches for every piece; None where there was no room.
         ConnectionError (and no file) if a piece does not match."""
-        if not isinstance(seal, FileSeal) or seal.digests != tuple(self._digests):
+        if not isinstance(seal, FileSeal) or seal.digests != self._digests:
             self.discard()
             raise ConnectionError("a data file failed its authentication check")
         self._close()
@@ -201,8 +193,7 @@ def copy_into(source: Path, inbox: Inbox) -> Path:
     room for it (and then no partial copy stays)."""
     with open(source, "rb") as src:
         size = os.fstat(src.fileno()).st_size
-        path = inbox(size) / f"nbddp-in-{secrets.token_hex(8)}.data"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        path, fd = _new_file(inbox(size))
         try:
             done = 0
             while done < size:
@@ -216,6 +207,14 @@ def copy_into(source: Path, inbox: Inbox) -> Path:
         finally:
             os.close(fd)
     return path
+
+
+def _new_file(folder: Path) -> tuple[Path, int]:
+    """A new 0600 file in ``folder``, open for writing, under a name nobody can guess (the
+    folder may be a machine's ``/dev/shm`` itself, where anyone may write), never through
+    a link."""
+    path = folder / f"nbddp-in-{secrets.token_hex(8)}.data"
+    return path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
 
 def place_in(shm: Path | None, disk: Path) -> Inbox:
