@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -106,15 +107,37 @@ def fresh_cluster_session(slurm_env, jobs, tmp_path):
 # --- cells on both nodes ------------------------------------------------------------
 
 
+def release_when_held(env: dict[str, str], name: str) -> threading.Thread:
+    """Release the held job named ``name`` once SLURM lists it as pending (a thread), so
+    that the session meets a job that really waits in the queue, however idle the
+    cluster."""
+    def release() -> None:
+        held: list[str] = []
+        def pending() -> bool:
+            held[:] = slurm(env, "squeue", "--noheader", f"--name={name}",
+                            "--states=PENDING", "--Format=JobID").split()
+            return bool(held)
+        wait_until(pending, timeout=60, interval=0.2)
+        time.sleep(1.5)  # the session polls squeue every second: let it see the wait
+        slurm(env, "scontrol", "release", held[0])
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_the_session_waits_for_its_job_and_says_where_it_runs(slurm_env, jobs, tmp_path):
     kernel = Kernel(tmp_path)
     try:
         kernel.run(setup_cell(slurm_env)).assert_ok()
-        run = kernel.run(START, timeout=120).assert_ok()
+        name = f"nbddp-held-{os.getpid()}-{time.monotonic_ns()}"
+        releaser = release_when_held(slurm_env, name)
+        run = kernel.run(f"{START} --sbatch=--hold --sbatch=--job-name={name}",
+                         timeout=120).assert_ok()
+        releaser.join(timeout=5)
         text = run.stream_text()
         job_id = JOB_ID.search(text).group(1)
         jobs.append(job_id)
-        assert f"SLURM job {job_id} is queued" in text, text  # the wait, live
+        assert f"SLURM job {job_id} is queued (JobHeldUser)" in text, text  # the wait, live
         assert (f"the ranks outlive this kernel as long as the job runs: after a restart, "
                 f"%ddp_session attach {job_id}") in text, text
         status = run.result()
