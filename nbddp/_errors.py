@@ -13,6 +13,7 @@ wait raises ``KeyboardInterrupt``; a cancelled ``Job`` raises
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 TAIL_LINES = 20
 
@@ -110,12 +111,7 @@ class WorkerError(NbddpError):
 def name_cells(text: str) -> str:
     """In IPython: notebook cells' file names in ``text`` (a traceback, or pdb's place)
     as the notebook names them."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return text
-    shell = get_ipython()
-    namer = getattr(getattr(shell, "compile", None), "format_code_name", None)
+    namer = _cell_namer()
     if namer is None:
         return text
 
@@ -129,6 +125,23 @@ def name_cells(text: str) -> str:
 
     text = re.sub(r'File "([^"]+)", line', rename, text)
     return re.sub(r"^> (.+?)\((\d+)\)", rename_pdb, text, flags=re.MULTILINE)
+
+
+def cell_name(filename: str) -> str | None:
+    """In IPython: the notebook's name of a cell's file (``Cell In[5]``); None for a file
+    that is no cell, or outside IPython."""
+    namer = _cell_namer()
+    name = namer(filename) if namer is not None else None
+    return f"{name[0]} {name[1]}" if name else None
+
+
+def _cell_namer() -> Callable[[str], tuple[str, str] | None] | None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return None
+    shell = get_ipython()
+    return getattr(getattr(shell, "compile", None), "format_code_name", None)
 
 
 def _rebuild_worker_error(rank: int, summary: str, kwargs: dict) -> WorkerError:

@@ -65,11 +65,15 @@ def with_session_note(error: BaseException, kept: bool) -> BaseException:
     if isinstance(error, WorkerError):
         error.note = note
         return error
-    if isinstance(error, KeyboardInterrupt):
-        return KeyboardInterrupt(f"every rank was interrupted; {note}")
     message = str(error).replace("; every rank was stopped", "")
-    renamed = type(error)(f"{message}; {note}") if message else type(error)(note)
+    if isinstance(error, KeyboardInterrupt):
+        message = "every rank was interrupted" + (f"\n{message}" if message else "")
+    first, newline, rest = message.partition("\n")  # (then where each rank was)
+    renamed = type(error)(f"{first}; {note}{newline}{rest}" if first else note)
     renamed.__cause__ = error.__cause__
+    for found in ("stacks", "hang_report"):  # what the run saw before it stopped the ranks
+        if hasattr(error, found):
+            setattr(renamed, found, getattr(error, found))
     return renamed
 
 

@@ -95,7 +95,8 @@ def test_a_silent_run_says_it_looks_stalled_then_moves_on(capfd):
     assert value == "done"
     stalled = out.index("nbddp: the run looks stalled: no rank has printed or advanced for 2 s")
     assert out.index("starting") < stalled < out.index("moving again")
-    assert "an interrupt (or job.stacks()) shows where each rank is" in out
+    assert "rank 0: in silent_for (test_rank_view.py, line" in out  # where, said at once
+    assert "an interrupt stops it and shows each rank's stack" in out
 
 
 def test_stall_after_must_be_positive_or_none():

@@ -207,15 +207,23 @@ min(everyone)
 
 def test_a_cell_timeout_says_where_each_node_was_and_keeps_the_state(cluster_session):
     cell(cluster_session, "waited = 'yes'").assert_ok()
-    run = cell(cluster_session, "import time\ndef nap():\n    time.sleep(600)\nnap()",
-               "--timeout 3")
+    run = cell(cluster_session, """import time
+import torch.distributed as dist
+dist.barrier()
+def nap():
+    time.sleep(600)
+nap()""", "--timeout 3")
     assert run.error()["ename"] == "TimeoutError", run.describe()
     text = run.error_text()
-    assert "did not finish within 3" in text and "with their state" in text, text
+    assert "did not finish within 3 s; the session's ranks are back at rest, with their state" \
+        in text, text
     where = text[text.index("where each rank was"):]
-    for rank in (0, 1):  # each rank's stack, sent back from its node
+    for rank in (0, 1):  # each rank's stack and collectives, sent back from its node
+        assert re.search(rf"^rank {rank}: in nap \(Cell In\[\d+\], line 6\)$", where, re.M), text
         stack = where.split(f"--- rank {rank} ---\n")[1].split("--- rank")[0]
-        assert stack.startswith("Main thread") and " in nap" in stack, text
+        assert stack.startswith("Main thread") and "line 6, in nap\n    time.sleep(600)" in stack
+        assert re.search(rf"^rank {rank}: has completed #\d+ \(barrier\) and is not in a "
+                         "collective$", where, re.M), text
     assert cell(cluster_session, "waited").assert_ok().result() == "'yes'"
 
 
@@ -511,8 +519,11 @@ def test_the_python_api_runs_on_the_nodes(slurm_env, jobs, monkeypatch, capsys):
         assert sorted(session.run_all(where)) == ["n1", "n2"]
         assert "on SLURM job" in str(session.status())
         job = session.submit(naps, stdout=io.StringIO())
-        wait_until(lambda: [" in naps" in text for text in job.stacks().values()] == [True] * 2,
+        wait_until(lambda: [text.startswith(f"rank {rank}: in naps (") for rank, text in
+                            job.stacks().items()] == [True] * 2,
                    timeout=30)  # on demand, from both nodes, while the run goes on
+        assert job.hang_report().splitlines()[1:] == [
+            "rank 0: has entered no collective yet", "rank 1: has entered no collective yet"]
         assert job.cancel()
         assert session.run(where) in ("n1", "n2")  # the ranks came back to rest
     assert session.closed

@@ -8,12 +8,13 @@ from pathlib import Path
 
 from .._run.group import RanksGone
 from .._run.shape import GroupShape
+from .._run.stack_view import render
 from .._run.waiting import WaitingGroup
 from .._wire import dataplane
 from .._wire.channel import ChannelServer, new_key
 from .._wire.dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
 from .._wire.rundir import RunDir
-from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, render, size_of
+from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
 from .launcher import LocalLauncher, stopping
 
 _LOCAL_GROUPS: set[LocalGroup] = set()
@@ -107,9 +108,9 @@ class LocalGroup(WaitingGroup):
             return None
         return path
 
-    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
-        """Every live rank's Python stacks (all threads, the main one first), taken
-        without stopping it; a rank that does not answer within ``wait`` s is left out."""
+    def stacks(self, wait: float = STACKS_WAIT, full: bool = False) -> dict[int, str]:
+        """Every live rank's Python stacks (rendered by ``stack_view``), taken without
+        stopping it; a rank that does not answer within ``wait`` s is left out."""
         pids = self.rank_pids()
         files = {rank: self.run_dir.stacks_file(rank) for rank in pids}
         sizes = {rank: size_of(path) for rank, path in files.items()}
@@ -118,7 +119,7 @@ class LocalGroup(WaitingGroup):
         for rank, path in sorted(files.items()):
             dump = read_dump(path, sizes[rank], wait) if pids[rank] in answering else None
             if dump is not None:
-                stacks[rank] = render(dump, main_thread_id(path))
+                stacks[rank] = render(rank, dump, main_thread_id(path), full)
         return stacks
 
     def interrupt(self, ranks: set[int]) -> None:

@@ -3,8 +3,9 @@
 A local rank talks over the kernel's Unix socket in both directions, and a session's rank
 on a cluster node over the kernel's TCP channel; a closed connection means the kernel is
 gone, and the rank stops. The kernel interrupts a rank it cannot signal (on another
-node), and asks for its stacks, with a message. It answers the kernel's roll call (sent to
-waiting ranks before their ``Start``) at once, from the thread that listens. A SLURM
+node), and asks for its stacks, with a message; it asks any rank where it is in its
+collectives. It answers the kernel's roll call (sent to waiting ranks before their
+``Start``) at once, from the thread that listens. A SLURM
 job's rank also writes every message to its mailbox file, reads its ``Start`` from the
 run folder, and carries on without the kernel: the job outlives a kernel restart and can
 be re-attached. Messages are numbered, so the kernel keeps one copy of what arrives both
@@ -27,6 +28,7 @@ from .._wire.channel import ChannelClient
 from .._wire.dataplane import Packed
 from .._wire.mailbox import MailboxWriter, mailbox_path
 from .._wire.messages import (
+    Collectives,
     DebugInput,
     DebugPrompt,
     Interrupt,
@@ -35,6 +37,7 @@ from .._wire.messages import (
     Present,
     RollCall,
     Sequenced,
+    ShowCollectives,
     ShowStacks,
     Stacks,
     Start,
@@ -44,6 +47,7 @@ from .._wire.messages import (
 from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV, RunDir, parse_address
 from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
 from .._wire.transfer import Inbox, Outgoing, copy_into, place_in
+from .collectives import progress
 from .restarts import requeue_count, restart_count
 
 ATTEMPT = restart_count()
@@ -158,6 +162,9 @@ class KernelLink:
                 elif isinstance(message, ShowStacks):  # (this thread must go on listening)
                     threading.Thread(target=self._send_stacks, args=(message.call,),
                                      daemon=True, name="nbddp-stacks").start()
+                elif isinstance(message, ShowCollectives):
+                    threading.Thread(target=self._send_collectives, args=(message.call,),
+                                     daemon=True, name="nbddp-collectives").start()
         except (ConnectionError, EOFError, pickle.UnpicklingError):
             pass
 
@@ -206,6 +213,12 @@ class KernelLink:
         dump = read_dump(path, since, STACKS_WAIT)
         with contextlib.suppress(OSError):
             self.send(Stacks(self.rank, call, dump, main_thread_id(path)))
+
+    def _send_collectives(self, call: int) -> None:
+        """Say where this rank is in its collectives (torch's flight recorder)."""
+        groups, unavailable = progress()
+        with contextlib.suppress(OSError):
+            self.send(Collectives(self.rank, call, groups, unavailable))
 
     def close(self) -> None:
         for end in (self._channel, self._mailbox):

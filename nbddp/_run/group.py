@@ -22,6 +22,7 @@ import contextlib
 import queue
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -31,11 +32,14 @@ from .._errors import NbddpError
 from .._wire.channel import ChannelServer
 from .._wire.dataplane import Packed
 from .._wire.messages import (
+    Collectives,
     RankOptions,
+    ShowCollectives,
     Start,
 )
 from .._wire.rundir import RunDir
 from .._wire.stacks import STACKS_WAIT
+from .asking import Question
 from .records import Records
 from .shape import Handover
 
@@ -85,6 +89,7 @@ class RankGroup:
         self._server: ChannelServer | None = None
         self._closed = False
         self._closing = threading.Lock()
+        self._collectives = Question(Collectives)
 
     def _follow_launcher(self, launcher: Launcher) -> None:
         self.launcher = launcher
@@ -108,10 +113,22 @@ class RankGroup:
     def interrupt(self, ranks: set[int]) -> None:
         """Interrupt the user's code on ``ranks`` (a session's; others are stopped)."""
 
-    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
-        """Every live rank's Python stacks; empty where the kernel cannot ask (a SLURM
-        job's ranks run on other machines)."""
+    def stacks(self, wait: float = STACKS_WAIT, full: bool = False) -> dict[int, str]:
+        """Every live rank's Python stacks, as ``stack_view.render`` shows them (``full``:
+        every frame and thread); empty where the kernel cannot ask (a SLURM job's ranks
+        run on other machines)."""
         return {}
+
+    def collectives(self, wait: float = STACKS_WAIT) -> dict[int, Collectives]:
+        """Where each rank the channel reaches is in its collectives (torch's flight
+        recorder, read by the rank); a rank that does not answer within ``wait`` s is left
+        out."""
+        return self._collectives.ask(range(self.nprocs), self._asker(ShowCollectives), wait)
+
+    def _asker(self, question: Callable[[int], Any]) -> Callable[[int, int], bool]:
+        """How a ``Question`` sends ``question(call)`` to a rank over the channel."""
+        server = self._server
+        return lambda rank, call: server is not None and server.send(rank, question(call))
 
     def hand_over(self, payload: Packed, records: Records, options: RankOptions,
                   handover: Handover) -> None:

@@ -29,6 +29,7 @@ from .._wire.history import read_history
 from .config import RunConfig
 from .diagnosis import describe, diagnose
 from .group import RankGroup
+from .hang_report import hang_report
 from .records import Records
 from .results import run_value
 from .supervisor import Ending, Supervisor
@@ -167,11 +168,27 @@ class Job(Generic[R]):
         each metric (read from the run's records, so complete however long the run)."""
         return read_history(self._records.metrics)
 
-    def stacks(self) -> dict[int, str]:
-        """``{rank: text}``: every running rank's Python stacks (all threads, the main
-        one first), taken while the run goes on, e.g. to see where a run hangs. Empty
-        once the ranks are gone, and for a SLURM job (its ranks are on other machines)."""
-        return self._group.stacks()
+    def stacks(self, full: bool = False) -> dict[int, str]:
+        """``{rank: text}``: every running rank's Python stacks, taken while the run goes
+        on, e.g. to see where a run hangs. Each reads like a traceback: a summary line
+        (``rank 0: waiting in barrier (Cell In[3], line 9)``), then the main thread, most
+        recent call last, with source lines, then the user's other threads. torch's
+        internals are folded and nbddp's frames and threads left out, unless ``full``.
+        Empty once the ranks are gone, and for a SLURM job (its ranks are on other
+        machines)."""
+        return self._group.stacks(full=full)
+
+    def hang_report(self) -> str:
+        """Where each running rank is in its collectives, from torch's flight recorder:
+        the last one it completed and the one it waits in, numbered per process group,
+        and which ranks a waiting collective still waits for (``rank 0 waits in
+        all_reduce #12`` / ``rank 1 has completed #11 and is not in a collective``).
+        With ``stacks()``, what to read when a run hangs."""
+        if self.done():
+            return "the run has ended: no rank is in a collective"
+        running = self._supervisor.running
+        answers = self._group.collectives()
+        return hang_report({r: a for r, a in answers.items() if r in running}, running)
 
     @property
     def restarts(self) -> int:

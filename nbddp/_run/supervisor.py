@@ -31,15 +31,16 @@ from .._wire.messages import (
     Requeueing,
     Result,
 )
-from .._wire.stacks import where
 from .attempts import Attempt
 from .config import RunConfig
 from .debugger import Debugger
 from .diagnosis import describe, first_cause, peer_lost
 from .group import LauncherExited, RankGroup
+from .hang_report import look_at
 from .pump import Pump
 from .rank_view import RankView
 from .records import Records
+from .stack_view import where
 
 _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
@@ -77,6 +78,7 @@ class Supervisor:
         self.view = RankView(config.nprocs)
         """Each rank's step, speed and memory, live and after the run."""
         self._stalled = False
+        self._stalled_at: dict[int, str] = {}  # where each rank was when it stalled
         self._refreshed = 0.0
         self._ending: Ending | None = None
         self.debugger = Debugger(group.send_to_rank, self.note_now)
@@ -174,7 +176,7 @@ class Supervisor:
                 "the run was cancelled; every rank was stopped"))
         elif deadline is not None and time.monotonic() > deadline:
             self._ending = Ending("stopped", self._with_stacks(
-                TimeoutError, f"the run did not finish within {self.config.timeout} s; "
+                TimeoutError, f"the run did not finish within {self.config.timeout:g} s; "
                               "every rank was stopped"))
         return self._ending is None
 
@@ -249,17 +251,25 @@ class Supervisor:
             f"{stopped} before every rank returned; the ranks' output is in "
             f"{self.records.path}"))
 
+    @property
+    def running(self) -> set[int]:
+        """The ranks that have not reported an end of this attempt (all, while it runs)."""
+        return set(range(self.config.nprocs)) - self.attempt.reported
+
     def _with_stacks(self, kind: type[BaseException], message: str) -> BaseException:
-        """``kind(message)``, with where each rank still running was (``.stacks``, also
-        kept in the records), taken before anything stops them."""
-        running = set(range(self.config.nprocs)) - self.attempt.reported
-        stacks = {rank: text for rank, text in self.group.stacks().items() if rank in running}
-        if stacks:
+        """``kind(message)``, with where each rank still running was (``.stacks``) and
+        where each is in its collectives (``.hang_report``), taken before anything stops
+        them; both also kept in the records."""
+        running = self.running
+        stacks, report = look_at(self.group, running) if running else ({}, "")
+        if stacks or running:
             self.records.stacks.write_text(
-                "".join(f"--- rank {rank} ---\n{text}\n\n" for rank, text in stacks.items()))
-            message += ("\n" if message else "") + where(stacks)
+                "".join(f"--- rank {rank} ---\n{text}\n\n" for rank, text in stacks.items())
+                + report + "\n")
+            message += ("\n" if message else "") + where(stacks, report)
         error = kind(message) if message else kind()
         error.stacks = stacks  # type: ignore[attr-defined]
+        error.hang_report = report  # type: ignore[attr-defined]
         return error
 
     @property
@@ -294,13 +304,24 @@ class Supervisor:
             return
         if quiet >= limit and not self._stalled:
             self._stalled = True
-            self.state.message = (f"looks stalled: no rank has printed or advanced for "
-                                  f"{int(quiet)} s; an interrupt (or job.stacks()) shows "
-                                  "where each rank is")
-            self.note_now(f"nbddp: the run {self.state.message}\n")
+            self._say_stalled(quiet)
         elif quiet < limit and self._stalled:
             self._stalled = False
+            self._stalled_at = {}
             self.state.message = ""
+        self.state.rank_notes.update(self._stalled_at)
+
+    def _say_stalled(self, quiet: float) -> None:
+        """The run looks stalled: say so, where each rank is and who waits for whom (the
+        panel names each rank's place until it moves again)."""
+        stacks, report = look_at(self.group, self.running)
+        lines = {rank: text.split("\n", 1)[0] for rank, text in stacks.items()}
+        self._stalled_at = {rank: line.split(": ", 1)[-1] for rank, line in lines.items()}
+        self.state.message = f"looks stalled: no rank has printed or advanced for {int(quiet)} s"
+        where = "".join(f"{line}\n" for _, line in sorted(lines.items()))
+        self.note_now(f"nbddp: the run {self.state.message}\n{where}{report}\n"
+                      "nbddp: an interrupt stops it and shows each rank's stack "
+                      "(job.stacks() and job.hang_report() while it goes on)\n")
 
     def pump_output(self) -> None:
         for tail in self._tails:

@@ -16,6 +16,7 @@ from .._wire.mailbox import MailboxReader
 from .._wire.messages import (
     Disconnected,
     RankOptions,
+    Sequenced,
     encode,
 )
 from .._wire.rundir import RunDir, address_text
@@ -82,6 +83,9 @@ class SlurmGroup(RankGroup):
         return group
 
     def _deliver(self, message: Any) -> None:
+        if self._collectives.took(message.message if isinstance(message, Sequenced)
+                                  else message):
+            return
         if not isinstance(message, Disconnected):  # the rank's mailbox still speaks for it
             self.requeues.saw(message)
             self.events.put(message)

@@ -33,10 +33,12 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import NbddpError
+from .._run.asking import Question
 from .._run.config import Output
 from .._run.group import GroupHooks
 from .._run.records import Records, folders, records_root
 from .._run.shape import GroupShape, Handover
+from .._run.stack_view import render
 from .._run.waiting import WaitingGroup
 from .._wire import dataplane
 from .._wire.channel import ChannelServer, new_key, tcp_address
@@ -54,7 +56,7 @@ from .._wire.messages import (
     Start,
 )
 from .._wire.rundir import RunDir, address_text, read_own_key
-from .._wire.stacks import STACKS_WAIT, render
+from .._wire.stacks import STACKS_WAIT
 from .._wire.transfer import Outgoing, place_in
 from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
@@ -135,9 +137,7 @@ class SlurmSessionGroup(WaitingGroup):
         self.status = JobStatus("UNKNOWN")
         self._changes: list[JobStatus] = []
         self._said = 0  # changes shown in the notebook so far
-        self._stack_calls = 0
-        self._stacks: dict[int, Stacks] = {}  # the latest request's answers
-        self._stacks_came = threading.Condition(self._lock)
+        self._stacks = Question(Stacks)
         self._detached = False
         self._follower: SlurmLauncher | JobStep | AttachedStep | None = None
         self._delivery: PayloadDelivery | None = None
@@ -349,19 +349,14 @@ class SlurmSessionGroup(WaitingGroup):
         for rank in sorted(waiting):
             self.events.put(Result(rank))
 
-    def stacks(self, wait: float = STACKS_WAIT) -> dict[int, str]:
+    def stacks(self, wait: float = STACKS_WAIT, full: bool = False) -> dict[int, str]:
         """Every rank's Python stacks, sent back over the channel; a rank that does not
         answer within ``wait`` s (and a moment for the network) is left out."""
         with self._lock:
-            self._stack_calls += 1
-            call, ranks, self._stacks = self._stack_calls, set(self._hellos), {}
-        assert self._server is not None
-        asked = {rank for rank in ranks if self._server.send(rank, ShowStacks(call))}
-        with self._lock:
-            self._stacks_came.wait_for(lambda: asked <= set(self._stacks), wait + 1.0)
-            answers = dict(self._stacks)
-        return {rank: render(answer.dump, answer.main) for rank, answer in sorted(answers.items())
-                if answer.dump is not None}
+            ranks = set(self._hellos)
+        answers = self._stacks.ask(ranks, self._asker(ShowStacks), wait + 1.0)
+        return {rank: render(rank, answer.dump, answer.main, full)
+                for rank, answer in answers.items() if answer.dump is not None}
 
     def _took(self, message: Any) -> bool:
         if isinstance(message, Assigned) and self._start is None:
@@ -371,12 +366,7 @@ class SlurmSessionGroup(WaitingGroup):
             return True
         if isinstance(message, Result) and message.file:
             self._received.append(Path(message.file))  # (removed if nobody reads it)
-        if not isinstance(message, Stacks):
-            return False
-        if message.call == self._stack_calls:
-            self._stacks[message.rank] = message
-            self._stacks_came.notify_all()
-        return True
+        return self._stacks.took(message) or super()._took(message)
 
     def stop(self, clean: bool = False) -> None:
         """Cancel the job and wait until it has left the queue (or, ``clean``, let it end

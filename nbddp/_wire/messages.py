@@ -9,9 +9,10 @@ that a message names; to and from another machine, the file goes along with the 
 (``_wire.transfer``).
 
     rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StopRequested, DebugPrompt,
-                     DebugDone, Assigned, Stacks, PayloadKept, and a report: Result,
-                     Failure or Requeueing (each Sequenced)
-    kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks
+                     DebugDone, Assigned, Stacks, Collectives, PayloadKept, and a report:
+                     Result, Failure or Requeueing (each Sequenced)
+    kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks,
+                     ShowCollectives
     kernel only      Disconnected (a rank's connection closed)
 """
 
@@ -151,6 +152,38 @@ class Stacks:
 
 
 @dataclass(frozen=True)
+class GroupProgress:
+    """Where a rank is in one process group's collectives, as torch's flight recorder
+    counts them (sequence numbers from 1, per process group)."""
+
+    group: str
+    """The process group's name (``"0"`` is the default group)."""
+    label: str
+    """Its description (``default_pg``, or what ``new_group(group_desc=...)`` said)."""
+    completed: int
+    """The last collective this rank completed (0: none yet)."""
+    entered: int
+    """The last collective this rank entered (enqueued)."""
+    completed_op: str = ""
+    """The last completed one's operation (``all_reduce``), if the recorder still has it."""
+    waiting_op: str = ""
+    """The first one entered and not completed, if any."""
+    waiting_since: float | None = None
+    """When the rank entered that one (seconds since the epoch)."""
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """A rank's answer to ``ShowCollectives``: its progress in each process group, or
+    why it cannot say (``unavailable``: no process group, no flight recorder)."""
+
+    rank: int
+    call: int
+    groups: tuple[GroupProgress, ...] = ()
+    unavailable: str = ""
+
+
+@dataclass(frozen=True)
 class Requeueing:
     """A rank of a SLURM job ended its attempt with ``nbddp.requeue()``: once every rank
     has ended, the job goes back to the queue and runs again."""
@@ -253,6 +286,14 @@ class KeepPayload:
 class ShowStacks:
     """Send back every thread's stack (``Stacks``): how the kernel asks a rank on
     another machine, which it cannot signal."""
+
+    call: int
+    """Which request: an answer to an earlier one does not count."""
+
+
+@dataclass(frozen=True)
+class ShowCollectives:
+    """Send back where this rank is in its collectives (``Collectives``)."""
 
     call: int
     """Which request: an answer to an earlier one does not count."""

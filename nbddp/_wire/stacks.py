@@ -3,8 +3,8 @@
 A rank asks ``faulthandler`` to dump every thread's stack to a file of its own on
 ``SIGUSR2``. faulthandler writes from C inside the signal handler, so it answers even
 while the rank's main thread waits in a collective that holds no Python lock. The kernel
-sends the signal, waits for the dump, and shows the main thread first: that is where the
-user's code runs.
+sends the signal, waits for the dump and renders it (``_run/stack_view.py``); the rank
+also names its main thread, where the user's code runs.
 """
 
 from __future__ import annotations
@@ -17,13 +17,10 @@ import time
 from pathlib import Path
 from typing import IO
 
-from .._errors import name_cells
-
 STACKS_SIGNAL = signal.SIGUSR2
 STACKS_WAIT = 2.0
 """Seconds a rank has to answer (faulthandler answers in milliseconds, even when busy)."""
 _MAIN = "main thread "
-_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
 
 
 def answer_stacks(path: Path) -> IO[str]:
@@ -69,32 +66,3 @@ def main_thread_id(path: Path) -> str | None:
         return None
     found = re.findall(rf"^{_MAIN}(0x[0-9a-f]+)$", text, re.MULTILINE)
     return found[-1] if found else None
-
-
-def render(dump: str, main: str | None) -> str:
-    """A dump with the main thread first (labelled), then the others, most recent call
-    first as faulthandler prints them; notebook cells named as the notebook names them."""
-    blocks = [block.strip("\n") for block in _split(dump)]
-    first = [b for b in blocks if main is not None and _thread_of(b) == main]
-    rest = [b for b in blocks if b not in first]
-    shown = [re.sub(_THREAD, "Main thread", b, count=1) for b in first] + rest
-    return name_cells("\n\n".join(shown))
-
-
-def _split(dump: str) -> list[str]:
-    starts = [m.start() for m in _THREAD.finditer(dump)]
-    return [dump[a:b] for a, b in zip(starts, [*starts[1:], len(dump)], strict=True)]
-
-
-def _thread_of(block: str) -> str | None:
-    match = _THREAD.match(block)
-    return match.group(2) if match else None
-
-
-def where(stacks: dict[int, str]) -> str:
-    """Where each rank was: its main thread's stack (``Job.stacks`` has every thread)."""
-    parts = ["where each rank was (its main thread, most recent call first):"]
-    for rank, text in sorted(stacks.items()):
-        main = text.split("\n\n", 1)[0]
-        parts.append(f"--- rank {rank} ---\n{main}")
-    return "\n".join(parts)
