@@ -47,6 +47,7 @@ def launch(
     output: Literal["rank0", "all", "none"] = ...,
     max_restarts: int = ...,
     stall_after: float | None = ...,
+    pdb: bool = ...,
     slurm: bool | Slurm = ...,
 ) -> Job[R]: ...
 @overload
@@ -66,6 +67,7 @@ def launch(
     output: Literal["rank0", "all", "none"] = ...,
     max_restarts: int = ...,
     stall_after: float | None = ...,
+    pdb: bool = ...,
     slurm: bool | Slurm = ...,
 ) -> list[R]: ...
 @overload
@@ -85,6 +87,7 @@ def launch(
     output: Literal["rank0", "all", "none"] = ...,
     max_restarts: int = ...,
     stall_after: float | None = ...,
+    pdb: bool = ...,
     slurm: bool | Slurm = ...,
 ) -> R: ...
 
@@ -105,6 +108,7 @@ def launch(
     output: Literal["rank0", "all", "none"] = "rank0",
     max_restarts: int = 0,
     stall_after: float | None = DEFAULT_STALL_AFTER,
+    pdb: bool = False,
     slurm: bool | Slurm = False,
 ) -> R | list[R] | Job[R]:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh DDP process group.
@@ -120,7 +124,10 @@ def launch(
     fails, torchrun stops every rank and starts them all again, up to N times (each
     attempt runs ``fn`` from the start; ``nbddp.restart_count()`` says which attempt).
     When no rank has printed or advanced for ``stall_after`` seconds, the output says
-    the run looks stalled (``Job.stacks()`` then shows where each rank is).
+    the run looks stalled, where each rank is and who waits for whom (``Job.stacks()``
+    and ``Job.hang_report()`` ask again). ``pdb=True``: when a rank raises, pdb opens in
+    the notebook at the failing frame of that rank, with its variables, before the ranks
+    are stopped; ``q`` ends it and the ``WorkerError`` is raised.
 
     Every run gets fresh processes. After a run, the next run's ranks start in the
     background and wait (see ``standby``), so the next launch of the same shape starts
@@ -136,7 +143,7 @@ def launch(
     __tracebackhide__ = True  # IPython shows the user's call, not nbddp's frames
     options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, timeout=timeout, init=init,
                          all_ranks=all_ranks, env=env, output=output,
-                         max_restarts=max_restarts, stall_after=stall_after)
+                         max_restarts=max_restarts, stall_after=stall_after, pdb=pdb)
     if slurm is not False:
         config, cluster = cluster_run(options, slurm)
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()

@@ -25,6 +25,7 @@ from ._errors import NbddpError
 from ._export.script import export
 from ._launch import launch
 from ._rank.cell import Cell, CellResult
+from ._rank.debugger import debug_last_failure
 from ._run.config import RunOptions
 from ._run.devices import GpusNotVisible
 from ._run.flags import argparse_arguments, flag_values
@@ -164,6 +165,9 @@ class DDPMagics(Magics):
             raise UsageError("%%ddp is a cell magic: put it on the first line of the cell "
                              "to run on every rank (%ddp -h lists the options)")
         run = _values(RunOptions, args)
+        if self._shell.call_pdb and not args.export:  # %pdb on: post-mortem on the rank
+            run["pdb"] = True
+            _without_ipythons_own_post_mortem(self._shell)
         _check_combination(args)
         session = self.session if self.session and not self.session.closed else None
         if session is not None and not args.export:
@@ -183,7 +187,7 @@ class DDPMagics(Magics):
         if session is not None:
             job = session.submit(code, timeout=run["timeout"],  # None: the session's
                                  output=None if run["output"] == "rank0" else run["output"],
-                                 stall_after=run["stall_after"])
+                                 stall_after=run["stall_after"], pdb=run["pdb"])
             result = job.result()
         else:
             result = self._launch(code, args, run)
@@ -276,6 +280,39 @@ class DDPMagics(Magics):
         elif args.action == "restart":
             open_session.restart()
         return open_session.status()
+
+    @line_magic
+    def ddp_debug(self, line: str) -> None:
+        """pdb on the session's rank whose error ended the last ``%%ddp`` cell, at the
+        failing frame, with its variables (as ``%debug`` does for the notebook's own
+        errors); ``q`` ends it. The ranks keep a failure until their next cell."""
+        if line.strip():
+            raise UsageError("%ddp_debug takes no arguments")
+        session = self.session if self.session and not self.session.closed else None
+        if session is None:
+            raise UsageError("%ddp_debug looks at a session's ranks, which keep their state "
+                             "after a failure; a one-off cell's ranks are gone: run it again "
+                             "with %%ddp --pdb to debug where it fails")
+        kept = session.submit(debug_last_failure, all_ranks=True, stall_after=None).result()
+        if not any(kept):
+            print(NOTHING_TO_DEBUG)
+
+
+NOTHING_TO_DEBUG = ("nbddp: no rank of the session kept a failure: %ddp_debug opens pdb "
+                    "where the last %%ddp cell failed, before another cell runs")
+
+
+def _without_ipythons_own_post_mortem(shell: Any) -> None:
+    """``%pdb on`` makes IPython open its debugger on whatever a cell raises: for a
+    ``%%ddp`` cell, that would be nbddp's frame in the kernel, right after the rank's
+    own post-mortem. Off for this cell; back on once it has run."""
+    shell.call_pdb = False
+
+    def back_on(_: Any = None) -> None:
+        shell.call_pdb = True
+        shell.events.unregister("post_run_cell", back_on)
+
+    shell.events.register("post_run_cell", back_on)
 
 
 def _running_cell_number(shell: Any) -> int:

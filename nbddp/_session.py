@@ -323,14 +323,15 @@ class Session:
                timeout: float | None = None,
                output: Literal["rank0", "all", "none"] | None = None,
                stdout: TextIO | None = None,
-               stall_after: float | None = DEFAULT_STALL_AFTER) -> Job:
+               stall_after: float | None = DEFAULT_STALL_AFTER, pdb: bool = False) -> Job:
         """Hand one run to the ranks and return its ``Job`` at once (``%%ddp`` uses this).
-        ``timeout`` and ``output`` default to the session's."""
+        ``timeout`` and ``output`` default to the session's; ``pdb``: a rank that raises
+        opens pdb in the notebook at the failing frame first (as ``launch``'s)."""
         __tracebackhide__ = True
         config = dataclasses.replace(self.config, all_ranks=all_ranks,
                                      output=output or self.config.output,
                                      timeout=timeout or self.config.timeout,
-                                     stall_after=stall_after)
+                                     stall_after=stall_after, pdb=pdb)
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
         with self._lock:
             self._check_idle()

@@ -71,7 +71,7 @@ def test_session_takes_run_options_with_their_defaults():
     per_run = _parameters(Session.submit, {"self", "fn", "args", "kwargs", "stdout",
                                            "timeout", "output"})  # None: the session's
     assert per_run.items() <= dict(defaults(RunOptions)).items()
-    assert set(per_run) == {"all_ranks", "stall_after"}
+    assert set(per_run) == {"all_ranks", "stall_after", "pdb"}
 
 
 def test_export_takes_run_and_slurm_options_with_their_defaults():

@@ -91,7 +91,7 @@ def test_a_frontend_without_input_skips_the_breakpoint_and_says_why(kernel):
     kernel.executions[msg_id] = cell
     cell.finish(timeout=60).assert_ok()
     assert cell.result() == "42"
-    assert ("breakpoint() on rank 1 skipped: this frontend takes no input"
+    assert ("pdb on rank 1 skipped: this frontend takes no input"
             in cell.stream_text()), cell.describe()
 
 
@@ -131,3 +131,90 @@ def test_a_slurm_rank_skips_its_breakpoint_and_says_why(slurm_env, jobs, monkeyp
     jobs.append(job.slurm_job_id)
     assert job.result(timeout=120) == "went on"
     assert "cannot take input from the notebook" in job.logs[0]
+
+
+# --- post-mortem ----------------------------------------------------------------------
+
+FAILS_ON_RANK_1 = """%%ddp --nprocs 2{flags}
+import torch.distributed as dist
+x = 40 + dist.get_rank()
+if dist.get_rank() == 1:
+    y = x / 0
+"""
+
+
+def test_ddp_pdb_opens_pdb_at_the_failing_frame_of_the_rank_that_raised(kernel):
+    kernel.run("%load_ext nbddp").assert_ok()
+    cell = kernel.submit(FAILS_ON_RANK_1.format(flags=" --pdb"))
+    answer(cell, "[rank 1] (Pdb) ", "p x")
+    answer(cell, "[rank 1] (Pdb) ", "q")
+    cell.finish(timeout=60)
+    assert cell.error()["ename"] == "WorkerError", cell.describe()  # raised as without pdb
+    assert "rank 1 raised ZeroDivisionError: division by zero" in cell.error_text()
+    out = cell.stream_text()
+    assert "nbddp: rank 1 raised ZeroDivisionError: division by zero\npost-mortem" in out, out
+    assert re.search(r"^> Cell In\[\d+\]\(5\)<module>\(\)\n-> y = x / 0$", out, re.M), out
+    assert "\n41\n" in out  # rank 1's x
+
+
+def test_percent_pdb_on_is_honoured_and_ipython_does_not_debug_the_kernel_after(kernel):
+    kernel.run("%load_ext nbddp\n%pdb on").assert_ok()
+    try:
+        cell = kernel.submit(FAILS_ON_RANK_1.format(flags=""))
+        answer(cell, "[rank 1] (Pdb) ", "p x + 1")
+        answer(cell, "[rank 1] (Pdb) ", "q")
+        cell.finish(timeout=60)  # no second prompt: IPython's own debugger stays shut
+        assert cell.error()["ename"] == "WorkerError", cell.describe()
+        assert "\n42\n" in cell.stream_text()
+        assert kernel.run("get_ipython().call_pdb").assert_ok().result() == "True"  # still on
+    finally:
+        kernel.run("%pdb off")
+
+
+FAILS_WITH = """
+def fails_with(value):
+    local = value * 2
+    raise ValueError(f"bad {local}")
+"""
+
+
+def test_launch_pdb_true_debugs_the_function(kernel):
+    kernel.run("import nbddp\n" + FAILS_WITH).assert_ok()
+    cell = kernel.submit("nbddp.launch(fails_with, nprocs=1, args=(21,), pdb=True)")
+    answer(cell, "[rank 0] (Pdb) ", "p local")
+    answer(cell, "[rank 0] (Pdb) ", "c")  # goes on: the error is raised
+    cell.finish(timeout=60)
+    assert cell.error()["ename"] == "WorkerError", cell.describe()
+    assert "\n42\n" in cell.stream_text()
+
+
+def test_without_pdb_a_failing_rank_reports_at_once(kernel):
+    kernel.run("%load_ext nbddp").assert_ok()
+    run = kernel.run(FAILS_ON_RANK_1.format(flags=""), timeout=90)
+    assert run.error()["ename"] == "WorkerError" and "(Pdb)" not in run.stream_text()
+
+
+def test_ddp_debug_after_a_failed_session_cell_debugs_the_rank_that_raised(kernel):
+    kernel.run("%load_ext nbddp\n%ddp_session start --nprocs 2").assert_ok()
+    try:
+        failed = kernel.run(FAILS_ON_RANK_1.format(flags="").replace(" --nprocs 2", ""),
+                            timeout=90)
+        assert failed.error()["ename"] == "WorkerError", failed.describe()
+        cell = kernel.submit("%ddp_debug")
+        answer(cell, "[rank 1] (Pdb) ", "p x")
+        answer(cell, "[rank 1] (Pdb) ", "q")
+        cell.finish(timeout=60).assert_ok()
+        assert "\n41\n" in cell.stream_text()
+        again = kernel.run("%ddp_debug", timeout=60).assert_ok()  # used: nothing kept
+        assert "no rank of the session kept a failure" in again.stream_text()
+        kept = kernel.run("%%ddp\nx", timeout=60).assert_ok()
+        assert kept.result() == "40"  # the state is the session's still
+    finally:
+        kernel.run("%ddp_session stop")
+
+
+def test_ddp_debug_needs_a_session(kernel):
+    kernel.run("%load_ext nbddp").assert_ok()
+    run = kernel.run("%ddp_debug")
+    assert "UsageError" in run.stream_text("stderr") or run.error() is not None
+    assert "a one-off cell's ranks are gone" in run.describe()

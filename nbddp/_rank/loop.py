@@ -18,13 +18,14 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
+from types import FrameType, TracebackType
 from typing import Any, Protocol, runtime_checkable
 
 from .._version import __version__
 from .._wire import dataplane
 from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from .._wire.payload import Payload, dumps_value
+from .debugger import Debugging
 from .metrics import start_reporting, stop_reporting
 from .requeue import RequeueRequested, mark_requeue
 from .scope import Scope
@@ -81,9 +82,11 @@ class Rank:
     """One rank's state across the runs it is given."""
 
     def __init__(self, rank: int, run_dir: Path, log: Path, prepared: str | None,
-                 move_log: Callable[[Path, Path], None]) -> None:
+                 move_log: Callable[[Path, Path], None],
+                 debugging: Debugging | None = None) -> None:
         self.rank, self.run_dir, self.log, self.prepared = rank, run_dir, log, prepared
         self._move_log = move_log
+        self.debugging = debugging
         self._group_ready = False
         self.scope = Scope()
         self.interrupts = Interrupts()
@@ -95,6 +98,8 @@ class Rank:
             self._adopt(start)
             reporter = start_reporting(self.rank, send)
             payload = Payload.unpack(_packed_payload(start))
+            if self.debugging and not getattr(payload.fn, "keeps_last_failure", False):
+                self.debugging.last_failure = None  # (its frames may hold much memory)
             scope = self.scope if start.session else Scope()
             with scope.tracking():
                 value = self._call(payload, start, scope)
@@ -106,12 +111,25 @@ class Rank:
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
             if isinstance(exc, SystemExit) and exc.code in (None, 0):
                 return Report(Result(self.rank, dumps_value(None) if self.rank == 0 else None))
+            self._debug(exc, start)
             return Report(failure(self.rank, exc))
         finally:
             if reporter is not None:
                 stop_reporting()  # what is still buffered goes before the report
             if start.session and self.rank == 0:
                 send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
+
+    def _debug(self, exc: BaseException, start: Start) -> None:
+        """Post-mortem on the user's part of ``exc``'s traceback if the run asked for it,
+        before the failure is reported (and the kernel stops the ranks); a session's rank
+        keeps it for ``%ddp_debug``."""
+        if self.debugging is None:
+            return
+        users = users_part(exc.__traceback__)
+        if start.options.post_mortem and isinstance(exc, Exception) and users is not None:
+            self.debugging.post_mortem(exc, users)
+        if start.session:
+            self.debugging.keep(exc, users)
 
     def _result(self, value: Any, start: Start) -> Report:
         """The report of a value: in the message, or its tensor and array bytes in a
@@ -222,12 +240,16 @@ def _process_group(options: RankOptions, prepared: str | None) -> None:
     dist.init_process_group(backend)
 
 
-def failure(rank: int, exc: BaseException) -> Failure:
-    """Describe ``exc`` with a traceback that starts in the user's code, not in nbddp."""
-    tb = exc.__traceback__
+def users_part(tb: TracebackType | None) -> TracebackType | None:
+    """A traceback from where it enters the user's code (nbddp's own frames left out)."""
     while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         tb = tb.tb_next
-    text = "".join(traceback.format_exception(type(exc), exc, tb))
+    return tb
+
+
+def failure(rank: int, exc: BaseException) -> Failure:
+    """Describe ``exc`` with a traceback that starts in the user's code, not in nbddp."""
+    text = "".join(traceback.format_exception(type(exc), exc, users_part(exc.__traceback__)))
     try:
         pickled = dumps_value(exc)
     except Exception:

@@ -86,6 +86,12 @@ class RunOptions:
         type=float, metavar="SECONDS", value=_never_if_zero))
     """Seconds without output or progress from any rank after which the panel says the
     run looks stalled; None never says it."""
+    pdb: bool = field(default=False, metadata=flag(
+        "when a rank raises, open pdb in the notebook at the failing frame, with its "
+        "variables, before the ranks are stopped (as %%pdb on does; q ends it)",
+        action="store_true"))
+    """Post-mortem: when a rank raises, pdb opens in the notebook at the failing frame of
+    that rank before the ranks are stopped; ``q`` ends it and the error is raised."""
     output: Output = field(default="rank0", metadata=flag(
         "show every rank's output live, each line prefixed with its rank",
         name="--all-ranks", action="store_const", const="all"))
@@ -163,7 +169,7 @@ class RunConfig(RunOptions):
     @property
     def rank_options(self) -> RankOptions:
         """What each rank is told with the run's ``Start``."""
-        return RankOptions(self.init, self.backend, self.all_ranks)
+        return RankOptions(self.init, self.backend, self.all_ranks, self.pdb)
 
 
 def check_max_restarts(value: object) -> None:

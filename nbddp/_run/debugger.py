@@ -89,4 +89,4 @@ class Debugger:
     def _refuse(self, prompt: DebugPrompt, reason: str) -> None:
         self.done(prompt.rank)
         self._send(prompt.rank, DebugInput(None, reason))
-        self._note(f"nbddp: breakpoint() on rank {prompt.rank} skipped: {reason}\n")
+        self._note(f"nbddp: pdb on rank {prompt.rank} skipped: {reason}\n")

@@ -38,6 +38,8 @@ class RankOptions:
     """The process group's backend; None: NCCL on a GPU rank, gloo otherwise."""
     all_ranks: bool = False
     """Every rank sends its return value back, not only rank 0."""
+    post_mortem: bool = False
+    """A rank that raises opens pdb at the failing frame (the notebook answers) first."""
 
 
 # --- rank -> kernel -------------------------------------------------------------------
