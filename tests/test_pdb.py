@@ -2,8 +2,9 @@
 
 Through a real kernel, as a notebook front end does: the kernel asks for each line on
 its stdin channel (``input_request``), the test answers ``p x`` then ``c``, and the run
-returns. Two ranks at a breakpoint are served one after the other, each prompt naming
-its rank. Where nobody can answer (a ``wait=False`` run, a front end that takes no
+returns. Two ranks at a breakpoint are asked together (``[ranks 0,1] (Pdb) ``), their
+answers labelled, or singly with ``@1``. A rank that raises opens a post-mortem with
+``--pdb`` (``%pdb on``, ``pdb=True``), and a session's with ``%ddp_debug``. Where nobody can answer (a ``wait=False`` run, a front end that takes no
 input), the breakpoint is skipped with a message instead of ``BdbQuit``, and
 ``PYTHONBREAKPOINT=0`` turns it off.
 """
@@ -51,37 +52,33 @@ def test_breakpoint_on_rank_0_opens_pdb_in_the_cell(kernel):
     assert "\n40\n" in out  # what `p x` printed on rank 0
 
 
-def test_ranks_at_a_breakpoint_are_served_one_at_a_time(kernel):
+def test_ranks_at_a_breakpoint_are_asked_together_and_answer_labelled(kernel):
     kernel.run("import nbddp\n" + STOPS).assert_ok()
     cell = kernel.submit("nbddp.launch(stops, nprocs=2, args=([0, 1],), all_ranks=True)")
-    kc = kernel.kc
-    first = kc.get_stdin_msg(timeout=60)["content"]["prompt"]
-    assert first in ("[rank 0] (Pdb) ", "[rank 1] (Pdb) ")
-    kc.input("p x")
-    answer(cell, first, "c")  # the same rank until it goes on
-    other = "[rank 1] (Pdb) " if first == "[rank 0] (Pdb) " else "[rank 0] (Pdb) "
-    answer(cell, other, "p x")
-    answer(cell, other, "c")
+    answer(cell, "[ranks 0,1] (Pdb) ", "p x")  # both ranks, one prompt
+    answer(cell, "[ranks 0,1] (Pdb) ", "@1 p x * 10")  # rank 1 only
+    answer(cell, "[ranks 0,1] (Pdb) ", "@3 p x")  # no such rank at a prompt
+    answer(cell, "[ranks 0,1] (Pdb) ", "c")  # both go on
     cell.finish(timeout=60).assert_ok()
     assert cell.result() == "[42, 43]"
     out = cell.stream_text()
-    assert "\n40\n" in out and "\n41\n" in out
+    assert "[rank 0] 40\n[rank 1] 41\n" in out, out  # labelled, in rank order
+    assert "[rank 1] 410\n" in out and "[rank 0] 400" not in out, out
+    assert "nbddp: rank 3 is not at a pdb prompt; these are: 0, 1" in out, out
+    assert re.search(r"^\[rank 1\] > Cell In\[\d+\]\(9\)stops\(\)$", out, re.M), out
 
 
-def test_a_rank_that_steps_off_the_end_of_its_function_lets_the_next_be_served(kernel):
+def test_a_rank_that_steps_off_the_end_of_its_function_leaves_the_others_asked(kernel):
     """``r`` then ``n`` leaves the function; pdb does not stop in nbddp's own frames, and
-    once the rank has reported, the other rank's prompt comes."""
+    once the rank has reported, the other rank is asked alone."""
     kernel.run("import nbddp\n" + STOPS.replace("    dist.barrier()\n", "")).assert_ok()
     cell = kernel.submit("nbddp.launch(stops, nprocs=2, args=([0, 1],), all_ranks=True)")
-    kc = kernel.kc
-    first = kc.get_stdin_msg(timeout=60)["content"]["prompt"]
-    kc.input("r")  # to the function's return
-    answer(cell, first, "n")  # off its end: into nbddp's frames, which pdb skips
-    other = "[rank 1] (Pdb) " if first == "[rank 0] (Pdb) " else "[rank 0] (Pdb) "
-    answer(cell, other, "c")
+    answer(cell, "[ranks 0,1] (Pdb) ", "@0 r")  # to the function's return
+    answer(cell, "[ranks 0,1] (Pdb) ", "@0 n")  # off its end: into nbddp's frames, skipped
+    answer(cell, "[rank 1] (Pdb) ", "c")
     cell.finish(timeout=60).assert_ok()
     assert cell.result() == "[42, 43]"
-    assert "nbddp/_rank.py" not in cell.stream_text()
+    assert "nbddp/_rank" not in cell.stream_text()
 
 
 def test_a_frontend_without_input_skips_the_breakpoint_and_says_why(kernel):

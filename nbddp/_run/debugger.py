@@ -1,17 +1,21 @@
-"""The notebook's side of pdb on a rank: ask the user for each line a rank's pdb wants.
+"""The notebook's side of pdb on the ranks: one prompt for every rank stopped in pdb.
 
 Prompts arrive on the supervisor's thread, but only the thread waiting in
 ``Job.result()`` (in a notebook, the cell's own) can ask the frontend for input, so
-they wait there. One rank is served at a time, until its pdb lets the code go on; other
-ranks' prompts wait their turn, and each prompt names its rank. Where nobody waits in
-``result()`` (a ``wait=False`` run), or the frontend takes no input, the rank is told
-why and goes on.
+they wait there. Ranks that stop together are asked together, as ipyparallel asks its
+engines: ``[ranks 0,1] (Pdb) p x`` goes to every rank at a prompt, ``@1 p x`` (or
+``@0,2 ...``) to those named, and each answer comes back labelled with its rank; ``c``
+lets them all go on. A rank alone at its prompt is asked as ``[rank 1] (Pdb) ``, its
+answers unlabelled, as pdb prints them. Where nobody waits in ``result()`` (a
+``wait=False`` run), or the frontend takes no input, the ranks are told why and go on.
 """
 
 from __future__ import annotations
 
 import queue
+import re
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,6 +26,14 @@ NOBODY_WAITS = ("no cell waits for this run (wait=False), so nothing can take pd
                 "input; call job.result() before the ranks reach a breakpoint")
 NO_INPUT = ("this frontend takes no input (e.g. a notebook run by nbclient or nbval, or "
             "stdin captured)")
+GATHER = 0.2
+"""Seconds without a new rank stopping before the user is asked: ranks that reach a
+breakpoint together get one prompt."""
+ANSWER_WAIT = 2.0
+"""Seconds the ranks told a line have to answer it before the user is asked again (their
+answers then come together); a rank that takes longer (stepping over a collective that
+waits for a stopped rank) answers with a later prompt."""
+_TARGETS = re.compile(r"^@(\d+(?:\s*,\s*\d+)*)\s*(.*)$", re.S)
 
 
 class Debugger:
@@ -30,8 +42,9 @@ class Debugger:
     def __init__(self, send: Callable[[int, Any], object], note: Callable[[str], None]) -> None:
         self._send, self._note = send, note
         self._prompts: queue.Queue[DebugPrompt] = queue.Queue()
-        self._waiting: list[DebugPrompt] = []
-        self._current: int | None = None
+        self._at_prompt: dict[int, DebugPrompt] = {}  # ranks that wait for a line
+        self._told: dict[int, float] = {}  # ranks given a line, not yet answered: when
+        self._last_stop = 0.0  # when a rank last stopped (not: answered a line)
         self.serving = threading.Event()
         """Set while a thread waits in ``Job.result()`` and serves prompts."""
         self._lock = threading.Lock()  # a prompt is queued for a server, or refused
@@ -45,48 +58,97 @@ class Debugger:
         self._refuse(prompt, NOBODY_WAITS)
 
     def done(self, rank: int) -> None:
-        """The rank's pdb let its code go on: the next rank may be served."""
-        if self._current == rank:
-            self._current = None
+        """The rank's pdb let its code go on (or the rank ended): nothing to wait for."""
+        with self._lock:
+            self._told.pop(rank, None)
+            self._at_prompt.pop(rank, None)
 
     def _collect(self) -> None:
         while True:
             try:
-                self._waiting.append(self._prompts.get_nowait())
+                prompt = self._prompts.get_nowait()
             except queue.Empty:
                 return
+            with self._lock:
+                if self._told.pop(prompt.rank, None) is None:  # a stop, not an answer
+                    self._last_stop = time.monotonic()
+                self._at_prompt[prompt.rank] = prompt
 
     def serve(self) -> None:
-        """Answer the prompt whose turn it is, asking the user (the waiting thread)."""
+        """Ask the user for a line for the ranks at a prompt, once they are all there,
+        and send it to them (the waiting thread)."""
         self._collect()
-        turn = next((p for p in self._waiting if p.rank == self._current), None)
-        if turn is None and self._current is None and self._waiting:
-            turn = self._waiting[0]
-        if turn is None:
+        with self._lock:
+            ready, told = dict(self._at_prompt), dict(self._told)
+        now = time.monotonic()
+        if not ready or now - self._last_stop < GATHER or any(
+                now - since < ANSWER_WAIT for since in told.values()):
             return
-        self._waiting.remove(turn)
-        self._current = turn.rank
-        said, _, prompt = turn.text.rpartition("\n")
-        if said:
-            print(name_cells(said), flush=True)
+        ranks = sorted(ready)
+        self._show(ready)
+        label = f"[rank {ranks[0]}]" if len(ranks) == 1 else \
+            f"[ranks {','.join(map(str, ranks))}]"
+        pdb_prompt = ready[ranks[0]].text.rpartition("\n")[2]
         try:
-            line = input(f"[rank {turn.rank}] {prompt}")
+            line = input(f"{label} {pdb_prompt}")
         except (EOFError, OSError, NotImplementedError):  # IPython: StdinNotImplementedError
-            self._refuse(turn, NO_INPUT)
+            for prompt in ready.values():
+                self._refuse(prompt, NO_INPUT)
             return
-        self._send(turn.rank, DebugInput(line))
+        targets, command = _addressed(line, ranks)
+        if targets is None:
+            print(f"nbddp: {command}", flush=True)
+            return
+        self._tell(targets, command)
+
+    def _show(self, ready: dict[int, DebugPrompt]) -> None:
+        """What each rank's pdb printed since its last prompt (labelled when several
+        ranks are asked together), once."""
+        several = len(ready) > 1
+        for rank, prompt in sorted(ready.items()):
+            said = prompt.text.rpartition("\n")[0]
+            if said:
+                text = name_cells(said)
+                if several:
+                    text = "\n".join(f"[rank {rank}] {line}" for line in text.split("\n"))
+                print(text, flush=True)
+            with self._lock:
+                if self._at_prompt.get(rank) is prompt:
+                    self._at_prompt[rank] = DebugPrompt(rank, prompt.text.rpartition("\n")[2])
+
+    def _tell(self, ranks: list[int], line: str) -> None:
+        with self._lock:
+            for rank in ranks:
+                self._at_prompt.pop(rank, None)
+                self._told[rank] = time.monotonic()
+        for rank in ranks:
+            self._send(rank, DebugInput(line))
 
     def stop_serving(self) -> None:
         """No thread waits any more: tell every rank still waiting for a line."""
         with self._lock:
             self.serving.clear()
-            self._collect()
-        for prompt in self._waiting:
+        self._collect()
+        with self._lock:
+            waiting, self._at_prompt, self._told = list(self._at_prompt.values()), {}, {}
+        for prompt in waiting:
             self._refuse(prompt, NOBODY_WAITS)
-        self._waiting.clear()
-        self._current = None
 
     def _refuse(self, prompt: DebugPrompt, reason: str) -> None:
         self.done(prompt.rank)
         self._send(prompt.rank, DebugInput(None, reason))
         self._note(f"nbddp: pdb on rank {prompt.rank} skipped: {reason}\n")
+
+
+def _addressed(line: str, ranks: list[int]) -> tuple[list[int] | None, str]:
+    """The ranks a line is for and the command: ``@1,2 p x`` names them, otherwise it is
+    for every rank at a prompt. (None and why, if it names a rank not at a prompt.)"""
+    match = _TARGETS.match(line.strip())
+    if match is None:
+        return ranks, line
+    named = sorted({int(part) for part in match.group(1).split(",")})
+    absent = [rank for rank in named if rank not in ranks]
+    if absent:
+        return None, (f"rank {', '.join(map(str, absent))} is not at a pdb prompt; these "
+                      f"are: {', '.join(map(str, ranks))}")
+    return named, match.group(2)
