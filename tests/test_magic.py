@@ -150,7 +150,7 @@ def test_timeout_stops_every_rank(ddp):
     """)
     elapsed = time.monotonic() - started
     assert run.error() is not None and run.error()["ename"] == "TimeoutError", run.describe()
-    assert "2.0 s" in run.error_text(), run.describe()
+    assert "did not finish within 2 s" in run.error_text(), run.describe()
     assert elapsed < 20, f"the cell returned {elapsed:.1f} s after it started"
     wait_until(lambda: not descendants(ddp.pid), timeout=5)
     assert run_dirs() == dirs

@@ -4,9 +4,10 @@ Through a real kernel, as a notebook front end does: the kernel asks for each li
 its stdin channel (``input_request``), the test answers ``p x`` then ``c``, and the run
 returns. Two ranks at a breakpoint are asked together (``[ranks 0,1] (Pdb) ``), their
 answers labelled, or singly with ``@1``. A rank that raises opens a post-mortem with
-``--pdb`` (``%pdb on``, ``pdb=True``), and a session's with ``%ddp_debug``. Where nobody can answer (a ``wait=False`` run, a front end that takes no
-input), the breakpoint is skipped with a message instead of ``BdbQuit``, and
-``PYTHONBREAKPOINT=0`` turns it off.
+``--pdb`` (``%pdb on``, ``pdb=True``), and a session's with ``%ddp_debug``. Where
+nobody can answer (a ``wait=False`` run, a front end that takes no input), the
+breakpoint is skipped with a message instead of ``BdbQuit``, and ``PYTHONBREAKPOINT=0``
+turns it off.
 """
 
 from __future__ import annotations

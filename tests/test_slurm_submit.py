@@ -180,11 +180,16 @@ def test_a_timeout_cancels_the_job(slurm_env, jobs, monkeypatch):
 
         time.sleep(600)
 
-    job = nbddp.launch(sleeps, nprocs=1, slurm=True, timeout=10, wait=False)
+    job = nbddp.launch(sleeps, nprocs=1, slurm=True, timeout=20, wait=False)
     assert job.slurm_job_id is not None
     jobs.append(job.slurm_job_id)
-    with pytest.raises(TimeoutError, match="did not finish within 10"):
+    stacks = wait_until(job.stacks, timeout=20)  # on demand, over the channel, while it runs
+    assert stacks[0].startswith("rank 0: in sleeps (test_slurm_submit.py, line "), stacks
+    assert job.hang_report().splitlines()[1:] == ["rank 0: has entered no collective yet"]
+    with pytest.raises(TimeoutError, match="did not finish within 20") as caught:
         job.result()
+    assert caught.value.stacks[0].startswith("rank 0: in sleeps (")  # taken before scancel
+    assert "rank 0: has entered no collective yet" in caught.value.hang_report
     assert job_ended(slurm_env, job.slurm_job_id)
     assert job_info(slurm_env, job.slurm_job_id)["JobState"] == "CANCELLED"
 

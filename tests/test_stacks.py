@@ -99,6 +99,16 @@ def test_the_summary_names_the_innermost_user_frame_or_says_the_rank_is_in_nbddp
         f'  File "{THREADING}", line 331, in wait']
 
 
+def test_torchs_frames_fold_into_one_line_across_the_import_machinery(user_file):
+    importing = [(str(TORCH / f"m{i}.py"), 1, "<module>") for i in range(5)]
+    between = [frame for pair in zip(importing, [("<frozen importlib._bootstrap>", 241,
+                                                  "_call_with_frames_removed")] * 5,
+                                     strict=True) for frame in pair]
+    dump = dump_of({"0x1": [*between, (user_file, 1, "<module>")]})
+    assert render(0, dump, "0x1").splitlines()[4:] == [
+        "  [5 frames in torch: <module> > <module> > ... > <module>]"]
+
+
 def test_where_puts_every_ranks_summary_and_the_hang_report_on_top(user_file):
     stacks = {r: render(r, barrier_dump(user_file), "0x00000000000000bb") for r in (0, 1)}
     text = where(stacks, "collectives: ...")

@@ -35,6 +35,8 @@ from .._wire.messages import (
     Collectives,
     RankOptions,
     ShowCollectives,
+    ShowStacks,
+    Stacks,
     Start,
 )
 from .._wire.rundir import RunDir
@@ -42,6 +44,7 @@ from .._wire.stacks import STACKS_WAIT
 from .asking import Question
 from .records import Records
 from .shape import Handover
+from .stack_view import render
 
 
 class Launcher(Protocol):
@@ -90,6 +93,7 @@ class RankGroup:
         self._closed = False
         self._closing = threading.Lock()
         self._collectives = Question(Collectives)
+        self._stacks = Question(Stacks)
 
     def _follow_launcher(self, launcher: Launcher) -> None:
         self.launcher = launcher
@@ -114,16 +118,23 @@ class RankGroup:
         """Interrupt the user's code on ``ranks`` (a session's; others are stopped)."""
 
     def stacks(self, wait: float = STACKS_WAIT, full: bool = False) -> dict[int, str]:
-        """Every live rank's Python stacks, as ``stack_view.render`` shows them (``full``:
-        every frame and thread); empty where the kernel cannot ask (a SLURM job's ranks
-        run on other machines)."""
-        return {}
+        """Every rank's Python stacks, as ``stack_view.render`` shows them (``full``: every
+        frame and thread), sent back over the channel (a rank on another machine cannot
+        be signalled); a rank that does not answer within ``wait`` s (and a moment for the
+        network) is left out."""
+        answers = self._stacks.ask(range(self.nprocs), self._asker(ShowStacks), wait + 1.0)
+        return {rank: render(rank, answer.dump, answer.main, full)
+                for rank, answer in answers.items() if answer.dump is not None}
 
     def collectives(self, wait: float = STACKS_WAIT) -> dict[int, Collectives]:
         """Where each rank the channel reaches is in its collectives (torch's flight
         recorder, read by the rank); a rank that does not answer within ``wait`` s is left
         out."""
         return self._collectives.ask(range(self.nprocs), self._asker(ShowCollectives), wait)
+
+    def _answers_question(self, message: Any) -> bool:
+        """True if ``message`` answers one of the questions above (then it is taken)."""
+        return self._collectives.took(message) or self._stacks.took(message)
 
     def _asker(self, question: Callable[[int], Any]) -> Callable[[int, int], bool]:
         """How a ``Question`` sends ``question(call)`` to a rank over the channel."""

@@ -174,8 +174,8 @@ class Job(Generic[R]):
         (``rank 0: waiting in barrier (Cell In[3], line 9)``), then the main thread, most
         recent call last, with source lines, then the user's other threads. torch's
         internals are folded and nbddp's frames and threads left out, unless ``full``.
-        Empty once the ranks are gone, and for a SLURM job (its ranks are on other
-        machines)."""
+        A SLURM job's ranks answer over the channel, where they reach the kernel. Empty
+        once the ranks are gone."""
         return self._group.stacks(full=full)
 
     def hang_report(self) -> str:

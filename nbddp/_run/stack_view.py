@@ -155,13 +155,14 @@ def _block(title: str, thread: Thread, full: bool) -> str:
     lines = [f"{title} (most recent call last):"]
     folded: list[Frame] = []
     for frame in thread.frames:
+        if not full and frame.kind in (Kind.NBDDP, Kind.MACHINERY):
+            continue  # (left out, also between torch's frames: importing torch nests so)
         if not full and frame.kind is Kind.TORCH:
             folded.append(frame)
             continue
         lines += _folded(folded)
         folded = []
-        if full or frame.kind not in (Kind.NBDDP, Kind.MACHINERY):
-            lines += frame.lines()
+        lines += frame.lines()
     lines += _folded(folded)
     if len(lines) == 1:
         lines.append("  (only nbddp's frames: job.stacks(full=True) shows them)")
@@ -171,7 +172,9 @@ def _block(title: str, thread: Thread, full: bool) -> str:
 def _folded(frames: list[Frame]) -> list[str]:
     if not frames:
         return []
-    names = " > ".join(frame.function for frame in frames)
+    functions = [frame.function for frame in frames]
+    names = " > ".join(functions if len(functions) <= 3 else [*functions[:2], "...",
+                                                              functions[-1]])
     many = f"{len(frames)} frames" if len(frames) > 1 else "1 frame"
     return [f"  [{many} in torch: {names}]"]
 

@@ -131,7 +131,7 @@ class WaitingGroup(RankGroup):
     def _took(self, message: Any) -> bool:
         """(Under the lock) True if ``message`` is the backend's own business (an answer
         it waits for), not the run's."""
-        return self._collectives.took(message)
+        return self._answers_question(message)
 
     def _said_hello(self, hello: Hello) -> None:
         """(Under the lock) A rank is up: it gets the Start if the run is known."""

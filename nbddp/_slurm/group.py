@@ -83,8 +83,7 @@ class SlurmGroup(RankGroup):
         return group
 
     def _deliver(self, message: Any) -> None:
-        if self._collectives.took(message.message if isinstance(message, Sequenced)
-                                  else message):
+        if self._answers_question(message.message if isinstance(message, Sequenced) else message):
             return
         if not isinstance(message, Disconnected):  # the rank's mailbox still speaks for it
             self.requeues.saw(message)

@@ -33,12 +33,10 @@ from pathlib import Path
 from typing import Any
 
 from .._errors import NbddpError
-from .._run.asking import Question
 from .._run.config import Output
 from .._run.group import GroupHooks
 from .._run.records import Records, folders, records_root
 from .._run.shape import GroupShape, Handover
-from .._run.stack_view import render
 from .._run.waiting import WaitingGroup
 from .._wire import dataplane
 from .._wire.channel import ChannelServer, new_key, tcp_address
@@ -51,12 +49,9 @@ from .._wire.messages import (
     PayloadKept,
     RankOptions,
     Result,
-    ShowStacks,
-    Stacks,
     Start,
 )
 from .._wire.rundir import RunDir, address_text, read_own_key
-from .._wire.stacks import STACKS_WAIT
 from .._wire.transfer import Outgoing, place_in
 from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
@@ -137,7 +132,6 @@ class SlurmSessionGroup(WaitingGroup):
         self.status = JobStatus("UNKNOWN")
         self._changes: list[JobStatus] = []
         self._said = 0  # changes shown in the notebook so far
-        self._stacks = Question(Stacks)
         self._detached = False
         self._follower: SlurmLauncher | JobStep | AttachedStep | None = None
         self._delivery: PayloadDelivery | None = None
@@ -349,15 +343,6 @@ class SlurmSessionGroup(WaitingGroup):
         for rank in sorted(waiting):
             self.events.put(Result(rank))
 
-    def stacks(self, wait: float = STACKS_WAIT, full: bool = False) -> dict[int, str]:
-        """Every rank's Python stacks, sent back over the channel; a rank that does not
-        answer within ``wait`` s (and a moment for the network) is left out."""
-        with self._lock:
-            ranks = set(self._hellos)
-        answers = self._stacks.ask(ranks, self._asker(ShowStacks), wait + 1.0)
-        return {rank: render(rank, answer.dump, answer.main, full)
-                for rank, answer in answers.items() if answer.dump is not None}
-
     def _took(self, message: Any) -> bool:
         if isinstance(message, Assigned) and self._start is None:
             self.names = message.names  # said to a kernel that attaches, before any run
@@ -366,7 +351,7 @@ class SlurmSessionGroup(WaitingGroup):
             return True
         if isinstance(message, Result) and message.file:
             self._received.append(Path(message.file))  # (removed if nobody reads it)
-        return self._stacks.took(message) or super()._took(message)
+        return super()._took(message)
 
     def stop(self, clean: bool = False) -> None:
         """Cancel the job and wait until it has left the queue (or, ``clean``, let it end
