@@ -13,6 +13,7 @@ turns it off.
 from __future__ import annotations
 
 import re
+from queue import Empty
 
 import pytest
 
@@ -35,7 +36,13 @@ def stops(ranks):
 def answer(execution: Execution, prompt: str, line: str, timeout: float = 60) -> None:
     """Wait for the cell's input request, check its prompt, and type ``line``."""
     kc = execution.kernel.kc
-    msg = kc.get_stdin_msg(timeout=timeout)
+    try:
+        msg = kc.get_stdin_msg(timeout=timeout)
+    except Empty:
+        while execution._pump(0.5) and execution.idle_at is None:
+            pass  # what the cell showed instead
+        raise AssertionError(f"no {prompt!r} within {timeout} s:\n"
+                             f"{execution.describe()}") from None
     assert msg["msg_type"] == "input_request", msg
     assert msg["content"]["prompt"] == prompt, msg["content"]
     kc.input(line)
