@@ -223,3 +223,23 @@ def test_ddp_debug_needs_a_session(kernel):
     run = kernel.run("%ddp_debug")
     assert "UsageError" in run.stream_text("stderr") or run.error() is not None
     assert "a one-off cell's ranks are gone" in run.describe()
+
+
+def test_q_at_a_breakpoint_under_pdb_opens_no_second_pdb(kernel):
+    kernel.run("%load_ext nbddp").assert_ok()
+    cell = kernel.submit("%%ddp --nprocs 1 --pdb\nx = 1\nbreakpoint()\nx")
+    answer(cell, "[rank 0] (Pdb) ", "q")  # BdbQuit: the user's own end, no post-mortem
+    cell.finish(timeout=60)
+    assert cell.error()["ename"] == "WorkerError", cell.describe()
+    assert "raised BdbQuit" in cell.error_text() and "post-mortem" not in cell.stream_text()
+
+
+def test_an_interrupt_at_a_post_mortem_prompt_stops_the_run(kernel):
+    kernel.run("%load_ext nbddp").assert_ok()
+    cell = kernel.submit(FAILS_ON_RANK_1.format(flags=" --pdb"))
+    msg = kernel.kc.get_stdin_msg(timeout=60)
+    assert msg["content"]["prompt"] == "[rank 1] (Pdb) ", msg
+    kernel.km.interrupt_kernel()  # the stop button, while the prompt waits
+    cell.finish(timeout=60)
+    assert cell.error()["ename"] == "KeyboardInterrupt", cell.describe()
+    assert kernel.run("1 + 1").assert_ok().result() == "2"  # the kernel goes on

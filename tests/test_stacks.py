@@ -323,3 +323,22 @@ def test_in_a_session_the_count_goes_on_across_runs_and_the_timeout_says_where(t
         assert str(caught.value).startswith(  # (rank 0 cannot leave its all_reduce)
             "the run did not finish within 20 s; the session was restarted: variables defined "
             "in earlier cells are gone\nwhere each rank was:\nrank 0: waiting in all_reduce (")
+
+
+def test_a_subgroups_progress_is_named_as_every_rank_names_it():
+    """The recorder's status is keyed by the group's id in this process (ranks outside a
+    subgroup make none, so ids differ across ranks); its entries carry the group's name."""
+    from nbddp._rank.collectives import _progress_in
+
+    def entry(number, op, created=None):
+        return {"pg_id": 1, "process_group": ("5", "tp"), "collective_seq_id": number,
+                "profiling_name": f"gloo:{op}", "time_created_ns": created, "is_p2p": False}
+
+    trace = {"pg_status": {"0": {"last_completed_collective": -1,
+                                 "last_enqueued_collective": -1},
+                           "1": {"last_completed_collective": 2, "last_enqueued_collective": 3}},
+             "entries": [entry(1, "broadcast"), entry(2, "all_reduce"),
+                         entry(3, "all_gather", 7_000_000_000)]}
+    default, tp = _progress_in([trace])
+    assert default == GroupProgress("0", "default_pg", 0, 0)
+    assert tp == GroupProgress("5", "tp", 2, 3, "all_reduce", "all_gather", 7.0)

@@ -1,45 +1,65 @@
 """Where this rank is in its collectives, from torch's flight recorder.
 
 torch records every collective each process group enters, numbered per group, in a ring
-buffer (the flight recorder: on by default for gloo and NCCL in recent torch, 2000 entries,
-``TORCH_FR_BUFFER_SIZE``). Its status says, per group, the last collective entered and the
-last completed; its entries name them. That is what a hang report needs from each rank:
-"rank 0 waits in all_reduce #12, rank 1 completed #11". It is read from the link's thread
-while the main thread may wait inside a collective (which holds no Python lock).
+buffer (the flight recorder: on by default in recent torch, 2000 entries,
+``TORCH_FR_BUFFER_SIZE``). gloo's groups record into the generic recorder
+(``_dump_fr_trace``), NCCL's into their own (``_dump_nccl_trace``). The status says, per
+group, the last collective entered and the last completed; the entries name them. That is
+what a hang report needs from each rank: "rank 0 waits in all_reduce #12, rank 1 completed
+#11". It is read from the link's thread while the main thread may wait inside a
+collective (which holds no Python lock).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import sys
 from typing import Any
 
 from .._wire.messages import GroupProgress
 
+_RECORDERS = {"_dump_fr_trace": "gloo", "_dump_nccl_trace": "nccl"}
+"""torch's dump functions, and the backend whose groups each records."""
+
 
 def progress() -> tuple[tuple[GroupProgress, ...], str]:
     """This rank's progress in each process group it used, and ``""``; or no groups and
-    why none can be said."""
-    try:
-        import torch
-        import torch.distributed as dist
-        from torch._C import _distributed_c10d as c10d
-    except ImportError as exc:
-        return (), f"torch.distributed is not available ({exc})"
-    if not dist.is_available() or not dist.is_initialized():
+    why none can be said. Never raises: a recorder that cannot be read is a reason."""
+    dist = sys.modules.get("torch.distributed")  # (not imported here: a rank without
+    if dist is None or not dist.is_available() or not dist.is_initialized():  # torch)
         return (), "no process group"
-    dump = getattr(c10d, "_dump_fr_trace", None)
-    if dump is None:
-        return (), f"torch {torch.__version__} has no flight recorder"
     if _recorder_off():
         return (), "torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0)"
     try:
-        trace = pickle.loads(dump(True, False, False))  # noqa: S301 - torch's own bytes, in-process
+        traces = _traces(str(dist.get_backend()))
+        if isinstance(traces, str):
+            return (), traces
+        return _progress_in(traces), ""
     except Exception as exc:  # noqa: BLE001 - a recorder that fails must not stop the rank
-        return (), f"torch's flight recorder could not be read ({exc})"
-    statuses = trace.get("pg_status") or {"0": {}}  # (none before a group's first collective)
-    return tuple(_progress(name, status, trace.get("entries", []))
-                 for name, status in sorted(statuses.items())), ""
+        return (), f"torch's flight recorder could not be read ({type(exc).__name__}: {exc})"
+
+
+def _traces(backend: str) -> list[dict[str, Any]] | str:
+    """The dumps of the recorders this rank's backend writes to (or why there are none)."""
+    from torch._C import _distributed_c10d as c10d
+
+    wanted = [name for name, kind in _RECORDERS.items() if kind in backend]
+    dumps = [getattr(c10d, name) for name in wanted if hasattr(c10d, name)]
+    if not dumps:
+        import torch
+
+        return f"torch {torch.__version__} has no flight recorder for {backend}"
+    return [pickle.loads(dump(True, False, False)) for dump in dumps]  # noqa: S301 - torch's own bytes
+
+
+def _progress_in(traces: list[dict[str, Any]]) -> tuple[GroupProgress, ...]:
+    groups = []
+    for trace in traces:
+        entries = trace.get("entries", [])
+        for pg_id, status in sorted(trace.get("pg_status", {}).items()):
+            groups.append(_progress(str(pg_id), status, entries))
+    return tuple(groups) or (GroupProgress("0", "default_pg", 0, 0),)  # (none yet)
 
 
 def _recorder_off() -> bool:
@@ -50,15 +70,18 @@ def _recorder_off() -> bool:
     return False
 
 
-def _progress(group: str, status: dict[str, Any], entries: list[dict[str, Any]]) -> GroupProgress:
+def _progress(pg_id: str, status: dict[str, Any], entries: list[dict[str, Any]]) -> GroupProgress:
+    """One group's progress. The status is keyed by the group's id in this process, which
+    may differ across ranks; its entries name the group as every rank does."""
     completed = max(int(status.get("last_completed_collective", 0)), 0)  # (-1: none yet)
     entered = max(int(status.get("last_enqueued_collective", 0)), 0)
-    mine = {entry.get("collective_seq_id"): entry for entry in entries
-            if _group_of(entry)[0] == group and not entry.get("is_p2p")}
-    done, waiting = mine.get(completed, {}), mine.get(completed + 1, {})
-    label = _group_of(done or waiting or next(iter(mine.values()), {}))[1]
+    mine = [entry for entry in entries
+            if str(entry.get("pg_id")) == pg_id and not entry.get("is_p2p")]
+    by_number = {entry.get("collective_seq_id"): entry for entry in mine}
+    done, waiting = by_number.get(completed, {}), by_number.get(completed + 1, {})
+    name, label = _group_of(mine[-1]) if mine else ("0" if pg_id == "0" else pg_id, "")
     since = waiting.get("time_created_ns") if entered > completed else None
-    return GroupProgress(group, label or ("default_pg" if group == "0" else group),
+    return GroupProgress(name, label or ("default_pg" if name == "0" else name),
                          completed, entered, _operation(done),
                          _operation(waiting) if entered > completed else "",
                          since / 1e9 if since else None)

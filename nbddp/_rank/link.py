@@ -90,9 +90,15 @@ class KernelLink:
 
     @classmethod
     def slurm(cls, run_dir: RunDir, rank: int) -> KernelLink:
-        """The kernel's TCP channel if it can be reached, and the mailbox file always."""
-        return cls(rank, _reach_kernel(run_dir),
+        """The kernel's TCP channel if it can be reached, and the mailbox file always. The
+        kernel asks over the channel (stacks, collectives); when it goes, the rank goes on
+        (the job outlives the kernel) and writes to its mailbox alone."""
+        link = cls(rank, _reach_kernel(run_dir),
                    MailboxWriter(mailbox_path(run_dir.path, rank)), run_dir)
+        if link._channel is not None:
+            threading.Thread(target=link._serve_channel, daemon=True,
+                             name="nbddp-kernel-link").start()
+        return link
 
     def send(self, message: Any, data: Packed | None = None) -> None:
         """Send ``message``; with ``data``, the data file it names goes along over the

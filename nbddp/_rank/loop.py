@@ -8,6 +8,7 @@ with SIGINT, which raises ``KeyboardInterrupt`` in the user's code (never in nbd
 
 from __future__ import annotations
 
+import bdb
 import contextlib
 import importlib
 import os
@@ -126,10 +127,16 @@ class Rank:
         if self.debugging is None:
             return
         users = users_part(exc.__traceback__)
-        if start.options.post_mortem and isinstance(exc, Exception) and users is not None:
-            self.debugging.post_mortem(exc, users)
         if start.session:
             self.debugging.keep(exc, users)
+        if not start.options.post_mortem or users is None or not isinstance(
+                exc, Exception) or isinstance(exc, bdb.BdbQuit):  # (q at a breakpoint)
+            return
+        try:
+            self.debugging.post_mortem(exc, users)
+        except BaseException as broken:  # noqa: BLE001 - the failure is reported all the same
+            print(f"nbddp: post-mortem on rank {self.rank} ended: "
+                  f"{type(broken).__name__}: {broken}", file=sys.stderr, flush=True)
 
     def _result(self, value: Any, start: Start) -> Report:
         """The report of a value: in the message, or its tensor and array bytes in a

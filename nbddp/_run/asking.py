@@ -27,18 +27,20 @@ class Question:
         self._came = threading.Condition()
         self._call = 0
         self._answers: dict[int, Any] = {}
+        self._asking = threading.Lock()  # one ask at a time: each waits for its own answers
 
     def ask(self, ranks: Iterable[int], send: Callable[[int, int], bool],
             wait: float) -> dict[int, Any]:
         """``send(rank, call)`` to each rank (False: it cannot be reached), then the
         answers that came within ``wait`` seconds, by rank."""
-        with self._came:
-            self._call += 1
-            call, self._answers = self._call, {}
-        asked = {rank for rank in ranks if send(rank, call)}
-        with self._came:
-            self._came.wait_for(lambda: asked <= set(self._answers), wait)
-            return dict(sorted(self._answers.items()))
+        with self._asking:
+            with self._came:
+                self._call += 1
+                call, self._answers = self._call, {}
+            asked = {rank for rank in ranks if send(rank, call)}
+            with self._came:
+                self._came.wait_for(lambda: asked <= set(self._answers), wait)
+                return dict(sorted(self._answers.items()))
 
     def took(self, message: Any) -> bool:
         """True if ``message`` answers this kind of question (kept if it answers the

@@ -26,6 +26,7 @@ NOBODY_WAITS = ("no cell waits for this run (wait=False), so nothing can take pd
                 "input; call job.result() before the ranks reach a breakpoint")
 NO_INPUT = ("this frontend takes no input (e.g. a notebook run by nbclient or nbval, or "
             "stdin captured)")
+INTERRUPTED = "the cell was interrupted"
 GATHER = 0.2
 """Seconds without a new rank stopping before the user is asked: ranks that reach a
 breakpoint together get one prompt."""
@@ -124,7 +125,7 @@ class Debugger:
         for rank in ranks:
             self._send(rank, DebugInput(line))
 
-    def stop_serving(self) -> None:
+    def stop_serving(self, reason: str = NOBODY_WAITS) -> None:
         """No thread waits any more: tell every rank still waiting for a line."""
         with self._lock:
             self.serving.clear()
@@ -132,7 +133,7 @@ class Debugger:
         with self._lock:
             waiting, self._at_prompt, self._told = list(self._at_prompt.values()), {}, {}
         for prompt in waiting:
-            self._refuse(prompt, NOBODY_WAITS)
+            self._refuse(prompt, reason)
 
     def _refuse(self, prompt: DebugPrompt, reason: str) -> None:
         self.done(prompt.rank)

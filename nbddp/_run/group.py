@@ -132,6 +132,12 @@ class RankGroup:
         out."""
         return self._collectives.ask(range(self.nprocs), self._asker(ShowCollectives), wait)
 
+    @property
+    def can_ask(self) -> bool:
+        """Whether the kernel can ask the ranks anything: a channel reaches them (a SLURM
+        job's may report through files alone)."""
+        return self._server is not None
+
     def _answers_question(self, message: Any) -> bool:
         """True if ``message`` answers one of the questions above (then it is taken)."""
         return self._collectives.took(message) or self._stacks.took(message)

@@ -28,6 +28,8 @@ def look_at(group: RankGroup, ranks: set[int]) -> tuple[dict[int, str], str]:
     """``ranks``' stacks (``stack_view``) and the hang report, both asked at once: a rank
     that does not answer costs the wait once."""
     answers: dict[int, Collectives] = {}
+    if not group.can_ask:
+        return {}, ""
     asking = threading.Thread(target=lambda: answers.update(group.collectives()),
                               daemon=True, name="nbddp-collectives")
     asking.start()
@@ -112,5 +114,6 @@ def _label(progress: dict[int, GroupProgress]) -> str:
     return f"{g.label} ({len(progress)} ranks)"
 
 
-def _group_order(name: str) -> tuple[int, str]:
-    return (0, "") if name == "0" else (1, name)
+def _group_order(name: str) -> tuple[int, int, str]:
+    """The default group first, then by number, then by name."""
+    return (0, 0, "") if name == "0" else (1, int(name), "") if name.isdigit() else (2, 0, name)

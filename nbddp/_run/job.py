@@ -27,6 +27,7 @@ from .._errors import NbddpError, WorkerError
 from .._panel.display import PanelState
 from .._wire.history import read_history
 from .config import RunConfig
+from .debugger import INTERRUPTED
 from .diagnosis import describe, diagnose
 from .group import RankGroup
 from .hang_report import hang_report
@@ -136,6 +137,7 @@ class Job(Generic[R]):
                     raise TimeoutError(f"the run is still going after {timeout} s")
         except KeyboardInterrupt:
             self._cancel_reason = "interrupted"
+            debugger.stop_serving(INTERRUPTED)  # (a rank in pdb goes on: it can be stopped)
             self.cancel()
             if self._outcome is not None and isinstance(self._outcome.error, KeyboardInterrupt):
                 raise self._outcome.error from None  # it may say what became of a session
@@ -186,6 +188,9 @@ class Job(Generic[R]):
         With ``stacks()``, what to read when a run hangs."""
         if self.done():
             return "the run has ended: no rank is in a collective"
+        if not self._group.can_ask:
+            return ("the kernel cannot ask these ranks: they have no channel to it (they "
+                    "report through files)")
         running = self._supervisor.running
         answers = self._group.collectives()
         return hang_report({r: a for r, a in answers.items() if r in running}, running)

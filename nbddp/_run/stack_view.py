@@ -164,9 +164,10 @@ def _block(title: str, thread: Thread, full: bool) -> str:
         folded = []
         lines += frame.lines()
     lines += _folded(folded)
-    if len(lines) == 1:
+    if len(lines) == 1 and thread.frames:
         lines.append("  (only nbddp's frames: job.stacks(full=True) shows them)")
-    return "\n".join(lines + [f"  {note}" for note in thread.notes])
+    notes = [f"  {note}" for note in thread.notes]  # (faulthandler's "..." cuts the
+    return "\n".join(lines[:1] + notes + lines[1:])  # outermost frames: first here)
 
 
 def _folded(frames: list[Frame]) -> list[str]:
