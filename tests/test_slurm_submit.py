@@ -180,13 +180,14 @@ def test_a_timeout_cancels_the_job(slurm_env, jobs, monkeypatch):
 
         time.sleep(600)
 
-    job = nbddp.launch(sleeps, nprocs=1, slurm=True, timeout=20, wait=False)
+    job = nbddp.launch(sleeps, nprocs=1, slurm=True, timeout=40, wait=False)
     assert job.slurm_job_id is not None
     jobs.append(job.slurm_job_id)
-    stacks = wait_until(job.stacks, timeout=20)  # on demand, over the channel, while it runs
-    assert stacks[0].startswith("rank 0: in sleeps (test_slurm_submit.py, line "), stacks
+    stacks = wait_until(lambda: (now := job.stacks()).get(0, "").startswith(  # on demand,
+        "rank 0: in sleeps (test_slurm_submit.py, line ") and now, timeout=30)  # over the channel
+    assert "    time.sleep(600)" in stacks[0], stacks  # its source line, from this file
     assert job.hang_report().splitlines()[1:] == ["rank 0: has entered no collective yet"]
-    with pytest.raises(TimeoutError, match="did not finish within 20") as caught:
+    with pytest.raises(TimeoutError, match="did not finish within 40") as caught:
         job.result()
     assert caught.value.stacks[0].startswith("rank 0: in sleeps (")  # taken before scancel
     assert "rank 0: has entered no collective yet" in caught.value.hang_report
