@@ -234,12 +234,12 @@ def test_q_at_a_breakpoint_under_pdb_opens_no_second_pdb(kernel):
     assert "raised BdbQuit" in cell.error_text() and "post-mortem" not in cell.stream_text()
 
 
-def test_an_interrupt_at_a_post_mortem_prompt_stops_the_run(kernel):
-    kernel.run("%load_ext nbddp").assert_ok()
-    cell = kernel.submit(FAILS_ON_RANK_1.format(flags=" --pdb"))
-    msg = kernel.kc.get_stdin_msg(timeout=60)
+def test_an_interrupt_at_a_post_mortem_prompt_stops_the_run(fresh_kernel):
+    fresh_kernel.run("%load_ext nbddp").assert_ok()
+    cell = fresh_kernel.submit(FAILS_ON_RANK_1.format(flags=" --pdb"))
+    msg = fresh_kernel.kc.get_stdin_msg(timeout=60)
     assert msg["content"]["prompt"] == "[rank 1] (Pdb) ", msg
-    kernel.km.interrupt_kernel()  # the stop button, while the prompt waits
+    fresh_kernel.km.interrupt_kernel()  # the stop button, while the prompt waits
     cell.finish(timeout=60)
     assert cell.error()["ename"] == "KeyboardInterrupt", cell.describe()
-    assert kernel.run("1 + 1").assert_ok().result() == "2"  # the kernel goes on
+    assert fresh_kernel.run("1 + 1").assert_ok().result() == "2"  # the kernel goes on

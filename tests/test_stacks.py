@@ -161,6 +161,24 @@ def test_a_rank_that_does_not_answer_gives_nothing(tmp_path):
     assert read_dump(tmp_path / "stacks-0.txt", 0, wait=0.2) is None
 
 
+def test_a_dump_that_pauses_before_the_main_thread_is_read_whole(tmp_path):
+    """faulthandler writes the main thread last; a rank that loses the CPU between two
+    threads pauses mid-dump, and the pause is not the end."""
+    path = tmp_path / "stacks-0.txt"
+    other = "Thread 0x2 (most recent call first):\n  File \"x.py\", line 1 in wait\n\n"
+    main = ("Thread 0x1 (most recent call first):\n  File \"y.py\", line 2 in train\n"
+            "  File \"<frozen runpy>\", line 198 in _run_module_as_main\n")
+    path.write_text(other)
+
+    def rest_of_it():
+        time.sleep(0.2)  # four polls without growth
+        with open(path, "a") as f:
+            f.write(main)
+
+    threading.Thread(target=rest_of_it).start()
+    assert read_dump(path, 0, wait=2.0, main="0x1") == other + main
+
+
 # --- live ranks -----------------------------------------------------------------------
 
 

@@ -14,7 +14,14 @@ from .._wire import dataplane
 from .._wire.channel import ChannelServer, new_key
 from .._wire.dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
 from .._wire.rundir import RunDir
-from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
+from .._wire.stacks import (
+    STACKS_SIGNAL,
+    STACKS_WAIT,
+    main_is_whole,
+    main_thread_id,
+    read_dump,
+    size_of,
+)
 from .launcher import LocalLauncher, stopping
 
 _LOCAL_GROUPS: set[LocalGroup] = set()
@@ -110,17 +117,27 @@ class LocalGroup(WaitingGroup):
 
     def stacks(self, wait: float = STACKS_WAIT, full: bool = False) -> dict[int, str]:
         """Every live rank's Python stacks (rendered by ``stack_view``), taken without
-        stopping it; a rank that does not answer within ``wait`` s is left out."""
+        stopping it; a rank that does not answer within ``wait`` s is left out. A dump
+        without the main thread's whole block is taken again, once."""
         pids = self.rank_pids()
+        mains = {rank: main_thread_id(self.run_dir.stacks_file(rank)) for rank in pids}
+        dumps = self._dumps(pids, mains, wait)
+        again = {rank: pids[rank] for rank, dump in dumps.items()
+                 if dump is not None and not main_is_whole(dump, mains[rank])}
+        if again:
+            dumps.update({rank: dump for rank, dump in self._dumps(again, mains, wait).items()
+                          if dump is not None and main_is_whole(dump, mains[rank])})
+        return {rank: render(rank, dump, mains[rank], full)
+                for rank, dump in sorted(dumps.items()) if dump is not None}
+
+    def _dumps(self, pids: dict[int, int], mains: dict[int, str | None],
+               wait: float) -> dict[int, str | None]:
+        """Signal ``pids``' ranks to dump their stacks; each one's dump (None: none came)."""
         files = {rank: self.run_dir.stacks_file(rank) for rank in pids}
         sizes = {rank: size_of(path) for rank, path in files.items()}
         answering = self._torchrun.signal_ranks(pids.values(), STACKS_SIGNAL)
-        stacks = {}
-        for rank, path in sorted(files.items()):
-            dump = read_dump(path, sizes[rank], wait) if pids[rank] in answering else None
-            if dump is not None:
-                stacks[rank] = render(rank, dump, main_thread_id(path), full)
-        return stacks
+        return {rank: read_dump(path, sizes[rank], wait, mains[rank])
+                if pids[rank] in answering else None for rank, path in files.items()}
 
     def interrupt(self, ranks: set[int]) -> None:
         self._torchrun.interrupt([self._hellos[r].pid for r in ranks if r in self._hellos])

@@ -45,7 +45,7 @@ from .._wire.messages import (
     split_frames,
 )
 from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV, RunDir, parse_address
-from .._wire.stacks import STACKS_SIGNAL, STACKS_WAIT, main_thread_id, read_dump, size_of
+from .._wire.stacks import dump_now, main_thread_id
 from .._wire.transfer import Inbox, Outgoing, copy_into, place_in
 from .collectives import progress
 from .restarts import requeue_count, restart_count
@@ -210,13 +210,10 @@ class KernelLink:
         self._starts.put(None)
 
     def _send_stacks(self, call: int) -> None:
-        """Dump every thread's stack as the kernel would have this rank do by signal
-        (faulthandler answers even while the main thread waits in a collective), and
-        send the dump back."""
+        """Dump every thread's stack from this thread (faulthandler, while the main
+        thread may wait in a collective), whole, and send the dump back."""
         path = self._run_dir.stacks_file(self.rank)
-        since = size_of(path)
-        os.kill(os.getpid(), STACKS_SIGNAL)
-        dump = read_dump(path, since, STACKS_WAIT)
+        dump = dump_now(path)
         with contextlib.suppress(OSError):
             self.send(Stacks(self.rank, call, dump, main_thread_id(path)))
 

@@ -130,7 +130,8 @@ class RankGroup:
         """Where each rank the channel reaches is in its collectives (torch's flight
         recorder, read by the rank); a rank that does not answer within ``wait`` s is left
         out."""
-        return self._collectives.ask(range(self.nprocs), self._asker(ShowCollectives), wait)
+        return self._collectives.ask(range(self.nprocs), self._asker(ShowCollectives),
+                                     wait + 1.0)  # (and a moment for the network)
 
     @property
     def can_ask(self) -> bool:

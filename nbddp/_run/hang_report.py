@@ -10,13 +10,11 @@ the kernel lines the answers up, per process group.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .._wire.messages import Collectives, GroupProgress
-from .._wire.stacks import STACKS_WAIT
 
 if TYPE_CHECKING:
     from .group import RankGroup
@@ -25,17 +23,14 @@ HEADER = "collectives (torch's flight recorder; #N counts each process group's c
 
 
 def look_at(group: RankGroup, ranks: set[int]) -> tuple[dict[int, str], str]:
-    """``ranks``' stacks (``stack_view``) and the hang report, both asked at once: a rank
-    that does not answer costs the wait once."""
-    answers: dict[int, Collectives] = {}
+    """``ranks``' stacks (``stack_view``), then the hang report (asked after the stacks
+    came: a rank dumping its stacks while it starts a thread to answer the other
+    question may dump before its main thread's turn)."""
     if not group.can_ask:
         return {}, ""
-    asking = threading.Thread(target=lambda: answers.update(group.collectives()),
-                              daemon=True, name="nbddp-collectives")
-    asking.start()
     stacks = {rank: text for rank, text in group.stacks().items() if rank in ranks}
-    asking.join(STACKS_WAIT + 1.0)
-    return stacks, hang_report({r: a for r, a in dict(answers).items() if r in ranks}, ranks)
+    answers = group.collectives()
+    return stacks, hang_report({r: a for r, a in answers.items() if r in ranks}, ranks)
 
 
 def hang_report(answers: dict[int, Collectives], ranks: Iterable[int],

@@ -108,7 +108,9 @@ def render(rank: int, dump: str, main: str | None, full: bool = False) -> str:
     blocks = [_block("Main thread" if main_found else f"Thread {first.ident}", first, full)]
     blocks += [_block(f"Thread {thread.ident}", thread, full) for thread in others
                if full or not thread.nbddps_own]
-    return name_cells(f"{summary(rank, first)}\n" + "\n\n".join(blocks))
+    said = summary(rank, first) if main_found or main is None else \
+        f"rank {rank}: its main thread's stack did not come (the other threads follow)"
+    return name_cells(f"{said}\n" + "\n\n".join(blocks))
 
 
 def parse(dump: str, main: str | None) -> list[Thread]:

@@ -2,9 +2,11 @@
 
 A rank asks ``faulthandler`` to dump every thread's stack to a file of its own on
 ``SIGUSR2``. faulthandler writes from C inside the signal handler, so it answers even
-while the rank's main thread waits in a collective that holds no Python lock. The kernel
-sends the signal, waits for the dump and renders it (``_run/stack_view.py``); the rank
-also names its main thread, where the user's code runs.
+while the rank's main thread waits in a collective that holds no Python lock, or holds
+the GIL in native code. The kernel signals a rank on its own machine, waits for the dump
+(whole: the main thread's block comes last) and renders it (``_run/stack_view.py``). A
+rank on another machine is asked over the channel and dumps from its link's thread. The
+rank also names its main thread, where the user's code runs.
 """
 
 from __future__ import annotations
@@ -33,20 +35,52 @@ def answer_stacks(path: Path) -> IO[str]:
     return stacks
 
 
-def read_dump(path: Path, since: int, wait: float) -> str | None:
-    """The dump written to ``path`` after byte ``since``, once it stopped growing; None
-    if none came within ``wait`` seconds."""
+_STEADY = 6
+"""Polls (0.05 s apart) without growth after which a dump is taken as it is, even if the
+main thread's block has not come (faulthandler writes it last: it is the oldest)."""
+
+
+def read_dump(path: Path, since: int, wait: float, main: str | None = None) -> str | None:
+    """The dump written to ``path`` after byte ``since``: once the main thread's (``main``)
+    block is whole, or once it stopped growing; None if none came within ``wait`` seconds.
+    (A rank that loses the CPU while faulthandler writes pauses mid-dump: a dump that
+    merely paused is not taken for whole.)"""
     deadline = time.monotonic() + wait
-    last = -1
+    last, steady = -1, 0
     while time.monotonic() < deadline:
         size = size_of(path)
-        if size > since and size == last:
-            with open(path, "rb") as f:
-                f.seek(since)
-                return f.read().decode(errors="replace")
+        steady = steady + 1 if size == last and size > since else 0
         last = size
+        if steady:
+            text = _read_from(path, since)
+            if steady >= _STEADY or (main is not None and main_is_whole(text, main)):
+                return text
         time.sleep(0.05)
-    return None
+    return _read_from(path, since) if last > since else None
+
+
+def _read_from(path: Path, since: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(since)
+        return f.read().decode(errors="replace")
+
+
+def main_is_whole(text: str, main: str | None) -> bool:
+    """The main thread's block is there down to the rank's entry frame (``python -m``);
+    True where the main thread is not known."""
+    if main is None:
+        return True
+    start = max(text.rfind(f"Thread {main}"), text.rfind(f"Current thread {main}"))
+    return start >= 0 and "_run_module_as_main" in text[start:]
+
+
+def dump_now(path: Path) -> str:
+    """In a rank: every thread's stack, dumped now from this thread (the kernel asked over
+    the channel) and kept in ``path`` too."""
+    since = size_of(path)
+    with open(path, "a") as stacks:
+        faulthandler.dump_traceback(file=stacks, all_threads=True)
+    return _read_from(path, since)
 
 
 def size_of(path: Path) -> int:
