@@ -177,9 +177,12 @@ def no_leftovers():
                 socket_fds() - before_socks)
 
     deadline = time.monotonic() + LEFTOVER_GRACE
-    while any(leftovers()) and time.monotonic() < deadline:
+    found = leftovers()
+    while any(found) and time.monotonic() < deadline:
         time.sleep(0.05)
-    left, dirs, socks = leftovers()
+        found = leftovers()
+    left, dirs, socks = found  # (what ended the wait: a module kernel's next squeue,
+    # started a moment later, is no leftover)
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
