@@ -34,6 +34,10 @@ ANSWER_WAIT = 2.0
 """Seconds the ranks told a line have to answer it before the user is asked again (their
 answers then come together); a rank that takes longer (stepping over a collective that
 waits for a stopped rank) answers with a later prompt."""
+SERVER_GRACE = 1.0
+"""Seconds a prompt waits for a thread to serve it before the rank is told nobody will:
+the cell that submitted the run may not be waiting in ``result()`` yet (``%ddp_debug``'s
+ranks ask at once)."""
 _TARGETS = re.compile(r"^@(\d+(?:\s*,\s*\d+)*)\s*(.*)$", re.S)
 
 
@@ -52,6 +56,7 @@ class Debugger:
 
     def prompt(self, prompt: DebugPrompt) -> None:
         """A rank's pdb wants a line (called on the supervisor's thread)."""
+        self.serving.wait(SERVER_GRACE)
         with self._lock:
             if self.serving.is_set():
                 self._prompts.put(prompt)
