@@ -199,23 +199,23 @@ def test_without_pdb_a_failing_rank_reports_at_once(kernel):
     assert run.error()["ename"] == "WorkerError" and "(Pdb)" not in run.stream_text()
 
 
-def test_ddp_debug_after_a_failed_session_cell_debugs_the_rank_that_raised(kernel):
-    kernel.run("%load_ext nbddp\n%ddp_session start --nprocs 2").assert_ok()
+def test_ddp_debug_after_a_failed_session_cell_debugs_the_rank_that_raised(fresh_kernel):
+    fresh_kernel.run("%load_ext nbddp\n%ddp_session start --nprocs 2").assert_ok()
     try:
-        failed = kernel.run(FAILS_ON_RANK_1.format(flags="").replace(" --nprocs 2", ""),
+        failed = fresh_kernel.run(FAILS_ON_RANK_1.format(flags="").replace(" --nprocs 2", ""),
                             timeout=90)
         assert failed.error()["ename"] == "WorkerError", failed.describe()
-        cell = kernel.submit("%ddp_debug")
+        cell = fresh_kernel.submit("%ddp_debug")
         answer(cell, "[rank 1] (Pdb) ", "p x")
         answer(cell, "[rank 1] (Pdb) ", "q")
         cell.finish(timeout=60).assert_ok()
         assert "\n41\n" in cell.stream_text()
-        again = kernel.run("%ddp_debug", timeout=60).assert_ok()  # used: nothing kept
+        again = fresh_kernel.run("%ddp_debug", timeout=60).assert_ok()  # used: nothing kept
         assert "no rank of the session kept a failure" in again.stream_text()
-        kept = kernel.run("%%ddp\nx", timeout=60).assert_ok()
+        kept = fresh_kernel.run("%%ddp\nx", timeout=60).assert_ok()
         assert kept.result() == "40"  # the state is the session's still
     finally:
-        kernel.run("%ddp_session stop")
+        fresh_kernel.run("%ddp_session stop")  # (a session of its own: nothing carries over)
 
 
 def test_ddp_debug_needs_a_session(kernel):
