@@ -126,15 +126,16 @@ class Debugging:
 
 
 DEBUGGING: Debugging | None = None
-"""This rank's, once the worker installed it (``debug_last_failure`` runs as a payload)."""
+"""This rank's, once the worker installed it: the rank loop and ``debug_last_failure``
+(which runs as a payload) both use it."""
 
 
-def install(rank: int, ask: Ask, send: Callable[[Any], None]) -> Debugging:
-    """The rank's pdb, with ``breakpoint()`` and ``pdb.set_trace()`` routed to the notebook."""
+def install(rank: int, ask: Ask, send: Callable[[Any], None]) -> None:
+    """The rank's pdb (``DEBUGGING``), with ``breakpoint()`` and ``pdb.set_trace()``
+    routed to the notebook."""
     global DEBUGGING
     DEBUGGING = Debugging(rank, ask, send)
     DEBUGGING.install()
-    return DEBUGGING
 
 
 def debug_last_failure() -> bool:

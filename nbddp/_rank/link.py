@@ -21,6 +21,7 @@ import queue
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +86,9 @@ class KernelLink:
         link._listen_in_background()
         return link
 
-    def _listen_in_background(self) -> None:
-        threading.Thread(target=self._listen, daemon=True, name="nbddp-kernel-link").start()
+    def _listen_in_background(self, listen: Callable[[], None] | None = None) -> None:
+        threading.Thread(target=listen or self._listen, daemon=True,
+                         name="nbddp-kernel-link").start()
 
     @classmethod
     def slurm(cls, run_dir: RunDir, rank: int) -> KernelLink:
@@ -96,8 +98,7 @@ class KernelLink:
         link = cls(rank, _reach_kernel(run_dir),
                    MailboxWriter(mailbox_path(run_dir.path, rank)), run_dir)
         if link._channel is not None:
-            threading.Thread(target=link._serve_channel, daemon=True,
-                             name="nbddp-kernel-link").start()
+            link._listen_in_background(link._serve_channel)  # (not _listen: no exit)
         return link
 
     def send(self, message: Any, data: Packed | None = None) -> None:

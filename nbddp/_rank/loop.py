@@ -26,7 +26,7 @@ from .._version import __version__
 from .._wire import dataplane
 from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from .._wire.payload import Payload, dumps_value
-from .debugger import Debugging
+from . import debugger
 from .metrics import start_reporting, stop_reporting
 from .requeue import RequeueRequested, mark_requeue
 from .scope import Scope
@@ -83,11 +83,9 @@ class Rank:
     """One rank's state across the runs it is given."""
 
     def __init__(self, rank: int, run_dir: Path, log: Path, prepared: str | None,
-                 move_log: Callable[[Path, Path], None],
-                 debugging: Debugging | None = None) -> None:
+                 move_log: Callable[[Path, Path], None]) -> None:
         self.rank, self.run_dir, self.log, self.prepared = rank, run_dir, log, prepared
         self._move_log = move_log
-        self.debugging = debugging
         self._group_ready = False
         self.scope = Scope()
         self.interrupts = Interrupts()
@@ -99,8 +97,8 @@ class Rank:
             self._adopt(start)
             reporter = start_reporting(self.rank, send)
             payload = Payload.unpack(_packed_payload(start))
-            if self.debugging and not getattr(payload.fn, "keeps_last_failure", False):
-                self.debugging.last_failure = None  # (its frames may hold much memory)
+            if debugger.DEBUGGING and not getattr(payload.fn, "keeps_last_failure", False):
+                debugger.DEBUGGING.last_failure = None  # (its frames may hold much memory)
             scope = self.scope if start.session else Scope()
             with scope.tracking():
                 value = self._call(payload, start, scope)
@@ -124,16 +122,17 @@ class Rank:
         """Post-mortem on the user's part of ``exc``'s traceback if the run asked for it,
         before the failure is reported (and the kernel stops the ranks); a session's rank
         keeps it for ``%ddp_debug``."""
-        if self.debugging is None:
+        debugging = debugger.DEBUGGING  # (installed by the worker)
+        if debugging is None:
             return
         users = users_part(exc.__traceback__)
         if start.session:
-            self.debugging.keep(exc, users)
+            debugging.keep(exc, users)
         if not start.options.post_mortem or users is None or not isinstance(
                 exc, Exception) or isinstance(exc, bdb.BdbQuit):  # (q at a breakpoint)
             return
         try:
-            self.debugging.post_mortem(exc, users)
+            debugging.post_mortem(exc, users)
         except BaseException as broken:  # noqa: BLE001 - the failure is reported all the same
             print(f"nbddp: post-mortem on rank {self.rank} ended: "
                   f"{type(broken).__name__}: {broken}", file=sys.stderr, flush=True)

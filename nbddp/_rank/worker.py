@@ -36,7 +36,6 @@ from .._wire.messages import Assigned, Hello, Ready, Requeueing, Result, StopReq
 from .._wire.rundir import RunDir
 from .._wire.stacks import answer_stacks
 from .attachable import AttachableLink
-from .debugger import Debugging
 from .debugger import install as install_pdb
 from .link import KernelLink
 from .loop import Rank, failure, prepare
@@ -100,8 +99,7 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None,
-           debugging: Debugging) -> int:
+def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) -> int:
     """Prepare, then run each Start until there is no more; the exit code."""
     try:
         prepared = prepare(backend)
@@ -109,8 +107,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None,
         link.send(failure(rank, exc))
         return 1
     link.send(Ready(rank))
-    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir),
-              debugging)
+    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir))
     if isinstance(link, AttachableLink):  # what a kernel that attaches is told (the
         link.greeting = lambda: [hello(rank), *(  # names before Ready, which
             [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
@@ -153,8 +150,8 @@ def main(argv: list[str]) -> None:
     if isinstance(link, AttachableLink):
         link.greeting = lambda: [hello(rank)]
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
-    debugging = install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
-    code = _serve(link, run_dir, rank, args.prepare, debugging)
+    install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
+    code = _serve(link, run_dir, rank, args.prepare)
     link.close()
     _exit(code)
 

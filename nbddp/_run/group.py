@@ -34,6 +34,7 @@ from .._wire.dataplane import Packed
 from .._wire.messages import (
     Collectives,
     RankOptions,
+    Sequenced,
     ShowCollectives,
     ShowStacks,
     Stacks,
@@ -140,8 +141,10 @@ class RankGroup:
         return self._server is not None
 
     def _answers_question(self, message: Any) -> bool:
-        """True if ``message`` answers one of the questions above (then it is taken)."""
-        return self._collectives.took(message) or self._stacks.took(message)
+        """True if ``message`` (numbered or not) answers one of the questions above (then
+        it is taken)."""
+        inner = message.message if isinstance(message, Sequenced) else message
+        return self._collectives.took(inner) or self._stacks.took(inner)
 
     def _asker(self, question: Callable[[int], Any]) -> Callable[[int, int], bool]:
         """How a ``Question`` sends ``question(call)`` to a rank over the channel."""

@@ -29,8 +29,13 @@ def look_at(group: RankGroup, ranks: set[int]) -> tuple[dict[int, str], str]:
     if not group.can_ask:
         return {}, ""
     stacks = {rank: text for rank, text in group.stacks().items() if rank in ranks}
+    return stacks, ask_for_report(group, ranks)
+
+
+def ask_for_report(group: RankGroup, ranks: set[int]) -> str:
+    """Ask the group's ranks where they are in their collectives; the report for ``ranks``."""
     answers = group.collectives()
-    return stacks, hang_report({r: a for r, a in answers.items() if r in ranks}, ranks)
+    return hang_report({r: a for r, a in answers.items() if r in ranks}, ranks)
 
 
 def hang_report(answers: dict[int, Collectives], ranks: Iterable[int],

@@ -30,7 +30,7 @@ from .config import RunConfig
 from .debugger import INTERRUPTED
 from .diagnosis import describe, diagnose
 from .group import RankGroup
-from .hang_report import hang_report
+from .hang_report import ask_for_report
 from .records import Records
 from .results import run_value
 from .supervisor import Ending, Supervisor
@@ -191,9 +191,7 @@ class Job(Generic[R]):
         if not self._group.can_ask:
             return ("the kernel cannot ask these ranks: they have no channel to it (they "
                     "report through files)")
-        running = self._supervisor.running
-        answers = self._group.collectives()
-        return hang_report({r: a for r, a in answers.items() if r in running}, running)
+        return ask_for_report(self._group, self._supervisor.running)
 
     @property
     def restarts(self) -> int:

@@ -31,6 +31,7 @@ from .._errors import cell_name, name_cells
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.*)$')
+_FROZEN = re.compile(r"<frozen (.+)>")
 _PACKAGES = re.compile(r"[/\\](?:site|dist)-packages[/\\](?P<top>[^/\\]+)")
 _MACHINERY = {"runpy", "importlib._bootstrap", "importlib._bootstrap_external"}
 """Modules that only start the rank's code (frozen in Python 3.11+, files before)."""
@@ -59,7 +60,7 @@ class Frame:
     @property
     def package(self) -> str:
         """The top-level package or module the frame is in (``torch``, ``threading``)."""
-        frozen = re.fullmatch(r"<frozen (.+)>", self.file)
+        frozen = _FROZEN.fullmatch(self.file)
         if frozen:
             return frozen.group(1)
         installed = _PACKAGES.search(self.file)
@@ -139,12 +140,17 @@ def where(stacks: dict[int, str], report: str = "") -> str:
     """Where each rank was: the summary lines, the hang report (``hang_report``), then
     each rank's main thread (as ``render`` shows them; ``Job.stacks`` has every thread)."""
     parts = ["where each rank was:"]
-    parts += [text.split("\n", 1)[0] for _, text in sorted(stacks.items())]
+    parts += [summary_of(text) for _, text in sorted(stacks.items())]
     parts += [report] if report else []
     for rank, text in sorted(stacks.items()):
         main = text.split("\n", 1)[1].split("\n\n", 1)[0] if "\n" in text else ""
         parts.append(f"--- rank {rank} ---\n{main}")
     return "\n".join(parts)
+
+
+def summary_of(text: str) -> str:
+    """The summary line of a rank's stacks as ``render`` shows them."""
+    return text.split("\n", 1)[0]
 
 
 def _doing(frame: Frame) -> str:
@@ -205,7 +211,7 @@ def _thread(block: str) -> Thread:
 
 
 def _kind_of(file: str) -> Kind:
-    frozen = re.fullmatch(r"<frozen (.+)>", file)
+    frozen = _FROZEN.fullmatch(file)
     if frozen:
         return Kind.MACHINERY if frozen.group(1) in _MACHINERY else Kind.LIBRARY
     installed = _PACKAGES.search(file)

@@ -40,7 +40,7 @@ from .hang_report import look_at
 from .pump import Pump
 from .rank_view import RankView
 from .records import Records
-from .stack_view import where
+from .stack_view import summary_of, where
 
 _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
@@ -262,7 +262,7 @@ class Supervisor:
         them; both also kept in the records."""
         running = self.running
         stacks, report = look_at(self.group, running) if running else ({}, "")
-        if stacks or running:
+        if stacks or report:
             self.records.stacks.write_text(
                 "".join(f"--- rank {rank} ---\n{text}\n\n" for rank, text in stacks.items())
                 + report + "\n")
@@ -315,7 +315,7 @@ class Supervisor:
         """The run looks stalled: say so, where each rank is and who waits for whom (the
         panel names each rank's place until it moves again)."""
         stacks, report = look_at(self.group, self.running)
-        lines = {rank: text.split("\n", 1)[0] for rank, text in stacks.items()}
+        lines = {rank: summary_of(text) for rank, text in stacks.items()}
         self._stalled_at = {rank: line.split(": ", 1)[-1] for rank, line in lines.items()}
         self.state.message = f"looks stalled: no rank has printed or advanced for {int(quiet)} s"
         where = "".join(f"{line}\n" for _, line in sorted(lines.items()))

@@ -16,7 +16,6 @@ from .._wire.mailbox import MailboxReader
 from .._wire.messages import (
     Disconnected,
     RankOptions,
-    Sequenced,
     encode,
 )
 from .._wire.rundir import RunDir, address_text
@@ -83,7 +82,7 @@ class SlurmGroup(RankGroup):
         return group
 
     def _deliver(self, message: Any) -> None:
-        if self._answers_question(message.message if isinstance(message, Sequenced) else message):
+        if self._answers_question(message):
             return
         if not isinstance(message, Disconnected):  # the rank's mailbox still speaks for it
             self.requeues.saw(message)
