@@ -113,6 +113,42 @@ def train_mlp_paired(blocks: int, block_steps: int, warmup: int) -> dict[str, li
     return rates
 
 
+def train_mlp_clock_paired(blocks: int, block_steps: int) -> dict[str, list[float]]:
+    """In one run, alternate blocks of steps (ABBA) iterated through ``nbddp.progress``
+    and through a plain ``range``, timing each block between barriers: steps/s per kind.
+
+    ``nbddp.progress`` times each step on each rank (the step clock): it looks for DDP
+    models during its loop's first steps and has their timers sample every tenth
+    iteration, read between steps. Each block trains a fresh model (built before its
+    timer starts), so each ``progress`` block pays for finding it, and each plain block
+    has DDP's own sampling rate.
+    """
+    import nbddp
+
+    rates: dict[str, list[float]] = {"with_clock": [], "plain": []}
+    for block in range(blocks):
+        clocked = block % 4 in (0, 3)  # ABBA
+        step = _mlp_step(dist.get_rank())
+        dist.barrier()
+        start = time.perf_counter()
+        steps = nbddp.progress(range(block_steps)) if clocked else range(block_steps)
+        for i in steps:
+            step(i)
+        dist.barrier()
+        rates["with_clock" if clocked else "plain"].append(
+            block_steps / (time.perf_counter() - start))
+    rates["loop_us"] = [_loop_us(nbddp.progress), _loop_us(lambda steps: steps)]
+    return rates
+
+
+def _loop_us(wrap: Callable[[range], Any], steps: int = 200_000) -> float:
+    """Microseconds per iteration of an empty loop over ``wrap(range(steps))``."""
+    start = time.perf_counter()
+    for _ in wrap(range(steps)):
+        pass
+    return (time.perf_counter() - start) / steps * 1e6
+
+
 def _no_op(step: int | None = None, **metrics: Any) -> None:
     """What a call of ``nbddp.log`` costs at the least: a Python call with keywords."""
 

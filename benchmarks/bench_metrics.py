@@ -3,7 +3,9 @@
 Measures (1) the cost of one ``nbddp.log(step=i, loss=x, acc=y)`` call on a rank, with
 Python floats and with 0-d tensors, timed in a tight loop; (2) the steps/s of the DDP MLP
 loop of ``bench_launch.py`` with ``nbddp.log`` every step versus without (alternating
-launches, medians); (3) the latency from a rank-0 ``print`` to the kernel receiving it,
+launches, medians), and iterated through ``nbddp.progress`` (whose step clock splits each
+rank's step time for the panel) versus a plain ``range`` (paired blocks in one run); (3)
+the latency from a rank-0 ``print`` to the kernel receiving it,
 with the ranks idle and while they train. Everything runs under ``nbddp.launch``.
 Run: ``python benchmarks/bench_metrics.py [--repeats N] [--json PATH]``.
 """
@@ -36,6 +38,7 @@ from nbddp._wire.history import STALE_SECONDS
 
 LOG_TARGET_US = 20.0  # one nbddp.log call on a rank: at most
 STEPS_TARGET = 0.98  # steps/s with nbddp.log every step / without: at least
+CLOCK_TARGET = 0.99  # steps/s through nbddp.progress (its step clock) / plain: at least
 LATENCY_TARGET_MS = 100.0  # rank-0 print -> kernel, median: at most
 LINE = re.compile(re.escape(_workloads.MARK) + r" (idle|busy) (\d+) (\d+\.\d+)")
 
@@ -112,7 +115,15 @@ def measure_training(repeats: int, steps: int, warmup: int) -> dict[str, Any]:
                               steps // 2, warmup))
     paired_ratio = (statistics.median(paired["with_log"])
                     / statistics.median(paired["without_log"]))
+    _, clocked = quiet(partial(run_nbddp, _workloads.train_mlp_clock_paired, 4 * repeats,
+                               steps))
+    clock_ratio = statistics.median(clocked["with_clock"]) / statistics.median(clocked["plain"])
+    progress_us, plain_us = clocked.pop("loop_us")
+    step_us = 1e6 / statistics.median(clocked["plain"])
     return {"steps": steps, "warmup": warmup, "with_log": w, "without_log": wo,
+            "clock_ratio": clock_ratio, "clock_blocks": clocked,
+            "progress_loop_us": progress_us, "plain_loop_us": plain_us, "step_us": step_us,
+            "clock_share": (progress_us - plain_us) / step_us,
             "paired_ratio": paired_ratio, "paired_blocks": paired,
             "with_log_median": w_med, "without_log_median": wo_med, "ratio": w_med / wo_med,
             "target": f">= {STEPS_TARGET:.2f}", "met": w_med / wo_med >= STEPS_TARGET,
@@ -203,6 +214,10 @@ def print_table(r: dict) -> None:
          train["target"], train["met"]),
         ("  the same, paired blocks in one run", train["paired_ratio"], train["target"],
          train["paired_ratio"] >= STEPS_TARGET),
+        ("steps/s through progress / plain, paired", train["clock_ratio"],
+         f">= {CLOCK_TARGET:.2f}", train["clock_ratio"] >= CLOCK_TARGET),
+        ("  progress's cost per step / the MLP step", train["clock_share"],
+         f"<= {1 - CLOCK_TARGET:.2f}", train["clock_share"] <= 1 - CLOCK_TARGET),
         ("print -> kernel, ranks idle, median ms", lat["idle"]["median_ms"],
          lat["idle"]["target"], lat["idle"]["met"]),
         ("print -> kernel, ranks training, median ms", lat["busy"]["median_ms"],
@@ -228,6 +243,9 @@ def print_table(r: dict) -> None:
     w, wo = (" ".join(f"{x:.4g}" for x in train[k]) for k in ("with_log", "without_log"))
     print(f"  steps/s: with log median {train['with_log_median']:.1f} [{w}]  "
           f"without median {train['without_log_median']:.1f} [{wo}]")
+    print(f"  an empty loop through nbddp.progress: {train['progress_loop_us']:.2f} us per "
+          f"iteration (a plain range: {train['plain_loop_us']:.2f}); an MLP step: "
+          f"{train['step_us']:.0f} us")
     for phase in ("idle", "busy"):
         s = lat[phase]
         print(f"  print -> kernel, {phase}: median {s['median_ms']:.1f} ms, "

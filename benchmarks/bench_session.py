@@ -4,8 +4,10 @@ Measures, on 2 CPU ranks (gloo), the wall time of a trivial run on an open sessi
 (1) ``Session.run`` from Python, and (2) a ``%%ddp`` cell through a real Jupyter kernel,
 timed by the client from the execute request to the kernel going idle, as a person sees
 it, with a plain Python cell's round trip in the same kernel for reference. Both are
-alternated with a trivial all-reduce cell, which adds one collective. Medians are
-printed (``--json`` saves every figure).
+alternated with a trivial all-reduce cell, which adds one collective; and (3) the first
+``nbddp.launch`` of a fresh kernel, a few seconds after ``import nbddp``, with standby on
+(ranks start as nbddp loads) and off. Medians are printed (``--json`` saves every
+figure).
 Run: ``python benchmarks/bench_session.py [--repeats N] [--json PATH]``.
 """
 
@@ -80,10 +82,46 @@ def kernel_round_trips(repeats: int) -> dict[str, list[float]]:
                     start = time.perf_counter()
                     _run(client, code)
                     times[name].append(time.perf_counter() - start)
+            _run(client, "%ddp_session autoreload on")  # the ranks look at the user's
+            times["%%ddp noop, autoreload on"] = []  # modules' files before each cell
+            for _ in range(repeats):
+                start = time.perf_counter()
+                _run(client, cells["%%ddp noop"])
+                times["%%ddp noop, autoreload on"].append(time.perf_counter() - start)
             _run(client, "%ddp_session stop")
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
+    return times
+
+
+FIRST_CELL_AFTER = 8.0
+"""Seconds between ``import nbddp`` and the first launch: a person writing the first cell
+(long enough for two ranks to import torch on a busy 2-core machine)."""
+
+
+def first_launches(repeats: int) -> dict[str, list[float]]:
+    """The first ``nbddp.launch`` of a fresh kernel, ``FIRST_CELL_AFTER`` s after
+    ``import nbddp``: with standby on (ranks started as nbddp loads) and off (cold)."""
+    from jupyter_client.manager import start_new_kernel
+
+    times: dict[str, list[float]] = {"first launch, warm-up on": [],
+                                     "first launch, standby off": []}
+    for _ in range(repeats):
+        for name, standby in (("first launch, warm-up on", "1"),
+                              ("first launch, standby off", "0")):
+            env = {**os.environ, "NBDDP_STANDBY": standby}
+            with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as cwd:
+                manager, client = start_new_kernel(kernel_name="python3", cwd=cwd, env=env)
+                try:
+                    _run(client, "import nbddp\ndef noop(): pass")
+                    time.sleep(FIRST_CELL_AFTER)
+                    start = time.perf_counter()
+                    _run(client, "nbddp.launch(noop, nprocs=2)", 120)
+                    times[name].append(time.perf_counter() - start)
+                finally:
+                    client.stop_channels()
+                    manager.shutdown_kernel(now=False)
     return times
 
 
@@ -96,6 +134,8 @@ def _run(client: Any, code: str, timeout: float = 60) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=100, help="round trips each")
+    parser.add_argument("--first", type=int, default=3,
+                        help="fresh kernels per first-launch measurement (default 3)")
     parser.add_argument("--json", type=Path, help="write the numbers to this file")
     opts = parser.parse_args()
     load = os.getloadavg()[0]
@@ -105,10 +145,14 @@ def main() -> None:
         python = python_round_trips(opts.repeats)
         print(f"%%ddp cells through a kernel: {opts.repeats} round trips each", flush=True)
         kernel = kernel_round_trips(opts.repeats)
-    medians = {name: statistics.median(v) for name, v in {**python, **kernel}.items()}
+        print(f"first launch in a fresh kernel: {opts.first} kernels each", flush=True)
+        first = first_launches(opts.first)
+    medians = {name: statistics.median(v) for name, v in {**python, **kernel, **first}.items()}
+    medians["%%ddp noop - plain cell"] = medians["%%ddp noop"] - medians["plain cell"]
     result = {"nprocs": NPROCS, "repeats": opts.repeats, "python": platform.python_version(),
               "cpus": os.cpu_count(), "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
               "target_s": TARGET, "session_run_s": python, "kernel_cell_s": kernel,
+              "first_launch_s": first,
               "medians_s": medians, "met": medians["%%ddp noop"] <= TARGET}
     print(f"\nsession round trips, {NPROCS} CPU ranks (gloo), median of {opts.repeats}; "
           f"{os.cpu_count()} CPUs, load {load:.2f} -> {os.getloadavg()[0]:.2f}")

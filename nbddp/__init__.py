@@ -8,6 +8,8 @@ the kernel's machinery.
 from __future__ import annotations
 
 import importlib
+import os
+import threading
 from typing import TYPE_CHECKING, Any
 
 from ._errors import NbddpError, PayloadError, WorkerError
@@ -64,6 +66,22 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+def _warm_up_in_a_notebook() -> None:
+    """In a notebook's kernel, standby ranks of the default shape start in the background
+    as nbddp is imported, so that the first ``launch``, ``%%ddp`` cell or session a person
+    runs a few seconds later starts warm (``NBDDP_STANDBY=0`` or ``standby(False)``, as
+    for any standby ranks, turns it off)."""
+    from ._notebook.kernel import in_notebook_kernel
+
+    if in_notebook_kernel():  # (the setting as now: standby(True) later is no warm-up)
+        setting = os.environ.get("NBDDP_STANDBY")
+        threading.Thread(target=lambda: importlib.import_module("._launch", __name__)
+                         .warm_up(setting), daemon=True, name="nbddp-warm-up").start()
+
+
+_warm_up_in_a_notebook()
 
 
 def load_ipython_extension(ipython: Any) -> None:

@@ -8,13 +8,14 @@ Either way the group is handed the payload and a ``Job`` follows the run.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
 from ._local.group import LocalGroup
-from ._local.standby import STANDBY
+from ._local.standby import STANDBY, wanted_by
 from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
 from ._run.group import RankGroup, RanksGone
 from ._run.job import Job
@@ -26,6 +27,8 @@ from ._slurm.options import Slurm, cluster_run
 from ._wire.dataplane import Packed
 from ._wire.payload import Payload
 from ._wire.rundir import RunDir
+
+logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
@@ -144,15 +147,31 @@ def launch(
     options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, timeout=timeout, init=init,
                          all_ranks=all_ranks, env=env, output=output,
                          max_restarts=max_restarts, stall_after=stall_after, pdb=pdb)
+    cluster = None
     if slurm is not False:
         config, cluster = cluster_run(options, slurm)
-        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
-        job: Job[R] = _start(SlurmGroup.for_submission(config, cluster), config, payload)
     else:
         config = options.on_this_machine()
-        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
-        job = _start_here(config, payload)
+    payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
+    job: Job[R] = Job.started_held(
+        lambda: _start_here(config, payload) if cluster is None else
+        _start(SlurmGroup.for_submission(config, cluster), config, payload))
     return _follow(job, wait)
+
+
+def warm_up(setting: str | None) -> None:
+    """Start standby ranks of the shape a ``launch(fn)`` without options runs on (one per
+    visible GPU, or two gloo ranks), if standby is on and was by ``NBDDP_STANDBY`` as
+    nbddp loaded (``setting``), and none wait yet: the first run of a fresh kernel then
+    starts warm too. Never raises: a warm-up that fails leaves the first run to start
+    cold, as it would have."""
+    if not (wanted_by(setting) and STANDBY.enabled) or STANDBY.state().status != "none":
+        return
+    try:
+        shape = GroupShape.of(RunOptions().on_this_machine())
+        STANDBY.refill(shape, lambda line: logger.info("nbddp: %s", line))
+    except Exception:  # noqa: BLE001 - the first run starts cold and says why, if anything
+        logger.debug("nbddp: no warm-up", exc_info=True)
 
 
 def _start_here(config: RunConfig, payload: Packed) -> Job:
@@ -197,7 +216,7 @@ def _start(group: RankGroup, config: RunConfig, payload: Packed, records: Record
 
 def _follow(job: Job, wait: bool) -> Any:
     __tracebackhide__ = True
-    return job if not wait else job.result()
+    return job.result() if wait else job._handed_back()
 
 
 def attach(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:

@@ -8,6 +8,7 @@ starts, stops, restarts and describes the kernel's one session.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -24,11 +25,14 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from ._errors import NbddpError
 from ._export.script import export
 from ._launch import launch
+from ._notebook import auto_cells
 from ._rank.cell import Cell, CellResult
 from ._rank.debugger import debug_last_failure
 from ._run.config import RunOptions
 from ._run.devices import GpusNotVisible
 from ._run.flags import argparse_arguments, flag_values
+from ._run.job import Job
+from ._run.rank_choice import parse_ranks
 from ._session import Session
 from ._slurm.options import Slurm
 
@@ -102,9 +106,25 @@ def _check_combination(args: Any) -> None:
     if args.export and args.slurm:
         raise UsageError("--export writes the job's files and --slurm submits it: "
                          "choose one")
+    if args.ranks is not None and args.export:
+        raise UsageError("--ranks picks a session's ranks for a cell; an exported script "
+                         "runs on every rank")
     if (args.requeue or args.signal_before is not None) and not args.slurm:
         raise UsageError("--requeue and --signal-before are for a job submitted from "
                          "the notebook: add --slurm")
+
+
+def _chosen_ranks(text: str, session: Session | None) -> tuple[int, ...] | None:
+    """``--ranks``' ranks of the open session (a fresh group's ranks have no state to
+    keep: a cell for some of them is a smaller launch)."""
+    if session is None:
+        raise UsageError("--ranks runs a cell on some of a session's ranks, which keep "
+                         "their state: start one with %ddp_session start (for a one-off "
+                         "cell, --nprocs N is the smaller run)")
+    try:
+        return parse_ranks(text, session.config.nprocs)
+    except (ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _session_conflicts(run: dict[str, Any], slurm: bool, session: Session) -> list[str]:
@@ -128,11 +148,29 @@ class DDPMagics(Magics):
     session: Session | None = None
     """The session ``%%ddp`` cells run on while it is open."""
 
+    def __init__(self, shell: Any = None, **kwargs: Any) -> None:
+        super().__init__(shell, **kwargs)
+        if shell is not None:
+            auto_cells.install(shell, self._auto_mode)
+
+    def _auto_mode(self) -> bool:
+        session = self._open_session
+        return session is not None and session.auto
+
+    @property
+    def _open_session(self) -> Session | None:
+        """The session ``%%ddp`` cells run on, if one is open."""
+        return self.session if self.session and not self.session.closed else None
+
     @_whole_flags_only
     @magic_arguments()
     @_arguments(
         argument("-h", "--help", action="store_true", help="show this help"),
+        argument("--auto-cell", action="store_true", help=argparse.SUPPRESS),
         *_flags(RunOptions),
+        argument("--ranks", metavar="R", help="in a session: run the cell on these ranks "
+                 "only (0, 0,3, 1:); the others stay at rest with their state, and --out "
+                 "and the value come from the lowest one named"),
         argument("--out", default="", metavar="NAMES",
                  help="comma-separated names whose rank-0 values are bound in the notebook "
                       "after the run (a DDP model comes back as its module; tensors on CPU)"),
@@ -169,7 +207,7 @@ class DDPMagics(Magics):
             run["pdb"] = True
             _without_ipythons_own_post_mortem(self._shell)
         _check_combination(args)
-        session = self.session if self.session and not self.session.closed else None
+        session = self._open_session
         if session is not None and not args.export:
             conflicts = _session_conflicts(run, args.slurm, session)
             if conflicts:
@@ -177,18 +215,20 @@ class DDPMagics(Magics):
                     f"{', '.join(conflicts)} would need other ranks than the open session's "
                     f"({session.config.nprocs} ranks): run the cell without them, or "
                     "%ddp_session stop first")
+        ranks = _chosen_ranks(args.ranks, session) if args.ranks is not None else None
         try:
             code = self._cell(cell, _parse_names(args.out),
-                              session.names if session is not None else ())
+                              session.names if session is not None else (),
+                              magic_line=not args.auto_cell)
         except SyntaxError as exc:  # shown at the cell's line, before anything starts
             raise exc.with_traceback(None) from None
         if args.export:
             return _export_cell(code, args.export, run, _values(Slurm, args))
         if session is not None:
-            job = session.submit(code, timeout=run["timeout"],  # None: the session's
-                                 output=None if run["output"] == "rank0" else run["output"],
-                                 stall_after=run["stall_after"], pdb=run["pdb"])
-            result = job.result()
+            result = Job.started_held(lambda: session.submit(
+                code, timeout=run["timeout"],  # None: the session's
+                output=None if run["output"] == "rank0" else run["output"],
+                stall_after=run["stall_after"], pdb=run["pdb"], ranks=ranks)).result()
         else:
             result = self._launch(code, args, run)
         self._shell.user_ns.update(result.outputs)
@@ -211,10 +251,12 @@ class DDPMagics(Magics):
         assert self.shell is not None, "the magic runs inside IPython"
         return self.shell
 
-    def _cell(self, body: str, outputs: tuple[str, ...], ranks_own: Any = ()) -> Cell:
-        """The cell as the ranks run it: line 1 is the ``%%ddp`` line, as in the notebook."""
+    def _cell(self, body: str, outputs: tuple[str, ...], ranks_own: Any = (),
+              magic_line: bool = True) -> Cell:
+        """The cell as the ranks run it: line 1 is the ``%%ddp`` line, as in the notebook
+        (in auto mode the notebook's cell has none: its own first line is line 1)."""
         __tracebackhide__ = True
-        source = "\n" + body
+        source = "\n" + body if magic_line else body
         filename = self._shell.compile.cache(source, _running_cell_number(self._shell))
         return Cell.from_notebook(source, filename, self._shell.user_ns,
                                   self._shell.user_ns_hidden, outputs, ranks_own)
@@ -222,13 +264,16 @@ class DDPMagics(Magics):
     @_whole_flags_only
     @magic_arguments()
     @argument("action", nargs="?", default="status",
-              choices=["start", "stop", "restart", "status", "attach"],
+              choices=["start", "stop", "restart", "status", "attach", "auto", "autoreload"],
               help="start ranks that keep their state from cell to cell, stop or restart "
-                   "them, say what runs (the default), or attach to a session's SLURM job "
-                   "after a kernel restart")
-    @argument("job", nargs="?", metavar="JOBID",
+                   "them, say what runs (the default), attach to a session's SLURM job "
+                   "after a kernel restart, turn auto mode on or off (every cell runs on "
+                   "the ranks, as if it began with %%%%ddp), or autoreload on or off (the "
+                   "ranks reload your edited modules before each cell; default: as the "
+                   "notebook's %%%%autoreload 2)")
+    @argument("job", nargs="?", metavar="JOBID|on|off",
               help="with attach: the session's SLURM job (default: your one running "
-                   "session job)")
+                   "session job); with auto or autoreload: on or off")
     @_arguments(
         *_flags(RunOptions, session=True),
         argument("--slurm", action="store_true",
@@ -257,9 +302,13 @@ class DDPMagics(Magics):
         if args.action != "start" and (args.slurm or _job_flags(args) or args.grace is not None):
             raise UsageError("--slurm, --grace and the SLURM job's options are for "
                              "%ddp_session start")
+        if args.action == "auto":
+            return self._auto(args.job)
+        if args.action == "autoreload":
+            return self._autoreload(args.job)
         if args.job is not None and args.action != "attach":
             raise UsageError(f"%ddp_session {args.action} takes no job id (attach does)")
-        open_session = self.session if self.session and not self.session.closed else None
+        open_session = self._open_session
         if args.action in ("start", "attach") and open_session is not None:
             raise UsageError("a session is already open (%ddp_session stop, or restart)")
         if args.action == "start":
@@ -275,11 +324,41 @@ class DDPMagics(Magics):
             return None
         elif args.action == "stop":
             open_session.close()
-            print("nbddp session: stopped; its ranks are gone")
+            print("nbddp session: stopped; its ranks are gone" + (
+                " (auto mode is off: cells run in the notebook)" if open_session.auto else ""))
             return None
         elif args.action == "restart":
             open_session.restart()
         return open_session.status()
+
+    def _auto(self, value: str | None) -> None:
+        """``%ddp_session auto on|off``."""
+        if value not in ("on", "off"):
+            raise UsageError("%ddp_session auto takes on or off")
+        session = self._open_session
+        if value == "on" and session is None:
+            raise UsageError("auto mode runs every cell on a session's ranks: start one "
+                             "first (%ddp_session start --nprocs N)")
+        if session is not None:
+            session.auto = value == "on"
+        print("nbddp session: auto mode " + (
+            "on: every cell runs on the session's ranks (cells that begin with % or ! stay "
+            "here; %ddp_session auto off ends it)" if value == "on"
+            else "off: cells run in the notebook (%%ddp cells on the ranks)"))
+
+    def _autoreload(self, value: str | None) -> None:
+        """``%ddp_session autoreload [on|off]``."""
+        if value not in (None, "on", "off"):
+            raise UsageError("%ddp_session autoreload takes on or off")
+        session = self._open_session
+        if session is None:
+            raise UsageError("autoreload reloads a session's modules: start one first "
+                             "(%ddp_session start --nprocs N)")
+        session.autoreload = value != "off"
+        print("nbddp session: autoreload " + (
+            "on: before each cell, the ranks reload the modules you edited (as "
+            "%autoreload 2 does here)" if session.autoreload
+            else "off: the ranks keep the modules as they imported them"))
 
     @line_magic
     def ddp_debug(self, line: str) -> None:
@@ -288,7 +367,7 @@ class DDPMagics(Magics):
         errors); ``q`` ends it. The ranks keep a failure until their next cell."""
         if line.strip():
             raise UsageError("%ddp_debug takes no arguments")
-        session = self.session if self.session and not self.session.closed else None
+        session = self._open_session
         if session is None:
             raise UsageError("%ddp_debug looks at a session's ranks, which keep their state "
                              "after a failure; a one-off cell's ranks are gone: run it again "

@@ -19,6 +19,7 @@ handed to the job's ranks the same way.
 from __future__ import annotations
 
 import dataclasses
+import socket
 import threading
 import time
 import warnings
@@ -30,9 +31,12 @@ from typing import Any, Literal, TextIO, TypeVar
 from ._errors import NbddpError, WorkerError
 from ._local.group import LocalGroup
 from ._local.standby import STANDBY, START_TIMEOUT
+from ._notebook.ipython_autoreload import notebook_autoreloads
 from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
 from ._run.group import RanksGone
+from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
+from ._run.rank_choice import chosen_ranks
 from ._run.records import Records, records_root
 from ._run.shape import GroupShape
 from ._run.supervisor import Ending, Supervisor
@@ -146,6 +150,12 @@ class SessionStatus:
     """Each rank's resident memory, in MiB (ranks on this machine)."""
     where: str = ""
     """Where the ranks run when not on this machine, e.g. ``SLURM job 12 on n[1-2]``."""
+    hosts: dict[int, str] = dataclasses.field(default_factory=dict)
+    """Each rank's machine (as its last run reported it, for ranks on a cluster)."""
+    auto: bool = False
+    """Auto mode: every cell runs on the ranks (``%ddp_session auto on``)."""
+    autoreload: bool = False
+    """The ranks reload the user's edited modules before each run."""
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -158,11 +168,12 @@ class SessionStatus:
         on = f" on {self.where}" if self.where else ""
         lines = [f"nbddp session: {self.nprocs} ranks ({self.backend}){on}, up "
                  f"{hours}:{minutes:02d}:{seconds:02d}, {self.runs} runs, "
-                 f"{self.restarts} restarts"]
+                 f"{self.restarts} restarts; auto mode {'on' if self.auto else 'off'}, "
+                 f"autoreload {'on' if self.autoreload else 'off'}"]
         for rank in range(self.nprocs):
-            pid = self.pids.get(rank)
-            rss = self.rss_mib.get(rank)
+            pid, rss, host = self.pids.get(rank), self.rss_mib.get(rank), self.hosts.get(rank)
             lines.append(f"  rank {rank}: pid {pid if pid else '(starting)'}"
+                         + (f" on {host}" if host else "")
                          + (f", {rss:.0f} MiB resident" if rss is not None else ""))
         return "\n".join(lines)
 
@@ -203,8 +214,8 @@ class Session:
             config, cluster = cluster_run(options, _on_the_allocation(slurm))
             _check_session_job(cluster, grace)
             self._begin(config, cluster, grace)
-        self._group = self._new_group()
-        self._wait_ready()
+        self._group, hold = held_while(self._new_group)  # a press: stops them once they exist
+        self._wait_ready(hold)
         if self._cluster is not None:
             self._say_how_it_ends()
 
@@ -255,6 +266,12 @@ class Session:
         self.names: frozenset[str] = frozenset()
         """The names the session's code has bound on the ranks (rank 0's): a cell that
         reads one of them gets the ranks' value, not the notebook's."""
+        self.auto = False
+        """Auto mode (``%ddp_session auto on``): every cell runs on the ranks; the panel
+        says so."""
+        self.autoreload: bool | None = None
+        """Reload the user's edited modules on the ranks before each run: True, False, or
+        None, as the notebook's own ``%autoreload 2`` does (see ``reloads``)."""
         self._started = time.monotonic()
 
     def _cluster_shape(self) -> GroupShape:
@@ -276,10 +293,13 @@ class Session:
         self._started = time.monotonic()
         return _as_sessions(group)
 
-    def _wait_ready(self) -> None:
-        """Block until every rank waits for its first run (Ctrl-C stops them)."""
+    def _wait_ready(self, hold: InterruptHold | None = None) -> None:
+        """Block until every rank waits for its first run (Ctrl-C stops them, one held
+        by ``hold`` while they started too)."""
         group = self._group
         try:
+            if hold is not None:
+                hold.release()
             if isinstance(group, SlurmSessionGroup):
                 ready = _wait_for_job(group)
             else:
@@ -307,32 +327,45 @@ class Session:
 
     # --- runs -----------------------------------------------------------------------
 
-    def run(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> R:
+    def run(self, fn: Callable[..., R], /, *args: Any, ranks: Sequence[int] | None = None,
+            **kwargs: Any) -> R:
         """``fn(*args, **kwargs)`` on every rank, in the session's namespace; rank 0's
-        value. Interrupting the wait interrupts the ranks."""
+        value. ``ranks=[0]`` runs it on those ranks only (the others stay at rest, with
+        their state; the value is the lowest one's; a collective in ``fn`` would wait for
+        the others forever). Interrupting the wait interrupts the ranks."""
         __tracebackhide__ = True
-        return self.submit(fn, args, kwargs).result()
+        return Job.started_held(lambda: self.submit(fn, args, kwargs, ranks=ranks)).result()
 
-    def run_all(self, fn: Callable[..., R], /, *args: Any, **kwargs: Any) -> list[R]:
-        """Like ``run``, with every rank's value, in rank order."""
+    def run_all(self, fn: Callable[..., R], /, *args: Any, ranks: Sequence[int] | None = None,
+                **kwargs: Any) -> list[R]:
+        """Like ``run``, with every rank's value (each of ``ranks``'), in rank order."""
         __tracebackhide__ = True
-        return self.submit(fn, args, kwargs, all_ranks=True).result()
+        return Job.started_held(lambda: self.submit(fn, args, kwargs, all_ranks=True,
+                                                    ranks=ranks)).result()
 
     def submit(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None, *, all_ranks: bool = False,
                timeout: float | None = None,
                output: Literal["rank0", "all", "none"] | None = None,
                stdout: TextIO | None = None,
-               stall_after: float | None = DEFAULT_STALL_AFTER, pdb: bool = False) -> Job:
+               stall_after: float | None = DEFAULT_STALL_AFTER, pdb: bool = False,
+               ranks: Sequence[int] | None = None) -> Job:
         """Hand one run to the ranks and return its ``Job`` at once (``%%ddp`` uses this).
         ``timeout`` and ``output`` default to the session's; ``pdb``: a rank that raises
-        opens pdb in the notebook at the failing frame first (as ``launch``'s)."""
+        opens pdb in the notebook at the failing frame first (as ``launch``'s);
+        ``ranks``: the ranks that run it (as ``run``'s)."""
         __tracebackhide__ = True
         config = dataclasses.replace(self.config, all_ranks=all_ranks,
                                      output=output or self.config.output,
                                      timeout=timeout or self.config.timeout,
-                                     stall_after=stall_after, pdb=pdb)
+                                     stall_after=stall_after, pdb=pdb,
+                                     ranks=chosen_ranks(ranks, self.config.nprocs),
+                                     autoreload=self.reloads)
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
+        return Job.started_held(lambda: self._start(config, payload, stdout))._handed_back()
+
+    def _start(self, config: RunConfig, payload: Packed, stdout: TextIO | None) -> Job:
+        """Hand the ranks the run, unless they are busy; its ``Job``."""
         with self._lock:
             self._check_idle()
             self._busy = True
@@ -342,13 +375,22 @@ class Session:
                 run = _OnSession(self._group)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
                                sent=payload.buffer_bytes, staying=run,
-                               after=lambda job: self._after_run(job, run))
+                               after=lambda job: self._after_run(job, run),
+                               where=_labelled(self._group.where, self.runs + 1, self.auto,
+                                               config.autoreload))
                 self._group.notice = None  # said once, under this run
             except BaseException:
                 self._busy = False
                 raise
             self._running = job
             return job
+
+    @property
+    def reloads(self) -> bool:
+        """Whether the next run reloads the ranks' edited modules first: ``autoreload``,
+        or where that is None, whether the notebook's ``%autoreload`` checks every module
+        (``%autoreload 2`` or 3)."""
+        return self.autoreload if self.autoreload is not None else notebook_autoreloads()
 
     def _hand_over(self, config: RunConfig, payload: Packed, records: Records) -> bool:
         """(Under the lock) Give the ranks the run; if one of their processes died while
@@ -358,11 +400,7 @@ class Session:
             self._hand_to(config, payload, records)
             return True
         except RanksGone as gone:
-            self._stop_group()
-            self.names = frozenset()
-            self._warned.clear()
-            self.restarts += 1
-            self._group = self._new_group(standby=False)
+            self._replace_group(standby=False)
             lost = STATE_LOST if self.runs else "this first run starts on fresh ranks"
             self._group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
         self._hand_to(config, payload, records)
@@ -399,8 +437,9 @@ class Session:
             self._closed = True  # the kernel left the job for another: nothing to restart
         try:
             if run.kept:
-                if run.names is not None:
-                    self.names = frozenset(run.names)
+                if run.names is not None:  # (a run on some ranks adds to what the others had)
+                    before = self.names if job.config.ranks is not None else frozenset()
+                    self.names = before | frozenset(run.names)
             else:
                 self.names = frozenset()
                 self._warned.clear()
@@ -417,27 +456,35 @@ class Session:
     # --- the session's life ---------------------------------------------------------
 
     def restart(self) -> None:
-        """Stop the ranks and start fresh ones: everything the session defined is gone."""
+        """Stop the ranks and start fresh ones: everything the session defined is gone.
+        Ctrl-C meanwhile ends the session instead (no ranks are left running)."""
         with self._lock:
             self._check_idle()
-            self._stop_group()
-            self.names = frozenset()
-            self._warned.clear()
-            self.restarts += 1
-            self._group = self._new_group()
-        self._wait_ready()
+            _, hold = held_while(self._replace_group)  # a press: stops old and new, not half
+        self._wait_ready(hold)
+
+    def _replace_group(self, standby: bool = True) -> None:
+        """(Under the lock) Stop the ranks and start fresh ones (``standby``: waiting
+        standby ranks may be taken): what the session defined is gone."""
+        self._stop_group()
+        self.names = frozenset()
+        self._warned.clear()
+        self.restarts += 1
+        self._group = self._new_group(standby)
 
     def close(self) -> None:
-        """Stop the ranks; nothing of the session is left running or on disk."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            running = self._running if self._busy else None
-        if running is not None:
-            running.cancel()
-        with self._lock:
-            self._stop_group()
+        """Stop the ranks; nothing of the session is left running or on disk. Ctrl-C
+        meanwhile is raised once they are stopped."""
+        with interrupt_after():
+            with self._lock:
+                if self._closed:
+                    return
+                self._closed = True
+                running = self._running if self._busy else None
+            if running is not None:
+                running.cancel()
+            with self._lock:
+                self._stop_group()
 
     def _stop_group(self) -> None:
         self._group.stop()
@@ -458,7 +505,15 @@ class Session:
                              time.monotonic() - self._started, self.runs, self.restarts,
                              pids, {rank: rss for rank, pid in pids.items()
                                     if not place and (rss := _rss_mib(pid)) is not None},
-                             place)
+                             place, self._hosts(place), self.auto, self.reloads)
+
+    def _hosts(self, place: str) -> dict[int, str]:
+        """This machine's name for local ranks; on a cluster, as the last run said."""
+        if not place:
+            return dict.fromkeys(range(self.config.nprocs), socket.gethostname())
+        last = self._running
+        return {} if last is None else {rank: info["host"] for rank, info in last.ranks.items()
+                                        if info["host"]}
 
     def __repr__(self) -> str:
         return str(self.status())
@@ -485,6 +540,14 @@ def _as_sessions(group: G) -> G:
     group.reusable = True
     group.where = f"session, {group.where}" if group.where else "session"
     return group
+
+
+def _labelled(where: str, run: int, auto: bool, autoreload: bool) -> str:
+    """Where the panel says the ``run``-th run of a session group at ``where`` runs:
+    ``session`` (or ``session, SLURM job 12``), then ``run 3``, and auto mode and
+    autoreload when on."""
+    said = [f"run {run}"] + ["auto mode"] * auto + ["autoreload"] * autoreload
+    return f"{where} · {', '.join(said)}"
 
 
 def _check_session_job(options: SlurmOptions, grace: float | None) -> None:

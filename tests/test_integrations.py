@@ -13,6 +13,7 @@ is missing the test skips itself.
 from __future__ import annotations
 
 import json
+import re
 
 import nbformat
 import pytest
@@ -86,6 +87,18 @@ def panel_state(nb, index):
     return bar, " ".join(m["value"] for m in models["HTMLModel"])
 
 
+def step_time_line(nb, index):
+    """The panel's split of each rank's step time, as the saved notebook reads it."""
+    (shown,) = [o for o in nb.cells[index].outputs if o.output_type == "display_data"
+                and "application/vnd.jupyter.widget-view+json" in o.data]
+    return next((line for line in shown.data["text/plain"].splitlines()
+                 if line.startswith("time per step: ")), "")
+
+
+MEASURED = re.compile(r"time per step: rank 0: data \d+% compute \d+% collectives \d+% "
+                      r"\(.+/step\); rank 1: data \d+% compute \d+% collectives \d+%")
+
+
 def test_a_hugging_face_trainer_logs_loss_learning_rate_and_eval_at_its_steps(executed):
     index, history = ran(executed, "hf")
     training = [row for row in history if "loss" in row]
@@ -98,6 +111,8 @@ def test_a_hugging_face_trainer_logs_loss_learning_rate_and_eval_at_its_steps(ex
     bar, html = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (10, 10)  # max_steps
     assert "eval_loss" in html and "learning_rate" in html
+    # The Trainer's steps are timed, and its DDP model's all-reduce measured:
+    assert MEASURED.match(step_time_line(executed, index)), step_time_line(executed, index)
 
 
 def test_accelerate_logs_from_its_main_process_and_is_shown_at_once(executed):
@@ -121,6 +136,7 @@ def test_a_lightning_trainer_reports_by_itself_per_step_and_per_epoch(executed):
     bar, html = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (14, 14)
     assert "epoch 1" in html and "val_loss" in html
+    assert MEASURED.match(step_time_line(executed, index)), step_time_line(executed, index)
 
 
 def test_lightning_fabric_logs_through_its_logger_averaged_over_ranks(executed):

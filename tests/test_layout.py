@@ -22,12 +22,13 @@ FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_worker", "_torchrun
 ALLOWED = {
     "_wire": set(),
     "_rank": {"_wire"},
-    "_panel": {"_wire"},
+    "_panel": {"_wire", "_notebook"},
     "_run": {"_panel", "_wire"},
     "_local": {"_run", "_panel", "_wire"},
     "_slurm": {"_run", "_panel", "_wire"},
     "_export": {"_slurm", "_rank", "_run", "_wire"},
     "integrations": {"_rank", "_wire"},
+    "_notebook": set(),
 }
 """What each package may import besides itself and the floor. The front door (the
 public API and the two entry modules) may import anything."""

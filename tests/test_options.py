@@ -29,7 +29,7 @@ from nbddp._slurm.options import Slurm, SlurmOptions
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
-MAGIC_ONLY = {"help", "out", "export", "slurm"}
+MAGIC_ONLY = {"help", "out", "export", "slurm", "ranks", "auto_cell"}
 """``%%ddp``'s own flags, which are no option of a run: help, names to bring back,
 exporting instead of running, submitting to SLURM."""
 EXPORT_RENAMED = {"gpus": (SlurmOptions, "gpus_per_node")}
@@ -69,7 +69,8 @@ def test_session_takes_run_options_with_their_defaults():
     assert started.items() <= dict(defaults(RunOptions)).items()
     assert _parameters(launch, set())["slurm"] == _parameters(Session.__init__, set())["slurm"]
     per_run = _parameters(Session.submit, {"self", "fn", "args", "kwargs", "stdout",
-                                           "timeout", "output"})  # None: the session's
+                                           "timeout", "output",  # None: the session's
+                                           "ranks"})  # (a session's alone)
     assert per_run.items() <= dict(defaults(RunOptions)).items()
     assert set(per_run) == {"all_ranks", "stall_after", "pdb"}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -43,12 +44,40 @@ def fails(steps):
 nbddp.launch(fails, nprocs=2, args=(100,))
 '''
 
+SLOW_LOADER = '''
+def slow_loader(steps):
+    import time
+    import torch
+    import torch.distributed as dist
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def batches():  # rank 1's loader takes 60 ms a batch
+        for _ in range(steps):
+            if dist.get_rank() == 1:
+                time.sleep(0.06)
+            yield torch.randn(32, 64)
+
+    for x in nbddp.progress(batches(), total=steps):
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        time.sleep(0.01)
+
+job = nbddp.launch(slow_loader, nprocs=2, args=(60,), wait=False)
+job.result()
+split = job.ranks[1]["step_split"]
+print("rank 1 waits for data:", split["data"] > 0.5, "rank 0 in collectives:",
+      job.ranks[0]["step_split"]["collectives"] > 0.4)
+'''
+
 
 @pytest.fixture(scope="module")
 def executed(tmp_path_factory):
     """A notebook with a training cell and a failing cell, run with widget state kept."""
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(TRAIN), nbformat.v4.new_code_cell(FAIL)]
+    nb.cells = [nbformat.v4.new_code_cell(TRAIN), nbformat.v4.new_code_cell(FAIL),
+                nbformat.v4.new_code_cell(SLOW_LOADER)]
     NotebookClient(nb, timeout=180, kernel_name="python3", allow_errors=True,
                    store_widget_state=True,
                    resources={"metadata": {"path": str(tmp_path_factory.mktemp("nb"))}}
@@ -125,6 +154,30 @@ def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
     (shown,) = [o for o in executed.cells[1].outputs if o.output_type == "display_data"]
     assert "nbddp: failed" in shown.data["text/plain"]
     assert "1 failed" in shown.data["text/plain"]
+
+
+def test_a_loader_that_sleeps_on_one_rank_shows_as_that_ranks_wait_for_data(executed):
+    models = panel(executed, 2)
+    html = " ".join(m["value"] for m in models["HTMLModel"])
+    verdict = re.search(r"slowest: rank (\d): (\d+)% of its step waiting for data", html)
+    assert verdict, html
+    assert verdict[1] == "1" and int(verdict[2]) >= 50
+    assert html.count('class="nbddp-split"') == 2  # a bar beside each rank
+    stream = "".join(o.get("text", "") for o in executed.cells[2].outputs)
+    assert "rank 1 waits for data: True rank 0 in collectives: True" in stream
+    (shown,) = [o for o in executed.cells[2].outputs if o.output_type == "display_data"]
+    text = shown.data["text/plain"]  # the same, as the saved notebook reads
+    assert re.search(r"time per step: rank 0: data \d+% compute \d+% collectives \d+%", text)
+    assert "slowest: rank 1:" in text
+
+
+def test_a_loop_without_ddp_is_split_into_data_and_compute_only(executed):
+    (shown,) = [o for o in executed.cells[0].outputs if o.output_type == "display_data"]
+    line = next(line for line in shown.data["text/plain"].splitlines()
+                if line.startswith("time per step: "))
+    assert re.fullmatch(r"time per step: rank 0: data \d+% compute \d+% \([\d.]+ ms/step\); "
+                        r"rank 1: data \d+% compute \d+% \([\d.]+ ms/step\); "
+                        r"slowest: rank \d: \d+% of its step computing", line), line
 
 
 # --- where widgets show: any shell that is ipykernel's, whatever its class is called ----

@@ -108,7 +108,7 @@ def supervised(tmp_path):
         (tmp_path / "run").mkdir()
         group = RankGroup(nprocs, RunDir(tmp_path / "run"))
         config = RunConfig(nprocs=nprocs, **options)
-        sup = Supervisor(group, config, Records(tmp_path), io.StringIO())
+        sup = Supervisor(group, config, Records(tmp_path), io.StringIO(), group.where)
         made.append(sup)
         return sup, group.events.put
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nbddp._run.records import KEEP_RUNS, Records
+from nbddp._run import records
+from nbddp._run.records import KEEP_RUNS, PRUNE_EVERY, Records
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
@@ -15,11 +16,13 @@ def new_records_dir():
 
 def test_only_the_newest_runs_are_kept_but_never_a_live_jobs_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    monkeypatch.setattr(records, "_created", 0)
     live_job = new_records_dir()
     (live_job / "payload.pkl").write_bytes(b"the job may still be running")
     finished = new_records_dir()
-    newer = [new_records_dir() for _ in range(KEEP_RUNS)]
-    assert live_job.exists(), "a folder whose job may still run was pruned"
+    newer = [new_records_dir() for _ in range(KEEP_RUNS + PRUNE_EVERY - 1)]  # (the last
+    assert live_job.exists(), "a folder whose job may still run was pruned"  # prunes)
     assert not finished.exists()
-    assert all(path.exists() for path in newer)
+    assert all(path.exists() for path in newer[-KEEP_RUNS:])
+    assert len(records.folders(tmp_path)) == KEEP_RUNS + 1  # and the live one
     assert (live_job.stat().st_mode & 0o777) == 0o700

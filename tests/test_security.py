@@ -17,6 +17,7 @@ import pytest
 
 import nbddp
 from nbddp._run.config import RunConfig
+from nbddp._run.waiting import INLINE_PAYLOAD
 from nbddp._slurm.options import SlurmOptions
 from nbddp._wire.channel import (
     MAC_BYTES,
@@ -40,11 +41,14 @@ def mode(path) -> int:
 def test_run_dir_is_private_while_the_run_is_going(tmp_path):
     go = tmp_path / "go"
 
-    def fn(go):
+    def fn(go, _ballast):
         while not os.path.exists(go):
             time.sleep(0.05)
 
-    job = nbddp.launch(fn, 2, args=(str(go),), wait=False, init=False)
+    # (a payload this large goes in a file; a small one travels inside the Start, over
+    # the authenticated channel)
+    job = nbddp.launch(fn, 2, args=(str(go), b"x" * (INLINE_PAYLOAD + 1)), wait=False,
+                       init=False)
     try:
         (run_dir,) = wait_until(local_run_dirs)
         assert mode(run_dir) == 0o700

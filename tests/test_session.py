@@ -8,7 +8,11 @@ rank is back at rest, and says so; it restarts and says so when not).
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -42,25 +46,28 @@ def start_session(kernel: Kernel) -> dict[int, str]:
     return _snapshot(session_pids(kernel).values())
 
 
-@pytest.fixture(scope="module")
-def skernel(tmp_path_factory):
-    """One kernel with an open session, for the tests that keep it whole."""
-    kernel = Kernel(tmp_path_factory.mktemp("session"))
+@contextlib.contextmanager
+def kernel_with_session(path: Path) -> Iterator[Kernel]:
+    """A kernel in ``path`` with a session of 2 ranks open; shut down after."""
+    kernel = Kernel(path)
     try:
         start_session(kernel)
         yield kernel
     finally:
         kernel.shutdown()
+
+
+@pytest.fixture(scope="module")
+def skernel(tmp_path_factory):
+    """One kernel with an open session, for the tests that keep it whole."""
+    with kernel_with_session(tmp_path_factory.mktemp("session")) as kernel:
+        yield kernel
 
 
 @pytest.fixture
 def fresh_session(tmp_path):
-    kernel = Kernel(tmp_path)
-    try:
-        start_session(kernel)
+    with kernel_with_session(tmp_path) as kernel:
         yield kernel
-    finally:
-        kernel.shutdown()
 
 
 def cell(kernel: Kernel, body: str, options: str = "", timeout: float = 60):
@@ -156,6 +163,9 @@ for step in nbddp.progress(range(5)):
     assert any(o.msg_type in ("display_data", "update_display_data") for o in run.outputs)
     history = eval(skernel.run("nbddp.last_job().history").result())  # noqa: S307
     assert [row["loss"] for row in history] == [0.5, 1.5, 2.5, 3.5, 4.5]
+    timed = skernel.run("[sorted(info['step_split'] or {}) for info in "
+                        "nbddp.last_job().ranks.values()]").result()
+    assert eval(timed) == [["collectives", "compute", "data", "seconds"]] * 2  # noqa: S307
     cell(skernel, "None").assert_ok()
     assert skernel.run("nbddp.last_job().history").result() == "[]"  # the last cell's
 
@@ -165,7 +175,8 @@ def test_status_names_ranks_pids_memory_and_uptime(skernel):
     assert text.startswith("nbddp session: 2 ranks (gloo), up 0:"), text
     pids = session_pids(skernel)
     for rank, pid in pids.items():
-        assert f"rank {rank}: pid {pid}, " in text and " MiB resident" in text, text
+        assert f"rank {rank}: pid {pid} on " in text and " MiB resident" in text, text
+    assert "runs, 0 restarts; auto mode off, autoreload off" in text.splitlines()[0]
 
 
 def test_options_that_change_the_shape_are_refused_naming_the_session(skernel):
@@ -239,6 +250,29 @@ except KeyboardInterrupt:
     assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
     assert "the session's ranks are back at rest, with their state" in run.error_text()
     assert cell(fresh_session, "kept").assert_ok().result() == "42"
+
+
+def test_an_interrupt_while_the_cell_starts_stops_it_on_the_ranks(fresh_session):
+    """Ctrl-C pressed while the cell is being handed to the ranks (here: as its notebook
+    value is pickled, the first step) is not lost in nbddp's start-up: the run starts
+    and is interrupted on the ranks, as if pressed a moment later, and the session takes
+    the next cell (before, a press just after the hand-over left the run going on the
+    ranks, followed by no cell, and the next cell waited for it forever)."""
+    fresh_session.run("""
+import os, signal
+class StopPressed:
+    def __reduce__(self):  # pickled as the cell is handed over: Ctrl-C, then
+        os.kill(os.getpid(), signal.SIGINT)
+        return (StopPressed, ())
+button = StopPressed()
+""").assert_ok()
+    run = cell(fresh_session, """import time
+button
+time.sleep(120)""", timeout=60)
+    assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
+    assert "the session's ranks are back at rest, with their state" in run.error_text()
+    assert cell(fresh_session, "'ready for the next cell'").assert_ok().result() == \
+        "'ready for the next cell'"
 
 
 def test_a_cell_timeout_interrupts_the_ranks_and_keeps_the_state(skernel):
@@ -317,6 +351,44 @@ def test_stop_and_restart(fresh_session):
     again = fresh_session.run("%%ddp --nprocs 3\nimport torch.distributed as dist\n"
                               "dist.get_world_size()").assert_ok()
     assert again.result() == "3"  # a one-off run again
+
+
+def test_an_interrupt_while_the_session_stops_still_stops_every_rank(fresh_session, tmp_path):
+    """Ctrl-C during %ddp_session stop (impatient, or stop pressed twice) is raised once
+    the ranks are gone: not in the middle, where ranks sent SIGTERM were never sent
+    SIGKILL and a session marked closed kept them running."""
+    marker = tmp_path / "sigterm"
+    cell(fresh_session, f"""import signal
+import torch.distributed as dist
+def note_sigterm(signum, frame):  # the ranks outlast SIGTERM: stopping them takes SIGKILL
+    open({str(marker)!r} + str(dist.get_rank()), "w").close()
+signal.signal(signal.SIGTERM, note_sigterm)""").assert_ok()
+    ranks = _snapshot(session_pids(fresh_session).values())
+    stop = fresh_session.submit("%ddp_session stop")
+    wait_until(lambda: list(tmp_path.glob("sigterm*")), timeout=30, interval=0.01)
+    fresh_session.km.interrupt_kernel()  # while the stop waits for the ranks to go
+    stop.finish(timeout=30)
+    assert stop.error()["ename"] == "KeyboardInterrupt", stop.describe()
+    assert not _alive(ranks) and not descendants(fresh_session.pid)
+    assert fresh_session.run("%ddp_session").assert_ok().stream_text().startswith(
+        "no session"), "the session is stopped"
+
+
+def test_an_interrupt_while_the_session_starts_leaves_nothing_running(tmp_path):
+    """Ctrl-C while %ddp_session start waits for its ranks (cold: standby is off here)
+    stops them, and no session is open."""
+    kernel = Kernel(tmp_path, env={**os.environ, "NBDDP_STANDBY": "0"})
+    try:
+        start = kernel.submit(START)
+        wait_until(lambda: descendants(kernel.pid), timeout=30, interval=0.01)
+        kernel.km.interrupt_kernel()  # torchrun is up; the ranks are still importing
+        start.finish(timeout=60)
+        assert start.error()["ename"] == "KeyboardInterrupt", start.describe()
+        wait_until(lambda: not descendants(kernel.pid), timeout=15)
+        assert kernel.run("%ddp_session").assert_ok().stream_text().startswith(
+            "no session")
+    finally:
+        kernel.shutdown()
 
 
 @pytest.mark.parametrize("how", ["killed", "shut down"])

@@ -168,6 +168,29 @@ everyone
     assert [seen for _, seen in everyone] == [[2, 10], [4, 20]]  # by rank
 
 
+def test_a_cell_on_the_second_nodes_rank_and_an_edit_reloaded_on_both_nodes(cluster_session):
+    rank = second_node_rank(cluster_session)
+    cell(cluster_session, "mine = dist.get_rank()").assert_ok()
+    run = cell(cluster_session, "mine += 100\nprint('ran on', os.environ['SLURMD_NODENAME'], "
+                                "flush=True)\nmine", f"--ranks {rank}").assert_ok()
+    assert run.result() == str(rank + 100) and "ran on n2" in run.stream_text(), run.describe()
+    run = cell(cluster_session, "seen = [None] * dist.get_world_size()\n"
+                                "dist.all_gather_object(seen, mine)\nseen").assert_ok()
+    assert eval(run.result())[rank] == rank + 100  # noqa: S307 - and the other kept its own
+    module = Path(cluster_session.run("import os; os.getcwd()").result().strip("'")) / "edits.py"
+    module.write_text("def version():\n    return 1\n")
+    cluster_session.run("%ddp_session autoreload on").assert_ok()
+    run = cell(cluster_session, "import edits\nversions = [None] * dist.get_world_size()\n"
+                                "dist.all_gather_object(versions, edits.version())\nversions")
+    assert run.assert_ok().result() == "[1, 1]"
+    module.write_text("def version():\n    return 2\n")
+    later = time.time() + 2
+    os.utime(module, (later, later))
+    run = cell(cluster_session, "dist.all_gather_object(versions, edits.version())\nversions")
+    assert run.assert_ok().result() == "[2, 2]"  # reloaded on both nodes
+    cluster_session.run("%ddp_session autoreload off").assert_ok()
+
+
 def test_a_failing_rank_on_the_second_node_keeps_the_state(cluster_session):
     rank = second_node_rank(cluster_session)
     cell(cluster_session, "kept = 'still here'").assert_ok()

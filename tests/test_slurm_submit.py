@@ -75,6 +75,9 @@ def test_a_cell_submitted_to_slurm_streams_its_output_and_returns_rank0s_value(
     assert job_info(slurm_env, job_id)["JobState"] == "COMPLETED"
     check = cluster_kernel.run("total.item(), nbddp.last_job().history[-1]").assert_ok()
     assert check.result() == "(3.0, {'step': 4, 'ranks': 2, 'loss': 4.5})"
+    split = cluster_kernel.run("[info['step_split'] is not None and info['step_split']"
+                               "['collectives'] for info in nbddp.last_job().ranks.values()]")
+    assert split.assert_ok().result() == "[None, None]"  # timed on both nodes; no DDP model
 
 
 FILES_ONLY = """

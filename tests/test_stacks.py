@@ -215,6 +215,21 @@ def hang_in_all_reduce_12(started):
     dist.all_reduce(tensor)
 
 
+def hang_in_ddp_backward(started):
+    import pathlib
+
+    import torch
+    import torch.distributed as dist
+
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+    for _ in range(3):
+        model(torch.ones(2, 4)).sum().backward()
+    pathlib.Path(started, f"rank-{dist.get_rank()}").touch()
+    if dist.get_rank() == 1:
+        stuck_in_helper(600)
+    model(torch.ones(2, 4)).sum().backward()
+
+
 def both_started(folder) -> None:
     wait_until(lambda: len(list(folder.glob("rank-*"))) == 2, timeout=60)
 
@@ -257,6 +272,43 @@ def test_a_hang_in_the_12th_all_reduce_is_reported_with_its_number(tmp_path):
     finally:
         job.cancel()
     assert job.hang_report() == "the run has ended: no rank is in a collective"
+
+
+def test_with_the_flight_recorder_off_the_process_groups_count_and_the_stack_say_it(tmp_path):
+    job = nbddp.launch(hang_in_all_reduce_12, 2, args=(str(tmp_path),), wait=False,
+                       timeout=120, env={"TORCH_FR_BUFFER_SIZE": "0"})
+    try:
+        both_started(tmp_path)
+        report = wait_until(lambda: "#12" in (r := job.hang_report()) and r, timeout=30)
+        assert report.splitlines()[1:] == [
+            "rank 0: waits in all_reduce #12",
+            "rank 1: has completed #11 and is not in a collective",
+            "all_reduce #12 waits for rank 1, which has not entered it",
+            "ranks 0, 1: counted by the process groups, as torch's flight recorder is off "
+            "(TORCH_FR_BUFFER_SIZE=0); the collective a rank waits in is read from its stack"]
+    finally:
+        job.cancel()
+
+
+@pytest.mark.parametrize("recorder", ["on", "off"])
+def test_a_rank_waiting_in_ddps_gradient_all_reduce_is_named_with_the_rank_it_waits_for(
+        tmp_path, recorder):
+    env = {"TORCH_FR_BUFFER_SIZE": "0"} if recorder == "off" else {}
+    job = nbddp.launch(hang_in_ddp_backward, 2, args=(str(tmp_path),), wait=False,
+                       timeout=120, env=env)
+    try:
+        both_started(tmp_path)
+        report = wait_until(lambda: "waits for rank 1" in (r := job.hang_report()) and r,
+                            timeout=30)
+        lines = report.splitlines()
+        waits = re.match(r"rank 0: waits in all_reduce(?: \(in backward\))? #(\d+)", lines[1])
+        assert waits, report
+        number = int(waits[1])  # (DDP's construction and backwards: several collectives)
+        assert lines[2].startswith(f"rank 1: has completed #{number - 1}"), report
+        assert re.fullmatch(rf"all_reduce.* #{number} waits for rank 1, which has not "
+                            "entered it", lines[3]), report
+    finally:
+        job.cancel()
 
 
 def test_stacks_are_taken_while_the_run_goes_on(tmp_path):

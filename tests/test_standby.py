@@ -414,3 +414,21 @@ def test_a_standby_rank_that_does_not_answer_is_replaced(standby_on, monkeypatch
     out = capsys.readouterr().out
     assert "standby ranks replaced (rank " in out and "did not answer within 0.5 s)" in out
     wait_until(lambda: not _alive(waiting), timeout=15)  # stopped (SIGKILL stops it)
+
+
+def test_a_fresh_kernel_starts_standby_ranks_as_nbddp_loads_and_its_first_launch_is_warm(
+        tmp_path):
+    kernel = Kernel(tmp_path, env={**os.environ, "NBDDP_STANDBY": "1"})
+    try:
+        kernel.run("import nbddp").assert_ok()
+        waiting = _snapshot(wait_ready(kernel))
+        assert launch_in(kernel, "lambda: 42") == (42, True)  # the default shape: warm
+        wait_until(lambda: not _alive(waiting), timeout=15)  # those ranks ran it, and end
+    finally:
+        kernel.shutdown()
+
+
+def test_no_warm_up_where_standby_is_off(kernel):
+    kernel.run("import nbddp, time; time.sleep(1)").assert_ok()
+    assert kernel.run("nbddp.standby().status").result() == "'off'"  # NBDDP_STANDBY=0
+    assert not descendants(kernel.pid)

@@ -306,6 +306,28 @@ def test_displayed_lines_update_one_display_in_place(displays, tmp_path):
     assert sink.text == "before\n"
 
 
+def test_a_line_read_before_its_end_goes_below_as_a_line_not_into_a_display(displays,
+                                                                           tmp_path):
+    log, sink, clock = tmp_path / "rank0.log", Collect(), Clock()
+    tail = LogTail(log, sink, in_place=True, clock=clock)
+    with open(log, "a") as f:
+        f.write("work")  # the rank's write, read in two pieces
+        f.flush()
+        tail.pump()
+        clock.now += 0.05
+        f.write("ing\n")
+        f.flush()
+        tail.pump()
+    assert sink.text == "working\n" and not displays
+    with open(log, "a") as f:
+        f.write("loading... ")  # left unfinished for a while: shown in place, then
+        f.flush()
+        tail.pump()
+        clock.now += HOLD
+        tail.pump()
+    assert [d.data["text/plain"] for d in displays] == ["loading..."]
+
+
 def test_displayed_lines_go_below_when_lines_were_written_under_the_display(displays):
     sink = Collect()
     lines = DisplayedLines(sink)

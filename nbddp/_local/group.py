@@ -44,6 +44,7 @@ class LocalGroup(WaitingGroup):
     The payload goes into shared memory where it fits, into a room allocated ahead."""
 
     ends_after_result = True  # its lifeline and PIDs stop it, even if the kernel dies
+    sees_processes = True  # its ranks are this machine's processes
 
     def __init__(self, shape: GroupShape) -> None:
         super().__init__(shape, RunDir.create())

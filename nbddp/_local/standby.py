@@ -52,6 +52,11 @@ class StandbyState:
     """torchrun's and the ranks' process ids."""
 
 
+def wanted_by(setting: str | None) -> bool:
+    """Whether ``NBDDP_STANDBY`` (this value of it; None: unset) leaves standby on."""
+    return (setting or "1").strip().lower() not in _OFF
+
+
 def _minutes(seconds: float) -> str:
     return f"{seconds / 60:g} min" if seconds >= 60 else f"{seconds:g} s"
 
@@ -60,7 +65,7 @@ class Standby:
     """The one waiting group of this kernel, and the rules for starting and stopping it."""
 
     def __init__(self) -> None:
-        self.enabled = os.environ.get("NBDDP_STANDBY", "1").strip().lower() not in _OFF
+        self.enabled = wanted_by(os.environ.get("NBDDP_STANDBY"))
         self.idle_timeout = DEFAULT_IDLE_TIMEOUT
         self._lock = threading.Lock()
         self._group: LocalGroup | None = None

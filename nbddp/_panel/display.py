@@ -16,12 +16,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from .._notebook.kernel import in_notebook_kernel
 from .._wire.history import History, averaged_over
 from .chart import best, charts_html, compact, direction
 
+_SPLIT_COLORS = (("data", "#ff7f0e"), ("compute", "#1f77b4"), ("collectives", "#9467bd"))
+"""The step-time bar's parts, left to right."""
 _COLORS = {"starting": "#999", "running": "#1f77b4", "finished": "#2ca02c",
            "failed": "#d62728", "stopped": "#999", "requeueing": "#ff7f0e",
-           "debugging": "#9467bd"}
+           "debugging": "#9467bd", "resting": "#bbb"}
 
 
 @dataclass
@@ -45,6 +48,11 @@ class PanelState:
     """Per rank, a few words from its stats (step, speed, memory, "behind")."""
     behind: set[int] = field(default_factory=set)
     """Ranks that fall behind the others."""
+    split_bars: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    """Per rank, the shares of its step time waiting for data, computing and waiting in
+    collectives (a small stacked bar beside the rank)."""
+    split_lines: list[str] = field(default_factory=list)
+    """The same in words, and which rank holds the others back (its last line)."""
     position: tuple[int, int | None, str | None] | None = None
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
@@ -153,6 +161,8 @@ class TextPanel:
             self.refresh(state)
             self._bar.close()
         self._stream.write(state.summary() + "\n")
+        if state.split_lines:
+            self._stream.write("nbddp: time per step: " + "; ".join(state.split_lines) + "\n")
         if state.footer:
             self._stream.write(f"nbddp: {state.footer}\n")
         self._stream.flush()
@@ -274,6 +284,8 @@ def text_view(state: PanelState) -> str:
         bests = _best_text(state.history.series)
         if bests:
             lines.append(f"best: {bests}")
+    if state.split_lines:
+        lines.append("time per step: " + "; ".join(state.split_lines))
     if state.footer:
         lines.append(f"nbddp: {state.footer}")
     return "\n".join(lines)
@@ -291,8 +303,23 @@ def _rank_chip(state: PanelState, rank: int, rank_state: str) -> str:
     color = "#ff7f0e" if rank in state.behind else _COLORS[rank_state]
     note = state.rank_notes.get(rank)
     words = f"{rank} {rank_state}" + (f" ({note})" if note else "")
+    bar = _split_bar(state.split_bars.get(rank))
     return (f'<span title="rank {rank}: {html.escape(words)}" style="color:{color}">'
-            f"&#9679; {html.escape(words)}</span>")
+            f"&#9679; {html.escape(words)}</span>{bar}")
+
+
+def _split_bar(shares: tuple[float, float, float] | None) -> str:
+    """A small bar: the rank's step time waiting for data, computing, in collectives."""
+    if shares is None:
+        return ""
+    named = list(zip(_SPLIT_COLORS, shares, strict=True))
+    parts = "".join(
+        f'<span style="display:inline-block;height:8px;width:{share * 60:.1f}px;'
+        f'background:{color}"></span>' for (_, color), share in named)
+    title = ", ".join(f"{name} {share:.0%}" for (name, _), share in named)
+    return (f'<span class="nbddp-split" title="step time: {title}" style="display:'
+            f'inline-flex;width:60px;margin:0 8px 0 4px;vertical-align:middle;'
+            f'background:#eee">{parts}</span>')
 
 
 def _header_html(state: PanelState) -> str:
@@ -301,8 +328,13 @@ def _header_html(state: PanelState) -> str:
     ranks = " ".join(_rank_chip(state, r, s) for r, s in enumerate(state.ranks))
     message = f" &mdash; {html.escape(state.message)}" if state.message else ""
     where = f" {html.escape(state.where)}" if state.where else ""
+    split = ""
+    if state.split_lines:
+        legend = " ".join(f'<span style="color:{c}">&#9632;</span> {n}' for n, c in _SPLIT_COLORS)
+        split = (f'<br><small>time per step ({legend}): '
+                 f'{html.escape(state.split_lines[-1])}</small>')
     return (f'<b style="color:{color}">nbddp: {html.escape(state.status)}</b>{where}{message}'
-            f'<br><small>ranks: {ranks}</small>')
+            f'<br><small>ranks: {ranks}</small>{split}')
 
 
 def _speed_html(state: PanelState) -> str:
@@ -329,16 +361,6 @@ def make_panel(stream: TextIO | None = None) -> Panel:
     """Widgets inside a Jupyter kernel, text elsewhere; ``NBDDP_DISPLAY`` overrides."""
     stream = stream or sys.stdout
     choice = os.environ.get("NBDDP_DISPLAY", "auto")
-    if choice == "widget" or (choice == "auto" and _in_jupyter_kernel()):
+    if choice == "widget" or (choice == "auto" and in_notebook_kernel()):
         return WidgetPanel(stream)
     return TextPanel(stream)
-
-
-def _in_jupyter_kernel() -> bool:
-    """True where the shell is ipykernel's or a subclass of it (Colab, Kaggle, VS Code,
-    JupyterLab): a front end that renders widgets. ipykernel is looked up, never
-    imported: a process whose shell comes from it has loaded it already."""
-    zmqshell, ipython = sys.modules.get("ipykernel.zmqshell"), sys.modules.get("IPython")
-    if zmqshell is None or ipython is None:
-        return False
-    return isinstance(ipython.get_ipython(), zmqshell.ZMQInteractiveShell)

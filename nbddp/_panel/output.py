@@ -71,9 +71,11 @@ class LogTail:
         if text:
             self._screen.feed(text, now)
         final = self._screen.take_final(now)
-        if final or self._screen.version != self._version:
-            self._version = self._screen.version
-            self._show(final, self._screen.live(), now)
+        settling = self._screen.settling(now)  # a line read before its end: wait for it
+        if final or (self._screen.version != self._version and not settling):
+            if not settling:
+                self._version = self._screen.version
+            self._show(final, [] if settling else self._screen.live(), now)
         else:
             self._lines.update([], self._live, self._screen.cursor, now)  # a snapshot's time
 

@@ -171,6 +171,16 @@ class Screen:
         self.version += 1
         return final
 
+    def settling(self, now: float) -> bool:
+        """The only line left is plain text still waiting for its line end, written a
+        moment ago: a line read in two pieces (it will be final at the next look), not
+        one to show in place yet."""
+        if len(self._lines) != 1 or self._row != 0:
+            return False
+        line = self._lines[0]
+        return (isinstance(line, str) or not line.redrawn and now - line.seen < self._hold) \
+            and bool(_render(line).strip())
+
     def live(self) -> list[str]:
         """The lines still being drawn: those above the cursor, then the cursor's and
         those below it up to the last that is not blank."""

@@ -8,6 +8,12 @@ group, the last collective entered and the last completed; the entries name them
 what a hang report needs from each rank: "rank 0 waits in all_reduce #12, rank 1 completed
 #11". It is read from the link's thread while the main thread may wait inside a
 collective (which holds no Python lock).
+
+Where the recorder is off (``TORCH_FR_BUFFER_SIZE=0``) or this torch has none for the
+backend, each process group's own count of the collectives it was asked for (its
+sequence number) stands in: the last one entered. Whether that one completed is read
+from the main thread's stack: inside one of ``torch.distributed``'s collectives (on that
+group), or inside a backward (where DDP's gradient all-reduce runs), it waits.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from __future__ import annotations
 import os
 import pickle
 import sys
+import threading
+from types import FrameType
 from typing import Any
 
 from .._wire.messages import GroupProgress
@@ -23,21 +31,61 @@ _RECORDERS = {"_dump_fr_trace": "gloo", "_dump_nccl_trace": "nccl"}
 """torch's dump functions, and the backend whose groups each records."""
 
 
-def progress() -> tuple[tuple[GroupProgress, ...], str]:
-    """This rank's progress in each process group it used, and ``""``; or no groups and
-    why none can be said. Never raises: a recorder that cannot be read is a reason."""
+def progress() -> tuple[tuple[GroupProgress, ...], str, str]:
+    """This rank's progress in each process group it used, ``""`` and ``""``, from torch's
+    flight recorder; or the groups' own counts, ``""`` and why the recorder could not say;
+    or no groups, and why none can be said. Never raises."""
     dist = sys.modules.get("torch.distributed")  # (not imported here: a rank without
     if dist is None or not dist.is_available() or not dist.is_initialized():  # torch)
-        return (), "no process group"
-    if _recorder_off():
-        return (), "torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0)"
+        return (), "no process group", ""
     try:
-        traces = _traces(str(dist.get_backend()))
-        if isinstance(traces, str):
-            return (), traces
-        return _progress_in(traces), ""
+        traces = ("torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0)" if _recorder_off()
+                  else _traces(str(dist.get_backend())))
+        if not isinstance(traces, str):
+            return _progress_in(traces), "", ""
+        why = traces
     except Exception as exc:  # noqa: BLE001 - a recorder that fails must not stop the rank
-        return (), f"torch's flight recorder could not be read ({type(exc).__name__}: {exc})"
+        why = f"torch's flight recorder could not be read ({type(exc).__name__}: {exc})"
+    try:
+        return _counted(dist), "", why
+    except Exception as exc:  # noqa: BLE001
+        return (), f"{why}; the process groups' counts could not be read ({exc})", ""
+
+
+def _counted(dist: Any) -> tuple[GroupProgress, ...]:
+    """Each process group's own count (its sequence number), and the collective the main
+    thread waits in (read from its stack), if any."""
+    c10d = dist.distributed_c10d
+    op, group = _main_thread_collective(c10d)
+    groups = []
+    for pg, name in list(c10d._world.pg_names.items()):
+        entered = int(pg._get_sequence_number_for_group())
+        label = getattr(pg, "group_desc", "") or ("default_pg" if name == "0" else name)
+        waits = bool(op) and entered > 0 and (group is pg or group is None and name == "0")
+        groups.append(GroupProgress(str(name), label, entered - 1 if waits else entered,
+                                    entered, "", op if waits else ""))
+    return tuple(groups)
+
+
+_IN_BACKWARD = "all_reduce (in backward)"
+"""Where DDP's gradient all-reduces run: the backward waits for them at its end."""
+
+
+def _main_thread_collective(c10d: Any) -> tuple[str, Any]:
+    """The ``torch.distributed`` collective the main thread is inside (its outermost
+    public function there) and the group it was given (None: the default group, as for
+    ``_IN_BACKWARD``, inside a backward); ``""`` elsewhere."""
+    frame: FrameType | None = sys._current_frames().get(threading.main_thread().ident or 0)
+    c10d_file, found, group = c10d.__file__, "", None
+    while frame is not None:
+        code = frame.f_code
+        if code.co_filename == c10d_file and not code.co_name.startswith("_"):
+            found, group = code.co_name, frame.f_locals.get("group")
+        elif not found and code.co_name in ("_engine_run_backward", "backward") and \
+                "autograd" in code.co_filename:
+            found = _IN_BACKWARD
+        frame = frame.f_back
+    return found, group if found != _IN_BACKWARD else None
 
 
 def _traces(backend: str) -> list[dict[str, Any]] | str:

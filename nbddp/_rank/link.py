@@ -219,10 +219,10 @@ class KernelLink:
             self.send(Stacks(self.rank, call, dump, main_thread_id(path)))
 
     def _send_collectives(self, call: int) -> None:
-        """Say where this rank is in its collectives (torch's flight recorder)."""
-        groups, unavailable = progress()
+        """Say where this rank is in its collectives (torch's flight recorder, or the
+        process groups' own counts)."""
         with contextlib.suppress(OSError):
-            self.send(Collectives(self.rank, call, groups, unavailable))
+            self.send(Collectives(self.rank, call, *progress()))
 
     def close(self) -> None:
         for end in (self._channel, self._mailbox):

@@ -2,7 +2,8 @@
 
 A one-off run ends the rank. A session's rank goes back to rest after each run and
 keeps what its code built: one ``Scope`` for the notebook code it runs, and the default
-process group, set up for the first run and kept. The kernel interrupts a session's run
+process group, set up for the first run and kept. A session's run given to some ranks
+only leaves the others at rest, untouched. The kernel interrupts a session's run
 with SIGINT, which raises ``KeyboardInterrupt`` in the user's code (never in nbddp's).
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import bdb
 import contextlib
-import importlib
 import os
 import secrets
 import signal
@@ -27,6 +27,7 @@ from .._wire import dataplane
 from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from .._wire.payload import Payload, dumps_value
 from . import debugger
+from .autoreload import Reloader, forget_listings
 from .metrics import start_reporting, stop_reporting
 from .requeue import RequeueRequested, mark_requeue
 from .scope import Scope
@@ -89,34 +90,44 @@ class Rank:
         self._group_ready = False
         self.scope = Scope()
         self.interrupts = Interrupts()
+        self.reloader: Reloader | None = None  # made when a session's run first asks for it
 
     def run(self, start: Start, send: Callable[[Any], None]) -> Report:
         """Take up ``start``'s run, run it, and say how it went (never raises)."""
         reporter = None
+        answering = start.options.answering
         try:
             self._adopt(start)
+            if not start.options.runs_on(self.rank):
+                return Report(Result(self.rank))  # at rest, state untouched
             reporter = start_reporting(self.rank, send)
             payload = Payload.unpack(_packed_payload(start))
             if debugger.DEBUGGING and not getattr(payload.fn, "keeps_last_failure", False):
                 debugger.DEBUGGING.last_failure = None  # (its frames may hold much memory)
             scope = self.scope if start.session else Scope()
+            if start.session and start.options.autoreload:
+                self.reloader = self.reloader or Reloader()
+                self.reloader.check()  # (a failure: before the cell, which does not run)
             with scope.tracking():
                 value = self._call(payload, start, scope)
-            wanted = self.rank == 0 or start.options.all_ranks
+            wanted = self.rank == answering or start.options.all_ranks
             return self._result(value, start) if wanted else Report(Result(self.rank))
         except RequeueRequested:
             mark_requeue()
             return Report(Requeueing(self.rank))
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the kernel
             if isinstance(exc, SystemExit) and exc.code in (None, 0):
-                return Report(Result(self.rank, dumps_value(None) if self.rank == 0 else None))
+                return Report(Result(self.rank,
+                                     dumps_value(None) if self.rank == answering else None))
             self._debug(exc, start)
             return Report(failure(self.rank, exc))
         finally:
             if reporter is not None:
                 stop_reporting()  # what is still buffered goes before the report
-            if start.session and self.rank == 0:
+            if start.session and self.rank == answering:
                 send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
+            if self.reloader is not None and start.options.autoreload:
+                self.reloader.note_new()  # what the cell imported, as it is now
 
     def _debug(self, exc: BaseException, start: Start) -> None:
         """Post-mortem on the user's part of ``exc``'s traceback if the run asked for it,
@@ -153,7 +164,8 @@ class Rank:
         shm = Path(start.data) if start.data else None
         folder = dataplane.place(dataplane.size_of(packed), self.run_dir, shm)
         path = folder / f"result-{self.rank}-{secrets.token_hex(4)}.data"
-        room = folder / dataplane.RESULT_ROOM if folder == shm and self.rank == 0 else None
+        answering = self.rank == start.options.answering
+        room = folder / dataplane.RESULT_ROOM if folder == shm and answering else None
         dataplane.write(path, packed, room)  # into the room the kernel allocated, if any
         return Report(Result(self.rank, file=str(path)))
 
@@ -178,7 +190,7 @@ class Rank:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-        importlib.invalidate_caches()  # modules written in the notebook since the last run
+        forget_listings()  # modules written in the notebook since the last run
 
     def _call(self, payload: Payload, start: Start, scope: Scope) -> Any:
         """The user's code, in the process group it expects."""

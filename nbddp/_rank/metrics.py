@@ -17,6 +17,7 @@ from .reporter import Reporter
 T = TypeVar("T")
 
 _reporter: Reporter | None = None
+_resting: Reporter | None = None  # the last run's, paused: the next run takes it up
 _script: Any = None  # the ScriptReporter of a script run, once a process group is up
 
 
@@ -57,6 +58,26 @@ def set_progress(done: int, total: int | None, desc: str | None = None) -> None:
         _reporter.set_position(done, total, desc)
 
 
+def step_begins() -> None:
+    """A framework's step begins (its batch is there): for the panel's split of each
+    rank's step time. ``progress`` marks its loop's steps by itself."""
+    if _reporter is not None:
+        _reporter.clock.batch_ready()
+
+
+def step_ends() -> None:
+    """A framework's step has ended: the wait for the next batch begins."""
+    if _reporter is not None:
+        _reporter.clock.batch_asked()
+
+
+def steps_paused() -> None:
+    """A framework leaves its training steps for a while (to validate, say): that time is
+    not counted as waiting for data."""
+    if _reporter is not None:
+        _reporter.clock.loop_ended()
+
+
 def progress(iterable: Iterable[T], total: int | None = None, desc: str | None = None
              ) -> Iterable[T]:
     """Wrap an iterable like tqdm; rank 0's position drives the notebook's progress bar."""
@@ -75,16 +96,22 @@ def in_launched_run() -> bool:
 
 def start_reporting(rank: int, send: Callable[[Any], None]) -> Reporter:
     """Called by the worker: from now on ``log``/``progress`` report to the kernel, and
-    the rank's stats (memory, step) go with them about once a second."""
-    global _reporter
-    _reporter = Reporter(rank, send, stats=True)
+    the rank's stats (memory, step) go with them about once a second. A rank that ran
+    before (a session's) takes up its reporter again: no new thread per run."""
+    global _reporter, _resting
+    if _resting is not None and _resting.rank == rank:
+        _reporter, _resting = _resting, None
+        _reporter.resume(send)
+    else:
+        _reporter = Reporter(rank, send, stats=True)
     _reporter.send_stats()  # where the rank runs, at once
     return _reporter
 
 
 def stop_reporting() -> None:
     """Called by the worker after a run: send what is left; ``log`` reports no more."""
-    global _reporter
+    global _reporter, _resting
     if _reporter is not None:
-        _reporter.close()
+        _reporter.pause()
+        _resting = _reporter
     _reporter = None

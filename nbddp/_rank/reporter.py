@@ -4,7 +4,8 @@
 on the kernel. About ten times a second a background thread turns the values into
 numbers (a 0-d tensor's ``.item()`` happens there, off the training thread) and hands
 them to ``send``: the kernel's channel in a launched run, a file in a script run.
-About once a second it also sends the rank's own stats (``_rank.stats``), when asked to.
+About once a second it also sends the rank's own stats (``_rank.stats``) and where its
+steps' time goes (``_rank.step_clock``), when asked to.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from .._wire.messages import Metrics
+from .._wire.messages import Metrics, StepTimes
 from .stats import sample
+from .step_clock import StepClock, StepTotals
 
 T = TypeVar("T")
 _SEND_INTERVAL = 0.1
@@ -29,15 +31,38 @@ class Reporter:
 
     def __init__(self, rank: int, send: Callable[[Any], None], stats: bool = False) -> None:
         self.rank, self._send, self._stats = rank, send, stats
+        self._stop = threading.Event()
+        self._sending = threading.Lock()  # one flush at a time: the thread's or a pause's
+        self._active = True
+        self._begin()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-metrics")
+        self._thread.start()
+
+    def _begin(self) -> None:
+        """A run's reporting starts from nothing."""
         self._stats_sent = 0.0
         self._records: deque[tuple[int, dict[str, Any], bool]] = deque()
         self._step = -1
         self.position: tuple[int, int | None, str | None] | None = None
         self._sent_position: tuple | None = None
-        self._stop = threading.Event()
         self._warned = False
-        self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-metrics")
-        self._thread.start()
+        self.clock = StepClock()
+        """The loop's steps, timed by ``track`` (or a framework integration)."""
+        self._sent_times = StepTotals()
+
+    def pause(self) -> None:
+        """The run ended: send what is left, then nothing until ``resume`` (a session's
+        rank keeps its reporter, and its thread, for the next run)."""
+        with self._sending:
+            self._active = False
+            self._flush_all()
+
+    def resume(self, send: Callable[[Any], None]) -> None:
+        """The next run: report afresh, to ``send``."""
+        with self._sending:
+            self._send = send
+            self._begin()
+            self._active = True
 
     def log(self, step: int | None, metrics: dict[str, Any], for_all: bool = False) -> None:
         """Buffer ``metrics`` for ``step``; ``for_all``: they speak for every rank."""
@@ -55,21 +80,43 @@ class Reporter:
         if total is None and hasattr(iterable, "__len__"):
             total = len(iterable)  # type: ignore[arg-type]
         self.position = (0, total, desc)
-        for done, item in enumerate(iterable, start=1):
-            yield item
-            self.position = (done, total, desc)
+        clock, items, done = self.clock, iter(iterable), 0
+        try:
+            while True:
+                clock.batch_asked()
+                try:
+                    item = next(items)
+                except StopIteration:
+                    return
+                clock.batch_ready()
+                yield item
+                done += 1
+                self.position = (done, total, desc)
+        finally:
+            clock.loop_ended()
 
     def _loop(self) -> None:
         while not self._stop.wait(_SEND_INTERVAL):
-            self.flush()
-            if self._stats and time.monotonic() - self._stats_sent >= _STATS_INTERVAL:
-                self.send_stats()
+            with self._sending:
+                if not self._active:
+                    continue
+                self.flush()
+                if self._stats and time.monotonic() - self._stats_sent >= _STATS_INTERVAL:
+                    self.send_stats()
 
     def send_stats(self) -> None:
         """Where this rank is and what it holds (its last step: logged, or its progress)."""
         self._stats_sent = time.monotonic()
         step = self._step if self._step >= 0 else (self.position or (None,))[0]
         self._send(sample(self.rank, step))
+        self.send_step_times()
+
+    def send_step_times(self) -> None:
+        """Where the steps' time went, if there are new steps."""
+        totals = self.clock.totals
+        if totals.steps != self._sent_times.steps:
+            self._sent_times = totals
+            self._send(StepTimes(self.rank, *totals))
 
     def flush(self) -> None:
         records: list[tuple[int, dict[str, float]]] = []
@@ -98,4 +145,9 @@ class Reporter:
         """Stop the thread and send what is left (before the rank reports its result)."""
         self._stop.set()
         self._thread.join()
+        self._flush_all()
+
+    def _flush_all(self) -> None:
         self.flush()
+        if self._stats:
+            self.send_step_times()

@@ -165,11 +165,26 @@ class RunConfig(RunOptions):
     """Number of ranks (processes) in all."""
     cuda_visible_devices: str | None = None
     """``CUDA_VISIBLE_DEVICES`` for the ranks, when the user picked GPUs."""
+    ranks: tuple[int, ...] | None = None
+    """The ranks a session's run is given to (``--ranks``); None: every rank."""
+    autoreload: bool = False
+    """A session's ranks reload the user's edited modules before the run."""
 
     @property
     def rank_options(self) -> RankOptions:
         """What each rank is told with the run's ``Start``."""
-        return RankOptions(self.init, self.backend, self.all_ranks, self.pdb)
+        return RankOptions(self.init, self.backend, self.all_ranks, self.pdb, self.ranks,
+                           self.autoreload)
+
+    @property
+    def running_ranks(self) -> list[int]:
+        """The ranks that run the code, in order (the first one's value is the run's)."""
+        return list(self.ranks) if self.ranks is not None else list(range(self.nprocs))
+
+    @property
+    def resting_ranks(self) -> list[int]:
+        """A session's ranks left at rest by a run given to some ranks only."""
+        return sorted(set(range(self.nprocs)) - set(self.running_ranks))
 
 
 def check_max_restarts(value: object) -> None:

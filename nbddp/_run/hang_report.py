@@ -55,6 +55,11 @@ def hang_report(answers: dict[int, Collectives], ranks: Iterable[int],
                          "its Python is held by native code)")
         elif answer.unavailable:
             lines.append(f"rank {rank}: no record of its collectives ({answer.unavailable})")
+    counted = sorted(rank for rank, answer in answers.items() if answer.counted)
+    if counted:
+        why = answers[counted[0]].counted
+        lines.append(f"{_ranks(counted)}: counted by the process groups, as {why}; the "
+                     "collective a rank waits in is read from its stack")
     if not names and len(lines) == 1:
         lines.append("no rank has a process group")
     return "\n".join(lines)

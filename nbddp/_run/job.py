@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, Protocol, TextIO, TypeVar
+from typing import Any, Generic, NoReturn, Protocol, TextIO, TypeVar
 
 from .._errors import NbddpError, WorkerError
 from .._panel.display import PanelState
@@ -31,6 +31,7 @@ from .debugger import INTERRUPTED
 from .diagnosis import describe, diagnose
 from .group import RankGroup
 from .hang_report import ask_for_report
+from .interrupt_hold import InterruptHold, held_while
 from .records import Records
 from .results import run_value
 from .supervisor import Ending, Supervisor
@@ -80,22 +81,25 @@ class Job(Generic[R]):
     def __init__(self, group: RankGroup, config: RunConfig, records: Records, *,
                  stdout: TextIO | None = None, warm: bool = False, sent: int = 0,
                  after: Callable[[Job], None] | None = None,
-                 staying: Staying | None = None) -> None:
+                 staying: Staying | None = None, where: str | None = None) -> None:
         """Follow the run ``group`` was handed (``sent``: the bytes of tensor and array
         data its payload holds). ``after`` runs once the ranks have ended it themselves
         (returned or failed; a session's run, however it ended), before the caller is
-        told. ``staying``: the session's side of a run on its ranks."""
+        told. ``staying``: the session's side of a run on its ranks. ``where``: where
+        the panel says the run runs (default: the group's ``where``)."""
         self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
         self._group, self._records, self._after = group, records, after
         self._staying = staying
         self._sent, self._received = sent, 0
         self._cancel_reason: str | None = None
+        self._hold: InterruptHold | None = None  # Ctrl-C held while the run started
         self._outcome: Outcome | None = None
         self._ended = threading.Event()  # the outcome is known
         self._finished = threading.Event()  # ... and every process is gone
         self._started = time.monotonic()
         self._context = contextvars.copy_context()
-        self._supervisor = Supervisor(group, config, records, stdout or sys.stdout)
+        self._supervisor = Supervisor(group, config, records, stdout or sys.stdout,
+                                      group.where if where is None else where)
         if staying is not None:
             staying.watch(self._supervisor)
         Job._latest = self
@@ -131,23 +135,55 @@ class Job(Generic[R]):
         debugger = self._supervisor.debugger
         debugger.serving.set()  # a rank's pdb may ask this thread for input
         try:
+            self._let_go()
             while not self._ended.wait(0.1):
                 debugger.serve()
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"the run is still going after {timeout} s")
-        except KeyboardInterrupt:
-            self._cancel_reason = "interrupted"
-            debugger.stop_serving(INTERRUPTED)  # (a rank in pdb goes on: it can be stopped)
-            self.cancel()
-            if self._outcome is not None and isinstance(self._outcome.error, KeyboardInterrupt):
-                raise self._outcome.error from None  # it may say what became of a session
-            raise
+        except KeyboardInterrupt as interrupt:
+            self._stop_interrupted(interrupt)
         finally:
             debugger.stop_serving()
         assert self._outcome is not None
         if self._outcome.error is not None:
             raise self._outcome.error
         return self._outcome.value
+
+    @staticmethod
+    def started_held(start: Callable[[], Job[R]]) -> Job[R]:
+        """``start()``'s Job, with Ctrl-C held back while the run starts (see
+        ``InterruptHold``): ``result()``, or ``_handed_back()`` for a caller that does
+        not wait, acts on a press. (Inside another hold, this one holds nothing.)"""
+        job, hold = held_while(start)
+        job._hold = hold
+        return job
+
+    def _handed_back(self) -> Job[R]:
+        """The caller takes the Job without waiting for it: Ctrl-C raises again, and a
+        press while the run started stops it now (and raises)."""
+        __tracebackhide__ = True
+        try:
+            self._let_go()
+        except KeyboardInterrupt as interrupt:
+            self._stop_interrupted(interrupt)
+        return self
+
+    def _let_go(self) -> None:
+        """Ctrl-C raises again; ``KeyboardInterrupt`` if it was pressed while held."""
+        hold, self._hold = self._hold, None
+        if hold is not None:
+            hold.release()
+
+    def _stop_interrupted(self, interrupt: KeyboardInterrupt) -> NoReturn:
+        """Ctrl-C: stop the run, then raise its ``KeyboardInterrupt`` (which may say what
+        became of a session's state). A rank in pdb goes on: it can be stopped."""
+        __tracebackhide__ = True
+        self._cancel_reason = "interrupted"
+        self._supervisor.debugger.stop_serving(INTERRUPTED)
+        self.cancel()
+        if self._outcome is not None and isinstance(self._outcome.error, KeyboardInterrupt):
+            raise self._outcome.error from None
+        raise interrupt
 
     @property
     def state(self) -> PanelState:
@@ -202,8 +238,20 @@ class Job(Generic[R]):
     def ranks(self) -> dict[int, dict[str, Any]]:
         """``{rank: {...}}``, live and after the run: ``state``, ``step`` (its last step
         logged, or its progress), ``steps_per_s``, ``rss_mb``, ``gpu_mem_mb`` (None without
-        CUDA), ``pid``, ``host``, and ``behind`` (its step trails the others')."""
-        return self._supervisor.view.ranks(self._supervisor.rank_states())
+        CUDA), ``pid``, ``host``, ``behind`` (its step trails the others'), and
+        ``step_split``: the shares of its step time spent waiting for ``data``,
+        ``compute``-ing and waiting in ``collectives``, with its ``seconds`` per step,
+        over its last ten seconds (None before its steps are timed)."""
+        supervisor = self._supervisor
+        ranks = supervisor.view.ranks(supervisor.rank_states())
+        splits = supervisor.split.splits()
+        for rank, info in ranks.items():
+            split = splits.get(rank)
+            info["step_split"] = None if split is None else {
+                "data": split.data, "compute": split.compute,
+                "collectives": split.collectives if split.collectives_measured else None,
+                "seconds": split.seconds}
+        return ranks
 
     @property
     def requeues(self) -> int:
@@ -275,7 +323,7 @@ class Job(Generic[R]):
         """Every rank returned: the value the caller gets (an error if it cannot be read)."""
         try:
             return Outcome(run_value(self._supervisor.attempt.results, self.config.all_ranks,
-                                     self.config.nprocs, self._got))
+                                     self.config.running_ranks, self._got))
         except NbddpError as exc:
             return Outcome(error=exc)
 

@@ -3,7 +3,8 @@
 A rank group's temporary run dir (payload, key, socket) is removed when its run ends;
 the run's records are kept on purpose, like torchrun's ``--log-dir``, so a failure or a
 flood of output can be read in full later. They go to ``$NBDDP_RUNS_DIR`` (default
-``~/.cache/nbddp/runs``), one private folder per run; the newest ``KEEP_RUNS`` are kept.
+``~/.cache/nbddp/runs``), one private folder per run; the newest ``KEEP_RUNS`` are kept
+(looked at every ``PRUNE_EVERY`` runs).
 A SLURM job's folder is also its run dir: while its payload is there the job may still be
 running (or waiting to be re-attached), so it is never pruned.
 
@@ -22,6 +23,10 @@ from pathlib import Path
 from .._wire.rundir import KEY, LAUNCHER_LOG, METRICS, PAYLOAD, rank_log_name
 
 KEEP_RUNS = 20
+PRUNE_EVERY = 10
+"""This process looks for folders beyond ``KEEP_RUNS`` at its first run and every tenth
+after (so up to ``KEEP_RUNS + PRUNE_EVERY`` may be kept for a while)."""
+_created = 0
 LOG_TAIL_BYTES = 64 * 2**20
 _PREFIX = "run-"
 STACKS = "stacks.txt"
@@ -76,7 +81,10 @@ def _new_folder() -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"{now % 1:.6f}"[1:]
     path = root / f"{_PREFIX}{stamp}-{secrets.token_hex(3)}"
     path.mkdir(mode=0o700)
-    _prune(root)
+    global _created
+    _created += 1
+    if _created % PRUNE_EVERY == 1:  # (the first, then every tenth: a session's runs come
+        _prune(root)  # a millisecond apart, and listing the folders each time costs)
     return path
 
 

@@ -133,7 +133,8 @@ def summary(rank: int, thread: Thread) -> str:
         return f"rank {rank}: {doing}, not in the user's code"
     if own[-1] is innermost:
         return f"rank {rank}: in {innermost.function} ({innermost.place()})"
-    return f"rank {rank}: {_doing(innermost)} ({own[-1].place()})"
+    called = thread.frames[thread.frames.index(own[-1]) + 1]
+    return f"rank {rank}: {_doing(innermost, called)} ({own[-1].place()})"
 
 
 def where(stacks: dict[int, str], report: str = "") -> str:
@@ -153,9 +154,13 @@ def summary_of(text: str) -> str:
     return text.split("\n", 1)[0]
 
 
-def _doing(frame: Frame) -> str:
-    if frame.kind is Kind.TORCH and re.search(r"[/\\]torch[/\\]distributed[/\\]", frame.file):
-        return f"waiting in {frame.function}"
+def _doing(innermost: Frame, called: Frame | None = None) -> str:
+    """``waiting in barrier`` (a collective, however deep), else the library function
+    the user's code called (``in backward (torch)``), or the innermost frame."""
+    if innermost.kind is Kind.TORCH and re.search(r"[/\\]torch[/\\]distributed[/\\]",
+                                                  innermost.file):
+        return f"waiting in {innermost.function}"
+    frame = called or innermost
     return f"in {frame.function} ({frame.package})"
 
 

@@ -30,6 +30,7 @@ from .._wire.messages import (
     RankStats,
     Requeueing,
     Result,
+    StepTimes,
 )
 from .attempts import Attempt
 from .config import RunConfig
@@ -41,6 +42,7 @@ from .pump import Pump
 from .rank_view import RankView
 from .records import Records
 from .stack_view import summary_of, where
+from .time_split import TimeSplit, split_lines
 
 _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
@@ -66,7 +68,7 @@ class Supervisor:
     """One run's bookkeeping: its attempts, metrics, output, panel, and its ending."""
 
     def __init__(self, group: RankGroup, config: RunConfig, records: Records,
-                 stdout: TextIO) -> None:
+                 stdout: TextIO, where: str) -> None:
         self.group, self.config, self.records = group, config, records
         self.attempt = Attempt(config.nprocs)
         """The ranks' current start: what each reported (each rank's state)."""
@@ -77,15 +79,19 @@ class Supervisor:
         """The run is over: ranks that were still running were stopped."""
         self.view = RankView(config.nprocs)
         """Each rank's step, speed and memory, live and after the run."""
+        self.split = TimeSplit()
+        """Where each rank's step time goes (data, compute, collectives)."""
         self._stalled = False
         self._stalled_at: dict[int, str] = {}  # where each rank was when it stalled
         self._refreshed = 0.0
         self._ending: Ending | None = None
         self.debugger = Debugger(group.send_to_rank, self.note_now)
         """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
-        self.history = History(config.nprocs, records.metrics)
+        self._answering = config.rank_options.answering  # whose progress the bar shows
+        self._resting = config.resting_ranks  # a session's ranks the run is not given to
+        self.history = History(len(config.running_ranks), records.metrics)  # (who logs)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
-                                where=group.where)
+                                where=where)
         self.panel: Panel = make_panel(stdout)
         self.output = BoundedOutput(self.panel.write, records.path)
         self._tails = self._make_tails()
@@ -98,11 +104,12 @@ class Supervisor:
 
     def _make_tails(self) -> list[LogTail]:
         in_place = isinstance(self.panel, WidgetPanel)  # progress bars update under the cell
+        running = self.config.running_ranks  # (rank 0, unless a session's run is not on it)
         if self.config.output == "rank0":
-            return [LogTail(self.records.rank_log(0), self.output, in_place=in_place)]
+            return [LogTail(self.records.rank_log(running[0]), self.output, in_place=in_place)]
         if self.config.output == "all":
             return [LogTail(self.records.rank_log(r), self.output, prefix=f"[rank {r}] ",
-                            in_place=in_place) for r in range(self.config.nprocs)]
+                            in_place=in_place) for r in running]
         return []
 
     # --- a handler per message ----------------------------------------------------------
@@ -110,6 +117,7 @@ class Supervisor:
     def _register(self) -> None:
         on = self.pump.on
         on(RankStats, self.view.add)
+        on(StepTimes, self.split.add)
         on(Hello, self._hello)
         on(DebugPrompt, self._debug_prompt)
         on(DebugDone, self._debug_done)
@@ -138,7 +146,7 @@ class Supervisor:
     def _metrics(self, metrics: Metrics) -> None:
         self.history.add(metrics.rank, metrics.records)
         self.history.add(metrics.rank, metrics.for_all, for_all=True)
-        if metrics.rank == 0 and metrics.position is not None:
+        if metrics.rank == self._answering and metrics.position is not None:
             self.state.set_position(metrics.position)
 
     def _result(self, result: Result) -> None:
@@ -222,6 +230,7 @@ class Supervisor:
         attempt said is over; say why, and follow the next one."""
         self.attempt = Attempt(self.config.nprocs, requeue, number)
         self.view.restart()
+        self.split.restart()
         self.state.message = message
         self.note_now(line)
         self.state.ranks = self.rank_states()
@@ -261,7 +270,7 @@ class Supervisor:
         where each is in its collectives (``.hang_report``), taken before anything stops
         them; both also kept in the records."""
         running = self.running
-        stacks, report = look_at(self.group, running) if running else ({}, "")
+        stacks, report = self._look_at(running) if running else ({}, "")
         if stacks or report:
             self.records.stacks.write_text(
                 "".join(f"--- rank {rank} ---\n{text}\n\n" for rank, text in stacks.items())
@@ -281,8 +290,24 @@ class Supervisor:
     # --- what the user sees ---------------------------------------------------------------
 
     def rank_states(self) -> list[str]:
-        """Each rank's state now (see ``_run.attempts``)."""
-        return self.attempt.states(self.ended)
+        """Each rank's state now (see ``_run.attempts``); ``resting`` for a session's rank
+        the run was not given to."""
+        states = self.attempt.states(self.ended)
+        for rank in self._resting:
+            states[rank] = "resting"
+        return states
+
+    def _look_at(self, ranks: set[int]) -> tuple[dict[int, str], str]:
+        """``ranks``' stacks and the hang report (``hang_report.look_at``); the report
+        also names the ranks a collective in this run waits for in vain, if it was given
+        to some ranks only."""
+        stacks, report = look_at(self.group, ranks)
+        if self._resting and report:
+            who = ", ".join(map(str, self._resting))
+            given = ", ".join(map(str, self.config.running_ranks))
+            report += (f"\nranks {who} are at rest: this run is on ranks {given} only, so a "
+                       "collective in it waits for them forever")
+        return stacks, report
 
     def _refresh_now_and_then(self) -> None:
         """Redraw the panel, at most every ``_REFRESH_INTERVAL`` (redraws coalesce)."""
@@ -299,6 +324,7 @@ class Supervisor:
         ranks = self.view.ranks(states)
         self.state.rank_notes = {r: self.view.summary(info) for r, info in ranks.items()}
         self.state.behind = {r for r, info in ranks.items() if info["behind"]}
+        self._update_split()
         limit, quiet = self.config.stall_after, self.view.quiet_for()
         if limit is None or self.state.status != "running" or "debugging" in states:
             return
@@ -311,10 +337,16 @@ class Supervisor:
             self.state.message = ""
         self.state.rank_notes.update(self._stalled_at)
 
+    def _update_split(self) -> None:
+        splits = self.split.splits()
+        self.state.split_bars = {r: (s.data, s.compute, s.collectives)
+                                 for r, s in splits.items()}
+        self.state.split_lines = split_lines(splits)
+
     def _say_stalled(self, quiet: float) -> None:
         """The run looks stalled: say so, where each rank is and who waits for whom (the
         panel names each rank's place until it moves again)."""
-        stacks, report = look_at(self.group, self.running)
+        stacks, report = self._look_at(self.running)
         lines = {rank: summary_of(text) for rank, text in stacks.items()}
         self._stalled_at = {rank: line.split(": ", 1)[-1] for rank, line in lines.items()}
         self.state.message = f"looks stalled: no rank has printed or advanced for {int(quiet)} s"
@@ -344,6 +376,7 @@ class Supervisor:
         self.state.ended = time.monotonic()
         self.state.status, self.state.message = status, message
         self.state.ranks = self.rank_states()
+        self._update_split()
         self.panel.close(self.state)
 
     def note(self, line: str) -> None:

@@ -8,11 +8,17 @@ payload reaches them, how a rank is interrupted, and how a dead process is seen.
 
 Any of a waiting group's processes may die while idle. Before the Start, the ranks that
 wait for it answer a roll call; a group that lost one is not handed the run
-(``RanksGone``: the caller stops it and starts fresh ranks).
+(``RanksGone``: the caller stops it and starts fresh ranks). Where the kernel sees the
+ranks' processes (``sees_processes``: they run on this machine) a group that has run
+before is not called: a process that died closed its connection, or is gone from (or
+dying in) ``/proc``, which the hand-over checks in a tenth of a round trip's time. (A
+rank stopped by SIGSTOP is not caught there: its run stalls, and the stall note or the
+timeout says where each rank is.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +42,8 @@ from .group import Launcher, LauncherExited, RankGroup, RanksGone
 from .records import Records
 from .shape import GroupShape, Handover
 
+INLINE_PAYLOAD = 256 * 2**10
+"""A payload this small without data buffers travels inside its Start."""
 ROLL_CALL_WAIT = 3.0
 """How long a waiting rank may take to answer its roll call. An idle rank answers within
 a millisecond (a few on another node); one that has not answered by then is taken for
@@ -168,22 +176,52 @@ class WaitingGroup(RankGroup):
         gets it when it does). Raises ``RanksGone``, and sends no Start, if the waiting
         ranks are not all there. A session's group is handed one run after another: each
         replaces the last one's payload."""
-        called = self._roll_call()
+        seen = self.sees_processes and self._start is not None and len(self._hellos) == \
+            self.nprocs  # (a group that ran before: a session's, for its next run)
+        called = set(self._hellos) if seen else self._roll_call()
         start = self._prepare_start(payload, records, options, handover)
         with self._lock:
-            self._await_answers(called)
+            if seen:
+                self._check_still_present(called)
+            else:
+                self._await_answers(called)
             self.records = records
             self._start = start
             for rank in self._hellos:
                 self._send_start(rank)
 
+    sees_processes = False
+    """The kernel sees whether the ranks' processes live (they run on this machine)."""
+
+    def _check_still_present(self, ranks: set[int]) -> None:
+        """(Under the lock) Raise ``RanksGone`` if a process has stopped, as far as the
+        kernel sees (a closed connection, ``/proc``)."""
+        if self._gone is not None:
+            raise RanksGone(self._gone)
+        self._check_present(ranks)
+
     def _prepare_start(self, payload: Packed, records: Records, options: RankOptions,
                        handover: Handover) -> Start:
-        """The run's Start, its payload placed where the ranks read it."""
+        """The run's Start, its payload placed where the ranks read it: inside the Start
+        if it is small and holds no tensor or array data (no file to write and map: a
+        session's quick cells), else in a data file."""
         if self._payload_file is not None:
             self._payload_file.unlink(missing_ok=True)
+            self._payload_file = None
+        start = self._start_message(self.run_dir.payload, records, options, handover)
+        inline = self._with_payload_inside(start, payload)
+        if inline is not None:
+            return inline
         self._payload_file = self._place_payload(payload)
-        return self._start_message(self._payload_file, records, options, handover)
+        return dataclasses.replace(start, payload=str(self._payload_file))
+
+    @staticmethod
+    def _with_payload_inside(start: Start, payload: Packed) -> Start | None:
+        """``start`` carrying ``payload`` itself, if it is small and holds no tensor or
+        array data; else None (it goes in a data file)."""
+        if payload.buffers or len(payload.data) > INLINE_PAYLOAD:
+            return None
+        return dataclasses.replace(start, packed=payload.data)
 
     def _send_start(self, rank: int) -> None:
         """(Under the lock, once the run is known) Send ``rank`` its Start."""

@@ -223,9 +223,10 @@ class SlurmSessionGroup(WaitingGroup):
         self._forget_received()
         with self._lock:
             self._started = set()
-        if not payload.buffers and len(payload.data) <= INLINE_PAYLOAD:
+        inline = self._with_payload_inside(start, payload)
+        if inline is not None:
             self._delivery = None
-            return dataclasses.replace(start, packed=payload.data)
+            return inline
         self._delivery = PayloadDelivery(payload, self.run_dir)
         return dataclasses.replace(start, remote=self._delivery.outgoing is not None)
 
@@ -369,10 +370,6 @@ class SlurmSessionGroup(WaitingGroup):
     def _forget(self) -> None:
         with _OPEN_LOCK:
             _OPEN.discard(self)
-
-
-INLINE_PAYLOAD = 256 * 2**10
-"""A payload this small, with no tensor or array bytes, goes inside the Start."""
 
 
 DATA_ROUTE_ENV = "NBDDP_SESSION_DATA"

@@ -37,7 +37,8 @@ class History:
         self._highest: int | None = None  # for late records of steps no longer remembered
         self.late_records = 0
         """Records that arrived after their step was averaged without them (dropped)."""
-        self._file: IO[str] | None = path.open("a", buffering=1) if path else None
+        self._file: IO[str] | None = None  # opened with the first row (most quick runs
+        # of a session log nothing: no file for them)
         self.latest: dict[str, Any] = {}
         """The last averaged row: ``step``, ``ranks`` and every metric."""
         self.series: dict[str, list[tuple[int, float]]] = defaultdict(list)
@@ -93,6 +94,8 @@ class History:
             row[name] = sum(values.values()) / len(values)
             self._append_point(name, step, row[name])
         self.latest = row
+        if self._file is None and self.path is not None:
+            self._file = self.path.open("a", buffering=1)
         if self._file is not None:
             self._file.write(json.dumps(row) + "\n")
 

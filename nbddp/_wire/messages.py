@@ -8,8 +8,9 @@ Tensor and array bytes do not travel in messages: they are in data files (``_wir
 that a message names; to and from another machine, the file goes along with the message
 (``_wire.transfer``).
 
-    rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StopRequested, DebugPrompt,
-                     DebugDone, Assigned, Stacks, Collectives, PayloadKept, and a report:
+    rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StepTimes, StopRequested,
+                     DebugPrompt, DebugDone, Assigned, Stacks, Collectives, PayloadKept, and
+                     a report:
                      Result, Failure or Requeueing (each Sequenced)
     kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks,
                      ShowCollectives
@@ -40,6 +41,19 @@ class RankOptions:
     """Every rank sends its return value back, not only rank 0."""
     post_mortem: bool = False
     """A rank that raises opens pdb at the failing frame (the notebook answers) first."""
+    ranks: tuple[int, ...] | None = None
+    """The ranks that run the code (a session's cell on some ranks); the others stay at
+    rest and keep their state. None: every rank."""
+    autoreload: bool = False
+    """A session's rank reloads the user's modules whose files changed, before the code."""
+
+    def runs_on(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
+
+    @property
+    def answering(self) -> int:
+        """The rank whose value is the run's (and whose names the session keeps)."""
+        return min(self.ranks) if self.ranks else 0
 
 
 # --- rank -> kernel -------------------------------------------------------------------
@@ -128,6 +142,23 @@ class RankStats:
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """A running rank about once a second, once it has steps: where their time went
+    since the run began (``_rank.step_clock``: these only grow)."""
+
+    rank: int
+    steps: int
+    data_s: float
+    """Waiting for the next batch."""
+    step_s: float
+    """In the steps."""
+    comm_s: float
+    """Of the steps' time, waiting in DDP's gradient all-reduce (sampled steps only)."""
+    comm_samples: int
+    """How many steps ``comm_s`` was measured over (0: no DDP model measured it)."""
+
+
+@dataclass(frozen=True)
 class DebugPrompt:
     """A rank's pdb wants a line: what it printed since its last one, ending in its prompt."""
 
@@ -183,6 +214,9 @@ class Collectives:
     call: int
     groups: tuple[GroupProgress, ...] = ()
     unavailable: str = ""
+    counted: str = ""
+    """Why ``groups`` are the process groups' own counts, not the recorder's (its entries'
+    operations and times then unknown; the one it waits in read from its stack)."""
 
 
 @dataclass(frozen=True)

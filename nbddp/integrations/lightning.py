@@ -15,7 +15,7 @@ from lightning.fabric.loggers import Logger
 from lightning.pytorch import Callback
 
 from .._rank import metrics as _metrics
-from .._rank.metrics import log, set_progress
+from .._rank.metrics import log, set_progress, step_begins, step_ends, steps_paused
 from ._numbers import chartable
 
 __all__ = ["NbddpCallback", "NbddpLogger", "callbacks_in_a_run"]
@@ -46,15 +46,26 @@ class NbddpCallback(Callback):  # type: ignore[misc]
         if self._reports:
             set_progress(trainer.global_step, self._total, f"epoch {trainer.current_epoch}")
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        if self._reports:
+            step_begins()
+
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if self._reports:
+            step_ends()
             self._collect(trainer)
             set_progress(trainer.global_step, self._total, f"epoch {trainer.current_epoch}")
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         if self._reports:
+            steps_paused()  # the next epoch's start is no wait for data
             self._collect(trainer, by_value=True)
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self._reports:
+            steps_paused()  # validating is no wait for data either
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         if self._reports and not trainer.sanity_checking:

@@ -12,7 +12,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .._rank.metrics import log_for_all, set_progress
+from .._rank.metrics import log_for_all, set_progress, step_begins, step_ends, steps_paused
 from ._numbers import chartable
 
 __all__ = ["NbddpCallback"]
@@ -27,9 +27,19 @@ class NbddpCallback(TrainerCallback):  # type: ignore[misc]
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         set_progress(state.global_step, state.max_steps or None, "training")
 
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step_begins()
+
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        step_ends()
         epoch = f"epoch {state.epoch:.2f}" if state.epoch is not None else "training"
         set_progress(state.global_step, state.max_steps or None, epoch)
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        steps_paused()  # the evaluation was no wait for data
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        steps_paused()  # nor the checkpoint
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
                **kwargs: Any) -> None:
