@@ -275,6 +275,32 @@ time.sleep(120)""", timeout=60)
         "'ready for the next cell'"
 
 
+def test_an_interrupt_while_the_ranks_take_up_the_cell_stops_it_there(fresh_session):
+    """Ctrl-C while the ranks still unpack the cell, before its code starts, is kept by
+    each rank and raised as that code starts (before, a rank dropped it and ran the
+    whole cell: here two minutes, after which the session was restarted, its state
+    lost). A rank of a SLURM session whose kernel dies takes this path too."""
+    fresh_session.run("""
+import time
+def unpacked_slowly():
+    print("unpacking on the ranks", flush=True)
+    time.sleep(3)
+    return "unpacked"
+class SlowToUnpack:
+    def __reduce__(self):
+        return (unpacked_slowly, ())
+slow = SlowToUnpack()
+""").assert_ok()
+    cell(fresh_session, "kept = 'the state'").assert_ok()
+    run = fresh_session.submit("%%ddp\nslow\nimport time\ntime.sleep(120)")
+    run.wait_for_output("unpacking on the ranks")
+    fresh_session.km.interrupt_kernel()
+    run.finish(timeout=60)
+    assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
+    assert "the session's ranks are back at rest, with their state" in run.error_text()
+    assert cell(fresh_session, "kept").assert_ok().result() == "'the state'"
+
+
 def test_a_cell_timeout_interrupts_the_ranks_and_keeps_the_state(skernel):
     cell(skernel, "ticks = 0").assert_ok()
     run = cell(skernel, "import time\nwhile True:\n    ticks += 1\n    time.sleep(0.01)",

@@ -61,35 +61,52 @@ class RunsInScope(Protocol):
 
 
 class Interrupts:
-    """SIGINT raises ``KeyboardInterrupt`` while the user's code runs, and only then."""
+    """SIGINT raises ``KeyboardInterrupt`` in the user's code, and only there.
 
-    def __init__(self) -> None:
+    One that comes while the rank takes up a run, before the user's code starts (the
+    payload is unpacked, the process group joined), is kept and raised as that code
+    starts: the kernel sends an interrupt once, and a rank that dropped it would run
+    the whole cell. One that comes after the user's code, or at rest, is dropped.
+    """
+
+    def __init__(self, in_run: Callable[[], bool]) -> None:
+        self._in_run = in_run
         self._armed = False
+        self._pending = False
         signal.signal(signal.SIGINT, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self._armed:
             raise KeyboardInterrupt
+        if self._in_run():
+            self._pending = True
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
         self._armed = True
         try:
+            if self._pending:
+                self._pending = False
+                raise KeyboardInterrupt
             yield
         finally:
             self._armed = False
+
+    def forget(self) -> None:
+        """The run is over (and the rank no longer in it): a kept interrupt is dropped."""
+        self._pending = False
 
 
 class Rank:
     """One rank's state across the runs it is given."""
 
     def __init__(self, rank: int, run_dir: Path, log: Path, prepared: str | None,
-                 move_log: Callable[[Path, Path], None]) -> None:
+                 move_log: Callable[[Path, Path], None], in_run: Callable[[], bool]) -> None:
         self.rank, self.run_dir, self.log, self.prepared = rank, run_dir, log, prepared
         self._move_log = move_log
         self._group_ready = False
         self.scope = Scope()
-        self.interrupts = Interrupts()
+        self.interrupts = Interrupts(in_run)
         self.reloader: Reloader | None = None  # made when a session's run first asks for it
 
     def run(self, start: Start, send: Callable[[Any], None]) -> Report:

@@ -107,7 +107,8 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         link.send(failure(rank, exc))
         return 1
     link.send(Ready(rank))
-    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir))
+    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir),
+              link.busy.is_set)
     if isinstance(link, AttachableLink):  # what a kernel that attaches is told (the
         link.greeting = lambda: [hello(rank), *(  # names before Ready, which
             [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
@@ -116,6 +117,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         report = me.run(start, link.send)
         link.send(report.message, report.data)
         link.busy.clear()
+        me.interrupts.forget()  # (after the clear: a later SIGINT finds the rank at rest)
         ended_well = isinstance(report.message, (Result, Requeueing))
         del report  # (its data, a CPU copy of the result's tensors, goes now)
         if not start.session:
