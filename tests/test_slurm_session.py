@@ -485,7 +485,20 @@ def test_a_node_whose_slurmd_stops_mid_cell_ends_the_cell_naming_the_lost_node(
 # --- a new kernel attaches ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["killed", "shut down", "killed mid-cell"])
+SLOW_TO_UNPACK = """
+import time
+def unpacked_slowly():
+    print("unpacking on the ranks", flush=True)
+    time.sleep(3)
+class SlowToUnpack:
+    def __reduce__(self):
+        return (unpacked_slowly, ())
+slow = SlowToUnpack()
+"""
+
+
+@pytest.mark.parametrize("how", ["killed", "shut down", "killed mid-cell",
+                                 "killed as a cell starts"])
 def test_a_new_kernel_attaches_to_the_sessions_ranks_with_their_state(
         slurm_env, jobs, tmp_path, how):
     first = Kernel(tmp_path)
@@ -496,6 +509,10 @@ def test_a_new_kernel_attaches_to_the_sessions_ranks_with_their_state(
         if how == "killed mid-cell":  # the ranks stop that cell, and keep the state
             first.submit("%%ddp\nprint('busy', flush=True)\nwhile True:\n    pass"
                          ).wait_for_output("busy")
+        elif how == "killed as a cell starts":  # they stop it as its code starts
+            first.run(SLOW_TO_UNPACK).assert_ok()
+            first.submit("%%ddp\nslow\nwhile True:\n    pass"
+                         ).wait_for_output("unpacking on the ranks")
         first.end("killed" if how.startswith("killed") else how)
     finally:
         first.shutdown()
