@@ -108,6 +108,21 @@ def test_data_files_are_private(tmp_path):
     assert os.stat(path).st_mode & 0o777 == 0o600
 
 
+def test_code_sent_by_value_keeps_the_file_it_was_written_in():
+    """A function (and the comprehension inside it) defined here comes back under this
+    file's name, so a rank's traceback can show its lines; cloudpickle 3.1.3 renames
+    every such file ``<dynamic-code>``."""
+
+    def squares(n):
+        return [i * i for i in range(n)]
+
+    back = dataplane.pack(squares).load()
+    assert back(4) == [0, 1, 4, 9]
+    assert back.__code__.co_filename == __file__
+    inner = [c for c in back.__code__.co_consts if hasattr(c, "co_filename")]
+    assert all(code.co_filename == __file__ for code in inner)
+
+
 def test_frames_carry_any_length():
     header = encode(Hello(0, 1))[:HEADER_SIZE]
     assert HEADER_SIZE == 8 and body_size(header) == len(encode(Hello(0, 1))) - HEADER_SIZE

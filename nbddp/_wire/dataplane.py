@@ -26,12 +26,16 @@ import shutil
 import struct
 import sys
 import threading
+import types
+from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import cloudpickle
+
+from .code_files import reduce_code
 
 OUT_OF_BAND_MIN = 64 * 1024
 """Buffers smaller than this stay in the pickle (a file is not worth it)."""
@@ -274,7 +278,10 @@ def _plain(tensor: Any) -> bool:
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, protocol 5, with tensors as their storage's bytes out of band."""
+    """cloudpickle, protocol 5, with tensors as their storage's bytes out of band, and
+    code objects under their real file names (``code_files``)."""
+
+    dispatch_table = ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any) -> None:
         super().__init__(stream, protocol=5, buffer_callback=keep)
