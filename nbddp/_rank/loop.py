@@ -244,11 +244,11 @@ def _whole(value: Any, all_ranks: bool) -> Any:
 
 def prepare(backend: str | None) -> str | None:
     """Import torch, and join the default process group if the kernel expects gloo."""
-    import torch.distributed as dist
+    import torch.distributed  # noqa: F401 - imported while the rank waits, not in its run
 
     if backend != "gloo":
         return None  # NCCL waits for Start: no CUDA context, no communicator while idle
-    dist.init_process_group("gloo")
+    _join("gloo")
     return "gloo"
 
 
@@ -272,7 +272,19 @@ def _process_group(options: RankOptions, prepared: str | None) -> None:
         return
     if prepared:
         dist.destroy_process_group()
+    _join(backend)
+
+
+def _join(backend: str) -> None:
+    """Join the default process group. With gloo, wait until every rank has joined: a
+    rank whose code returns at once would otherwise exit while a peer still connects
+    its mesh, and that peer fails ("Gloo connectFullMesh failed ... Connection closed
+    by peer"). NCCL connects at the first collective instead."""
+    import torch.distributed as dist
+
     dist.init_process_group(backend)
+    if backend == "gloo":
+        dist.barrier()
 
 
 def users_part(tb: TracebackType | None) -> TracebackType | None:
