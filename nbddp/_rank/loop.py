@@ -276,15 +276,25 @@ def _process_group(options: RankOptions, prepared: str | None) -> None:
 
 
 def _join(backend: str) -> None:
-    """Join the default process group. With gloo, wait until every rank has joined: a
-    rank whose code returns at once would otherwise exit while a peer still connects
-    its mesh, and that peer fails ("Gloo connectFullMesh failed ... Connection closed
-    by peer"). NCCL connects at the first collective instead."""
+    """Join the default process group, and wait until every rank has joined: a rank
+    whose code returns at once would otherwise exit while a peer still connects its
+    gloo mesh, and that peer fails ("Gloo connectFullMesh failed ... Connection closed
+    by peer"). torch's own barrier after the init (``TORCH_DIST_INIT_BARRIER``) waits
+    on the store, not in the group: the user's first collective is still #1."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend)
-    if backend == "gloo":
-        dist.barrier()
+    before = os.environ.get(_INIT_BARRIER)
+    os.environ[_INIT_BARRIER] = "1"
+    try:
+        dist.init_process_group(backend)
+    finally:
+        if before is None:
+            del os.environ[_INIT_BARRIER]
+        else:
+            os.environ[_INIT_BARRIER] = before
+
+
+_INIT_BARRIER = "TORCH_DIST_INIT_BARRIER"
 
 
 def users_part(tb: TracebackType | None) -> TracebackType | None:
