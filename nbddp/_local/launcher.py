@@ -16,7 +16,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 from .._run.config import torchrun_environment
 from .._run.shape import GroupShape
@@ -127,10 +126,20 @@ class LocalLauncher:
                 self._lifeline = -1
 
 
+def _read_proc(pid: int, name: str) -> str:
+    """``/proc/PID/NAME`` (a few hundred bytes), read in one system call: a session's
+    hand-over reads six of these before every run."""
+    fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY)
+    try:
+        return os.read(fd, 8192).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
 def _start_time(pid: int) -> str | None:
     """The start time of a live (not zombie) process, or None if there is none."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        stat = _read_proc(pid, "stat")
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2:].split()
@@ -142,8 +151,8 @@ def stopping(pid: int) -> bool:
     pending): it runs no more code. A process killed while others wait on it (torchrun's
     ranks die of its death, see ``_worker``) is seen before they can notice."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        status = Path(f"/proc/{pid}/status").read_text()
+        stat = _read_proc(pid, "stat")
+        status = _read_proc(pid, "status")
     except OSError:
         return True
     fields = stat[stat.rindex(")") + 2:].split()
