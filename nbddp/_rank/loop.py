@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bdb
 import contextlib
+import dataclasses
 import os
 import secrets
 import signal
@@ -24,7 +25,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._version import __version__
 from .._wire import dataplane
-from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
+from .._wire.messages import (
+    Assigned,
+    Failure,
+    RankOptions,
+    RankStats,
+    Requeueing,
+    Result,
+    Start,
+)
 from .._wire.payload import Payload, dumps_value
 from . import debugger
 from .autoreload import Reloader, forget_listings
@@ -108,9 +117,19 @@ class Rank:
         self.scope = Scope()
         self.interrupts = Interrupts(in_run)
         self.reloader: Reloader | None = None  # made when a session's run first asks for it
+        self._final_stats: RankStats | None = None  # this run's, as it ended
 
     def run(self, start: Start, send: Callable[[Any], None]) -> Report:
-        """Take up ``start``'s run, run it, and say how it went (never raises)."""
+        """Take up ``start``'s run, run it, and say how it went (never raises); the
+        report carries the rank's stats as the run ended, if it ran."""
+        self._final_stats = None
+        report = self._run(start, send)
+        message = report.message
+        if self._final_stats is not None and isinstance(message, (Result, Failure)):
+            report = Report(dataclasses.replace(message, stats=self._final_stats), report.data)
+        return report
+
+    def _run(self, start: Start, send: Callable[[Any], None]) -> Report:
         reporter = None
         answering = start.options.answering
         try:
@@ -139,8 +158,8 @@ class Rank:
             self._debug(exc, start)
             return Report(failure(self.rank, exc))
         finally:
-            if reporter is not None:
-                stop_reporting()  # what is still buffered goes before the report
+            if reporter is not None:  # what is still buffered goes before the report
+                self._final_stats = stop_reporting()
             if start.session and self.rank == answering:
                 send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
             if self.reloader is not None and start.options.autoreload:

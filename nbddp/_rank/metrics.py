@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from .._wire.messages import RankStats
 from .reporter import Reporter
 
 T = TypeVar("T")
@@ -96,22 +97,27 @@ def in_launched_run() -> bool:
 
 def start_reporting(rank: int, send: Callable[[Any], None]) -> Reporter:
     """Called by the worker: from now on ``log``/``progress`` report to the kernel, and
-    the rank's stats (memory, step) go with them about once a second. A rank that ran
-    before (a session's) takes up its reporter again: no new thread per run."""
+    the rank's stats (memory, step) go with them about once a second, the first a tenth
+    of a second in (a session's quick cell sends none: its report carries them, see
+    ``stop_reporting``). A rank that ran before (a session's) takes up its reporter
+    again: no new thread per run."""
     global _reporter, _resting
     if _resting is not None and _resting.rank == rank:
         _reporter, _resting = _resting, None
         _reporter.resume(send)
     else:
         _reporter = Reporter(rank, send, stats=True)
-    _reporter.send_stats()  # where the rank runs, at once
     return _reporter
 
 
-def stop_reporting() -> None:
-    """Called by the worker after a run: send what is left; ``log`` reports no more."""
+def stop_reporting() -> RankStats | None:
+    """Called by the worker after a run: send what is left; ``log`` reports no more.
+    The rank's stats as the run ends, for its report."""
     global _reporter, _resting
+    stats = None
     if _reporter is not None:
         _reporter.pause()
+        stats = _reporter.sample()
         _resting = _reporter
     _reporter = None
+    return stats

@@ -17,7 +17,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from .._wire.messages import Metrics, StepTimes
+from .._wire.messages import Metrics, RankStats, StepTimes
 from .stats import sample
 from .step_clock import StepClock, StepTotals
 
@@ -105,11 +105,15 @@ class Reporter:
                     self.send_stats()
 
     def send_stats(self) -> None:
-        """Where this rank is and what it holds (its last step: logged, or its progress)."""
+        """Where this rank is and what it holds, and where its steps' time went."""
         self._stats_sent = time.monotonic()
-        step = self._step if self._step >= 0 else (self.position or (None,))[0]
-        self._send(sample(self.rank, step))
+        self._send(self.sample())
         self.send_step_times()
+
+    def sample(self) -> RankStats:
+        """Where this rank is and what it holds (its last step: logged, or its progress)."""
+        step = self._step if self._step >= 0 else (self.position or (None,))[0]
+        return sample(self.rank, step)
 
     def send_step_times(self) -> None:
         """Where the steps' time went, if there are new steps."""

@@ -150,10 +150,14 @@ class Supervisor:
             self.state.set_position(metrics.position)
 
     def _result(self, result: Result) -> None:
+        if result.stats is not None:
+            self.view.add(result.stats)
         self.attempt.results[result.rank] = result
         self.debugger.done(result.rank)  # its pdb, if any, is over (it may have stepped off)
 
     def _failure(self, failure: Failure) -> None:
+        if failure.stats is not None:
+            self.view.add(failure.stats)
         self.attempt.failures.append(failure)
         self.debugger.done(failure.rank)
 

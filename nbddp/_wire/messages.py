@@ -107,11 +107,14 @@ class PayloadKept:
 @dataclass(frozen=True)
 class Result:
     """A rank finished; its return value when the kernel wants it: pickled in ``value``,
-    or, with tensor or array bytes, in the data file ``file``."""
+    or, with tensor or array bytes, in the data file ``file``; ``stats``: the rank's as
+    the run ended (a run's first stats come a tenth of a second in: a quick run has no
+    other)."""
 
     rank: int
     value: bytes | None = None
     file: str | None = None
+    stats: RankStats | None = None
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,8 @@ class Failure:
     traceback: str
     exception: bytes | None = None
     time: float = field(default_factory=time.time)
+    stats: RankStats | None = None
+    """The rank's stats as it failed (as a ``Result``'s)."""
 
 
 @dataclass(frozen=True)
