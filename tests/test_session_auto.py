@@ -4,6 +4,7 @@ or the session's end, brings the notebook back."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -111,3 +112,18 @@ def test_autoreload_follows_the_notebooks_own_until_set(akernel):
     assert "autoreload on" in akernel.run("%ddp_session").assert_ok().result()
     akernel.run("%ddp_session autoreload off").assert_ok()
     assert "autoreload off" in akernel.run("%ddp_session").assert_ok().result()
+
+
+def test_a_module_written_between_cells_imports_on_the_ranks(akernel, tmp_path):
+    """The ranks listed this folder when the first cell imported from it; a module
+    written after (by an editor, or a cell's ``%%writefile``) imports in the next cell.
+    The folder's time is set back, as a coarse clock or a network disk leaves it: the
+    import system would otherwise notice the change by itself."""
+    write(tmp_path / "first_module.py", "VALUE = 1\n", 0)
+    assert akernel.run("%%ddp\nimport first_module\nfirst_module.VALUE"
+                       ).assert_ok().result() == "1"
+    listed = os.stat(tmp_path).st_mtime_ns
+    (tmp_path / "second_module.py").write_text("VALUE = 2\n")
+    os.utime(tmp_path, ns=(listed, listed))
+    assert akernel.run("%%ddp\nimport second_module\nsecond_module.VALUE"
+                       ).assert_ok().result() == "2"

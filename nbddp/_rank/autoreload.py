@@ -75,12 +75,28 @@ def forget_listings() -> None:
     """Let modules written since the last run be imported: drop the import system's
     listings of the user's folders (``importlib.invalidate_caches`` for those only; a
     folder of installed packages refreshes its own listing when its time changes, and
-    going through all of them each run costs a tenth of a millisecond)."""
+    going through all of them each run costs a tenth of a millisecond). Which folders
+    are the user's is worked out again only when the import system knows new ones."""
+    global _users_finders
+    known = _users_finders
+    cache = sys.path_importer_cache
+    if known is None or known[0] != cache.keys():
+        known = _users_finders = (set(cache), _finders_of_users_folders())
+    for path, finder in known[1]:
+        if cache.get(path) is not finder:  # (replaced since: look again next time)
+            _users_finders = None
+        finder.invalidate_caches()
+
+
+_users_finders: tuple[set[str], list[tuple[str, Any]]] | None = None
+"""The import system's folders when last looked at, and the finders of the user's."""
+
+
+def _finders_of_users_folders() -> list[tuple[str, Any]]:
     installed = _installed_places()
-    for path, finder in list(sys.path_importer_cache.items()):
-        forget = getattr(finder, "invalidate_caches", None)
-        if forget is not None and not path.startswith(installed):
-            forget()
+    return [(path, finder) for path, finder in list(sys.path_importer_cache.items())
+            if getattr(finder, "invalidate_caches", None) is not None
+            and not path.startswith(installed)]
 
 
 def _users_file(module: ModuleType | None) -> str | None:

@@ -234,9 +234,10 @@ class Rank:
             _process_group(start.options, self.prepared)
             self._group_ready = start.session  # a session keeps it; a one-off run ends it
         fn = payload.fn
-        with self.interrupts.armed():
-            if isinstance(fn, RunsInScope):
-                value = fn.run_in(scope)
+        runs_in_scope = getattr(fn, "run_in", None)  # (a RunsInScope: the protocol's own
+        with self.interrupts.armed():  # isinstance is a tenth of a run's time)
+            if runs_in_scope is not None:
+                value = runs_in_scope(scope)
             elif start.session:
                 value = scope.bind(fn)(*payload.args, **payload.kwargs)
             else:
