@@ -158,5 +158,13 @@ def stopping(pid: int) -> bool:
     fields = stat[stat.rindex(")") + 2:].split()
     if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
         return True
-    return any(int(line.split()[1], 16) & _SIGKILL for line in status.splitlines()
-               if line.startswith(("SigPnd:", "ShdPnd:")))
+    return any(_signal_mask(status, field) & _SIGKILL for field in ("\nSigPnd:", "\nShdPnd:"))
+
+
+def _signal_mask(status: str, field: str) -> int:
+    """A pending-signals mask of ``/proc/PID/status`` (its ``field`` line; 0 if absent)."""
+    at = status.find(field)
+    if at < 0:
+        return 0
+    value = status[at + len(field):status.find("\n", at + 1)]
+    return int(value.strip() or "0", 16)

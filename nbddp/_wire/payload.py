@@ -85,7 +85,18 @@ class Payload:
 
 
 def _import_path() -> tuple[str, ...]:
-    return tuple(os.path.abspath(p) for p in sys.path if p and os.path.isdir(p))
+    """The kernel's import path, absolute (folders that do not exist cost a rank
+    nothing). Worked out again only when the path or the working directory changed: a
+    session's every run sends it."""
+    global _import_path_seen
+    key = (tuple(sys.path), os.getcwd())
+    seen = _import_path_seen
+    if seen is None or seen[0] != key:
+        seen = _import_path_seen = (key, tuple(os.path.abspath(p) for p in sys.path if p))
+    return seen[1]
+
+
+_import_path_seen: tuple[tuple[tuple[str, ...], str], tuple[str, ...]] | None = None
 
 
 def _notebook_sources() -> dict[str, list[str]]:
