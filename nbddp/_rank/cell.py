@@ -9,6 +9,7 @@ in order, a trailing expression's value returned, line numbers the cell's own.
 from __future__ import annotations
 
 import ast
+import linecache
 import os
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -69,6 +70,8 @@ class Cell:
         """Run the cell in ``scope`` (with the notebook names it brought); rank 0's view."""
         scope.take(self.namespace)
         namespace = scope.globals
+        lines = self.source.splitlines(keepends=True)  # a traceback shows the cell's lines
+        linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
         tree = ast.parse(self.source, self.filename)
         last = tree.body[-1] if tree.body else None
         if isinstance(last, ast.Expr):  # like IPython: the last expression is the result

@@ -27,7 +27,6 @@ import struct
 import sys
 import threading
 import types
-from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +55,8 @@ class Packed:
     buffers: list[Any] = field(default_factory=list)
     owners: list[Any] = field(default_factory=list, repr=False)
     """What the buffers' memory belongs to (tensor storages), kept alive with them."""
+    code_files: frozenset[str] = frozenset()
+    """The files (notebook cells) of the code the pickle carries by value."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -80,7 +81,8 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True) -> Packed:
     stream = io.BytesIO()
     pickler = _Pickler(stream, to_cpu, keep)
     pickler.dump(value)
-    return Packed(stream.getvalue(), buffers, list(pickler.storages.values()))
+    return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
+                  frozenset(pickler.code_files))
 
 
 # --- files ----------------------------------------------------------------------------
@@ -279,16 +281,18 @@ def _plain(tensor: Any) -> bool:
 
 class _Pickler(cloudpickle.Pickler):
     """cloudpickle, protocol 5, with tensors as their storage's bytes out of band, and
-    code objects under their real file names (``code_files``)."""
-
-    dispatch_table = ChainMap({types.CodeType: reduce_code}, cloudpickle.Pickler.dispatch_table)
+    code objects under their real file names (``code_files``), which it notes."""
 
     def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any) -> None:
         super().__init__(stream, protocol=5, buffer_callback=keep)
         self._to_cpu = to_cpu
         self.storages: dict[tuple[int, int], _StorageBox] = {}
+        self.code_files: set[str] = set()
 
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:
+            self.code_files.add(obj.co_filename)
+            return reduce_code(obj)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             if self._to_cpu and obj.device.type not in ("cpu", "meta"):

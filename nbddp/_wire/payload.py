@@ -47,14 +47,15 @@ class Payload:
     sys_path: tuple[str, ...] = ()
     """The kernel's import path, so modules importable there import on the ranks."""
     sources: dict[str, list[str]] = field(default_factory=dict)
-    """Notebook cells' source by code file name, so remote tracebacks show the lines."""
+    """The source of the notebook cells whose code the payload carries, by code file
+    name, so remote tracebacks show the lines (filled in by ``dumps``)."""
 
     @classmethod
     def capture(cls, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Payload:
         """Bundle ``fn`` and its arguments with what the ranks need to import and report."""
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
-        return cls(fn, tuple(args), dict(kwargs), _import_path(), _notebook_sources())
+        return cls(fn, tuple(args), dict(kwargs), _import_path())
 
     def dumps(self) -> Packed:
         """Pickle for the ranks, tensor and array bytes out of band; name the culprit if
@@ -70,7 +71,8 @@ class Payload:
         if len(body.data) > LARGE_PAYLOAD_BYTES:
             warnings.warn(_large_payload_message(self, len(body.data)), LargePayloadWarning,
                           stacklevel=3)
-        return Packed(pickle.dumps((body.data, self.sys_path, self.sources)), body.buffers,
+        sources = _cell_sources(body.code_files)
+        return Packed(pickle.dumps((body.data, self.sys_path, sources)), body.buffers,
                       body.owners)
 
     @classmethod
@@ -99,11 +101,16 @@ def _import_path() -> tuple[str, ...]:
 _import_path_seen: tuple[tuple[tuple[str, ...], str], tuple[str, ...]] | None = None
 
 
-def _notebook_sources() -> dict[str, list[str]]:
-    """Cells registered in linecache by IPython (no file on disk), newest last, capped."""
+def _cell_sources(files: frozenset[str]) -> dict[str, list[str]]:
+    """The sources of those of ``files`` that are notebook cells (IPython registers
+    them in linecache, with no file on disk), capped. Only the cells whose code the
+    payload carries go: every cell of a long notebook, with each run, would cost
+    milliseconds (a rank keeps what earlier runs of a session brought)."""
     sources, total = {}, 0
-    for filename, entry in reversed(list(linecache.cache.items())):
-        if len(entry) != 4 or entry[1] is not None or os.path.exists(filename):
+    for filename in sorted(files):
+        entry = linecache.cache.get(filename)
+        if entry is None or len(entry) != 4 or entry[1] is not None \
+                or os.path.exists(filename):
             continue
         total += entry[0]
         if total > _MAX_SOURCE_BYTES:
