@@ -202,8 +202,11 @@ def test_without_pdb_a_failing_rank_reports_at_once(kernel):
 def test_ddp_debug_after_a_failed_session_cell_debugs_the_rank_that_raised(fresh_kernel):
     fresh_kernel.run("%load_ext nbddp\n%ddp_session start --nprocs 2").assert_ok()
     try:
-        failed = fresh_kernel.run(FAILS_ON_RANK_1.format(flags="").replace(" --nprocs 2", ""),
-                            timeout=90)
+        # x is the ranks' before the failing cell: rank 0 may be interrupted before that
+        # cell's code starts there (rank 1 fails at once), and then runs none of it.
+        fresh_kernel.run("%%ddp\nimport torch.distributed as dist\nx = 40 + dist.get_rank()",
+                         timeout=90).assert_ok()
+        failed = fresh_kernel.run("%%ddp\nif dist.get_rank() == 1:\n    y = x / 0", timeout=90)
         assert failed.error()["ename"] == "WorkerError", failed.describe()
         cell = fresh_kernel.submit("%ddp_debug")
         answer(cell, "[rank 1] (Pdb) ", "p x")

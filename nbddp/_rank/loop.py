@@ -94,12 +94,18 @@ class Interrupts:
     def armed(self) -> Iterator[None]:
         self._armed = True
         try:
-            if self._pending:
-                self._pending = False
-                raise KeyboardInterrupt
             yield
         finally:
             self._armed = False
+
+    def raise_kept(self) -> None:
+        """(Armed, as the user's code is about to start) Raise the interrupt that came
+        while the rank took up the run, if one did. It is raised here, in nbddp's frame,
+        so that its traceback holds no code of the user's, nor of ``contextlib``:
+        nothing for ``%ddp_debug`` to keep, nothing for an error to show."""
+        if self._pending:
+            self._pending = False
+            raise KeyboardInterrupt
 
     def forget(self) -> None:
         """The run is over (and the rank no longer in it): a kept interrupt is dropped."""
@@ -236,6 +242,7 @@ class Rank:
         fn = payload.fn
         runs_in_scope = getattr(fn, "run_in", None)  # (a RunsInScope: the protocol's own
         with self.interrupts.armed():  # isinstance is a tenth of a run's time)
+            self.interrupts.raise_kept()
             if runs_in_scope is not None:
                 value = runs_in_scope(scope)
             elif start.session:
