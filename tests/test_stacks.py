@@ -230,6 +230,21 @@ def hang_in_ddp_backward(started):
     model(torch.ones(2, 4)).sum().backward()
 
 
+def report_naming(job, words: str, timeout: float = 30) -> str:
+    """The job's hang report once it names ``words``; failing, the last one it gave."""
+    said = []
+
+    def names_them() -> str | None:
+        said.append(job.hang_report())
+        return said[-1] if words in said[-1] else None
+
+    try:
+        return wait_until(names_them, timeout=timeout)
+    except AssertionError:
+        raise AssertionError(f"no hang report named {words!r} within {timeout} s; the "
+                             f"last said:\n{said[-1] if said else '(none)'}") from None
+
+
 def both_started(folder) -> None:
     wait_until(lambda: len(list(folder.glob("rank-*"))) == 2, timeout=60)
 
@@ -263,7 +278,7 @@ def test_a_hang_in_the_12th_all_reduce_is_reported_with_its_number(tmp_path):
                        timeout=120)
     try:
         both_started(tmp_path)
-        report = wait_until(lambda: "#12" in (r := job.hang_report()) and r, timeout=30)
+        report = report_naming(job, "#12")
         assert report.splitlines()[2:] == [
             "rank 1: has completed #11 (all_reduce) and is not in a collective",
             "all_reduce #12 waits for rank 1, which has not entered it"]
@@ -279,7 +294,7 @@ def test_with_the_flight_recorder_off_the_process_groups_count_and_the_stack_say
                        timeout=120, env={"TORCH_FR_BUFFER_SIZE": "0"})
     try:
         both_started(tmp_path)
-        report = wait_until(lambda: "#12" in (r := job.hang_report()) and r, timeout=30)
+        report = report_naming(job, "#12")
         assert report.splitlines()[1:] == [
             "rank 0: waits in all_reduce #12",
             "rank 1: has completed #11 and is not in a collective",
