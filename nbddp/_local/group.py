@@ -13,6 +13,7 @@ from .._run.waiting import WaitingGroup
 from .._wire import dataplane
 from .._wire.channel import ChannelServer, new_key
 from .._wire.dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
+from .._wire.messages import Interrupt
 from .._wire.rundir import RunDir
 from .._wire.stacks import (
     STACKS_SIGNAL,
@@ -141,7 +142,13 @@ class LocalGroup(WaitingGroup):
                 if pids[rank] in answering else None for rank, path in files.items()}
 
     def interrupt(self, ranks: set[int]) -> None:
-        self._torchrun.interrupt([self._hellos[r].pid for r in ranks if r in self._hellos])
+        """Ask each rank of ``ranks`` to raise ``KeyboardInterrupt`` in the user's code,
+        over its channel, as a SLURM rank is asked: behind the run's Start, which a
+        signal could overtake (a rank not yet holding its Start would drop the signal,
+        then run the whole cell)."""
+        assert self._server is not None
+        for rank in sorted(ranks):
+            self._server.send(rank, Interrupt())
 
     def retire(self) -> None:
         """Close first: nothing needs the channel or the run dir once every rank has

@@ -75,10 +75,6 @@ class LocalLauncher:
         """torchrun's PID and the live ranks' PIDs."""
         return [self.process.pid, *self._alive_ranks()]
 
-    def interrupt(self, pids: list[int]) -> None:
-        """SIGINT to those of ``pids`` that are this launcher's live ranks."""
-        self.signal_ranks(pids, signal.SIGINT)
-
     def signal_ranks(self, pids: Iterable[int], sig: signal.Signals) -> set[int]:
         """``sig`` to those of ``pids`` that are this launcher's live ranks; those."""
         sent = set()

@@ -2,14 +2,14 @@
 
 A local rank talks over the kernel's Unix socket in both directions, and a session's rank
 on a cluster node over the kernel's TCP channel; a closed connection means the kernel is
-gone, and the rank stops. The kernel interrupts a rank it cannot signal (on another
-node), and asks for its stacks, with a message; it asks any rank where it is in its
-collectives. It answers the kernel's roll call (sent to waiting ranks before their
-``Start``) at once, from the thread that listens. A SLURM
-job's rank also writes every message to its mailbox file, reads its ``Start`` from the
-run folder, and carries on without the kernel: the job outlives a kernel restart and can
-be re-attached. Messages are numbered, so the kernel keeps one copy of what arrives both
-ways.
+gone, and the rank stops. The kernel interrupts a session's rank with a message,
+behind the run's Start; it asks a rank it cannot signal (on another node) for its
+stacks, and any rank where it is in its collectives. It answers the kernel's roll
+call (sent to waiting ranks before their ``Start``) at once, from the thread that
+listens. A SLURM job's rank also writes every message to its mailbox file, reads its
+``Start`` from the run folder, and carries on without the kernel: the job outlives a
+kernel restart and can be re-attached. Messages are numbered, so the kernel keeps one
+copy of what arrives both ways.
 """
 
 from __future__ import annotations
@@ -77,6 +77,7 @@ class KernelLink:
         """Set while the rank runs a Start: the kernel closing the link then means it
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
         self._kept: Path | None = None  # the payload this node's ranks map (local rank 0)
+        self._interrupt_next = False  # an interrupt came before its Start was taken
 
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
@@ -130,8 +131,19 @@ class KernelLink:
             with self._lock:
                 if generation == self._generation:
                     self.busy.set()
+                    interrupted, self._interrupt_next = self._interrupt_next, False
+                    if interrupted:  # (now busy: the rank keeps it for the user's code)
+                        os.kill(os.getpid(), signal.SIGINT)
                     return start
         return None
+
+    def _interrupt(self) -> None:
+        """The kernel's interrupt: SIGINT in the main thread, which raises it in the
+        user's code (see ``loop.Interrupts``). It comes behind the run's Start; if that
+        Start still waits in the queue, the rank is interrupted again as it takes it."""
+        with self._lock:
+            self._interrupt_next = not self.busy.is_set() and not self._starts.empty()
+        os.kill(os.getpid(), signal.SIGINT)
 
     def ask(self, prompt: DebugPrompt) -> DebugInput:
         """Send pdb's prompt to the kernel and wait for the user's line."""
@@ -165,7 +177,7 @@ class KernelLink:
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
                 elif isinstance(message, Interrupt):  # raised in the main thread, if busy
-                    os.kill(os.getpid(), signal.SIGINT)
+                    self._interrupt()
                 elif isinstance(message, ShowStacks):  # (this thread must go on listening)
                     threading.Thread(target=self._send_stacks, args=(message.call,),
                                      daemon=True, name="nbddp-stacks").start()

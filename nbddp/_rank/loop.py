@@ -4,7 +4,8 @@ A one-off run ends the rank. A session's rank goes back to rest after each run a
 keeps what its code built: one ``Scope`` for the notebook code it runs, and the default
 process group, set up for the first run and kept. A session's run given to some ranks
 only leaves the others at rest, untouched. The kernel interrupts a session's run
-with SIGINT, which raises ``KeyboardInterrupt`` in the user's code (never in nbddp's).
+(the rank sends itself SIGINT), which raises ``KeyboardInterrupt`` in the user's code
+(never in nbddp's).
 """
 
 from __future__ import annotations

@@ -343,7 +343,8 @@ class ShowCollectives:
 @dataclass(frozen=True)
 class Interrupt:
     """Raise ``KeyboardInterrupt`` in the user's code, as SIGINT would: how the kernel
-    interrupts a rank on another machine, which it cannot signal."""
+    interrupts a session's rank (a signal could overtake the run's Start, and a rank on
+    another machine cannot be signalled)."""
 
 
 @dataclass(frozen=True)
