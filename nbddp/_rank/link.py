@@ -77,7 +77,6 @@ class KernelLink:
         """Set while the rank runs a Start: the kernel closing the link then means it
         is gone (the rank stops); at rest it means the rank is no longer wanted."""
         self._kept: Path | None = None  # the payload this node's ranks map (local rank 0)
-        self._interrupt_next = False  # an interrupt came before its Start was taken
 
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
@@ -131,19 +130,13 @@ class KernelLink:
             with self._lock:
                 if generation == self._generation:
                     self.busy.set()
-                    interrupted, self._interrupt_next = self._interrupt_next, False
-                    if interrupted:  # (now busy: the rank keeps it for the user's code)
-                        os.kill(os.getpid(), signal.SIGINT)
                     return start
         return None
 
-    def _interrupt(self) -> None:
-        """The kernel's interrupt: SIGINT in the main thread, which raises it in the
-        user's code (see ``loop.Interrupts``). It comes behind the run's Start; if that
-        Start still waits in the queue, the rank is interrupted again as it takes it."""
-        with self._lock:
-            self._interrupt_next = not self.busy.is_set() and not self._starts.empty()
-        os.kill(os.getpid(), signal.SIGINT)
+    def in_run(self) -> bool:
+        """The rank runs a Start, or has one waiting to be taken: an interrupt now is
+        for that run (the kernel's comes behind the Start it interrupts)."""
+        return self.busy.is_set() or not self._starts.empty()
 
     def ask(self, prompt: DebugPrompt) -> DebugInput:
         """Send pdb's prompt to the kernel and wait for the user's line."""
@@ -176,8 +169,8 @@ class KernelLink:
                     self._keep(message)
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
-                elif isinstance(message, Interrupt):  # raised in the main thread, if busy
-                    self._interrupt()
+                elif isinstance(message, Interrupt):  # raised in the main thread, if in a run
+                    os.kill(os.getpid(), signal.SIGINT)
                 elif isinstance(message, ShowStacks):  # (this thread must go on listening)
                     threading.Thread(target=self._send_stacks, args=(message.call,),
                                      daemon=True, name="nbddp-stacks").start()

@@ -73,10 +73,11 @@ class RunsInScope(Protocol):
 class Interrupts:
     """SIGINT raises ``KeyboardInterrupt`` in the user's code, and only there.
 
-    One that comes while the rank takes up a run, before the user's code starts (the
-    payload is unpacked, the process group joined), is kept and raised as that code
-    starts: the kernel sends an interrupt once, and a rank that dropped it would run
-    the whole cell. One that comes after the user's code, or at rest, is dropped.
+    One that comes while the rank takes up a run, before the user's code starts (its
+    Start still queued, the payload unpacked, the process group joined), is kept and
+    raised as that code starts: the kernel sends an interrupt once, and a rank that
+    dropped it would run the whole cell. One that comes after the user's code, or at
+    rest, is dropped.
     """
 
     def __init__(self, in_run: Callable[[], bool]) -> None:

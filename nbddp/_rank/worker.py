@@ -108,7 +108,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
         return 1
     link.send(Ready(rank))
     me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir),
-              link.busy.is_set)
+              link.in_run)
     if isinstance(link, AttachableLink):  # what a kernel that attaches is told (the
         link.greeting = lambda: [hello(rank), *(  # names before Ready, which
             [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
