@@ -2,9 +2,9 @@
 real Jupyter kernel per page, so ``%load_ext nbddp``, ``%%ddp`` and ``!torchrun`` cells
 run as a reader would run them.
 
-A ```python block always runs and must not raise. Text that is not meant to run uses
-another fence (```bash, ```text, ```console). Two comments on the line right above a
-fence make the page check more than that:
+A ```python block always runs and must not raise, nor may a ``!command`` in it fail. Text
+that is not meant to run uses another fence (```bash, ```text, ```console). Comments on
+the line right above a fence make the page check more than that:
 
 - ``<!-- raises: NAME -->`` above a ```python block: the block must fail with the
   exception ``NAME`` (an error page shows the cell as the user writes it);
@@ -150,12 +150,23 @@ def _run_page(kernel: Kernel, page: Path) -> None:
             else:
                 assert run.error() is None and "UsageError" not in run.stream_text("stderr"), \
                     f"{where}: the example failed:\n{block.body}\n---\n{run.describe()}"
+                _check_shell_commands(kernel, block, run, where)
             previous = run
         elif block.is_output:
             assert previous is not None, f"{where}: <!-- output --> before any python block"
             shown, printed = _squeeze(block.body), _squeeze(previous.stream_text())
             assert shown in printed, (f"{where}: the output shown is not what the example "
                                       f"prints.\nshown:\n{shown}\nprinted:\n{printed}")
+
+
+def _check_shell_commands(kernel: Kernel, block: Block, run, where: str) -> None:
+    """A block that runs a shell command (``!torchrun ...``) must see it succeed: IPython
+    reports a failing command only in ``_exit_code``, never as an error."""
+    if not re.search(r"^\s*!", block.body, re.M):
+        return
+    code = kernel.run("print(_exit_code)").stream_text().strip()
+    assert code == "0", (f"{where}: the shell command exited with {code}:\n{block.body}"
+                         f"\n---\n{run.describe()}")
 
 
 def _check_raised(run, name: str, where: str) -> None:
