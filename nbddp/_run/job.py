@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import sys
 import threading
@@ -29,6 +30,7 @@ from .._wire.history import read_history
 from .config import RunConfig
 from .debugger import INTERRUPTED
 from .diagnosis import describe, diagnose
+from .followers import follow
 from .group import RankGroup
 from .hang_report import ask_for_report
 from .interrupt_hold import InterruptHold, held_while
@@ -105,8 +107,7 @@ class Job(Generic[R]):
         Job._latest = self
         # The caller's context goes along, so a notebook routes the output to the cell
         # that launched the run even while other cells execute (ipykernel >= 7).
-        threading.Thread(target=self._context.copy().run, args=(self._supervise,),
-                         daemon=True, name="nbddp-supervisor").start()
+        follow(functools.partial(self._context.copy().run, self._supervise))
 
     # --- public ---------------------------------------------------------------------
 
