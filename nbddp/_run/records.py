@@ -46,9 +46,13 @@ class Records:
         """Where each rank was when a timeout or an interrupt stopped the run."""
 
     @classmethod
-    def create(cls) -> Records:
-        """A new private folder for one run's records; the oldest beyond KEEP_RUNS go."""
-        return cls(_new_folder())
+    def create(cls, forget_old: bool = True) -> Records:
+        """A new private folder for one run's records; the oldest beyond KEEP_RUNS go
+        (``forget_old=False``: the caller calls ``forget_old_runs`` itself, later)."""
+        records = cls(_new_folder())
+        if forget_old:
+            forget_old_runs()
+        return records
 
     def rank_log(self, rank: int) -> Path:
         return self.path / rank_log_name(rank)
@@ -81,11 +85,18 @@ def _new_folder() -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now)) + f"{now % 1:.6f}"[1:]
     path = root / f"{_PREFIX}{stamp}-{secrets.token_hex(3)}"
     path.mkdir(mode=0o700)
+    return path
+
+
+def forget_old_runs() -> None:
+    """Remove the oldest runs' records beyond KEEP_RUNS: at this process's first run, then
+    every tenth (a session's runs come a millisecond apart, and listing the folders each
+    time costs). A session calls it once its ranks have the run: the removal overlaps
+    their work instead of delaying it."""
     global _created
     _created += 1
-    if _created % PRUNE_EVERY == 1:  # (the first, then every tenth: a session's runs come
-        _prune(root)  # a millisecond apart, and listing the folders each time costs)
-    return path
+    if _created % PRUNE_EVERY == 1:
+        _prune(records_root())
 
 
 def folders(root: Path | None = None) -> list[Path]:
