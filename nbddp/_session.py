@@ -46,7 +46,7 @@ from ._slurm.options import Slurm, SlurmOptions, cluster_run
 from ._slurm.session import SessionRecord, SlurmSessionGroup, running_sessions
 from ._slurm.step import Allocation
 from ._wire.dataplane import Packed
-from ._wire.messages import Assigned
+from ._wire.messages import Assigned, Failure, Result
 from ._wire.payload import Payload
 from ._wire.rundir import RunDir
 
@@ -84,8 +84,8 @@ def with_session_note(error: BaseException, kept: bool) -> BaseException:
 
 class _OnSession:
     """One run on the session's ranks, as its ``Job`` sees it (``Staying``): the names
-    the ranks' code bound (rank 0 sends them after its report), and whether the ranks
-    stay for the next run, with their state."""
+    the ranks' code bound (the answering rank's report carries them), and whether the
+    ranks stay for the next run, with their state."""
 
     def __init__(self, group: WaitingGroup) -> None:
         self._group = group
@@ -94,10 +94,13 @@ class _OnSession:
         self.names: tuple[str, ...] | None = None
 
     def watch(self, supervisor: Supervisor) -> None:
-        supervisor.pump.on(Assigned, self._assigned)
+        for kind in (Assigned, Result, Failure):
+            supervisor.pump.on(kind, self._assigned)
 
-    def _assigned(self, message: Assigned) -> None:
-        self.names = message.names
+    def _assigned(self, message: Assigned | Result | Failure) -> None:
+        names = message.names if isinstance(message, Assigned) else message.assigned
+        if names is not None:
+            self.names = names
 
     def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
         self.kept = ending.kind == "returned" or self._bring_back(supervisor)

@@ -129,12 +129,20 @@ class Rank:
 
     def run(self, start: Start, send: Callable[[Any], None]) -> Report:
         """Take up ``start``'s run, run it, and say how it went (never raises); the
-        report carries the rank's stats as the run ended, if it ran."""
+        report carries the rank's stats as the run ended, if it ran, and a session's
+        answering rank's names (one message, not two: the kernel takes in each)."""
         self._final_stats = None
         report = self._run(start, send)
         message = report.message
-        if self._final_stats is not None and isinstance(message, (Result, Failure)):
-            report = Report(dataclasses.replace(message, stats=self._final_stats), report.data)
+        said: dict[str, Any] = {}
+        if self._final_stats is not None:
+            said["stats"] = self._final_stats
+        if start.session and self.rank == start.options.answering:
+            said["assigned"] = tuple(sorted(self.scope.assigned))
+        if isinstance(message, (Result, Failure)):
+            return Report(dataclasses.replace(message, **said), report.data) if said else report
+        if "assigned" in said:  # (a SLURM job's rank asking to be requeued)
+            send(Assigned(self.rank, said["assigned"]))
         return report
 
     def _run(self, start: Start, send: Callable[[Any], None]) -> Report:
@@ -168,8 +176,6 @@ class Rank:
         finally:
             if reporter is not None:  # what is still buffered goes before the report
                 self._final_stats = stop_reporting()
-            if start.session and self.rank == answering:
-                send(Assigned(self.rank, tuple(sorted(self.scope.assigned))))
             if self.reloader is not None and start.options.autoreload:
                 self.reloader.note_new()  # what the cell imported, as it is now
 

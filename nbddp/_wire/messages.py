@@ -88,8 +88,9 @@ class Present:
 
 @dataclass(frozen=True)
 class Assigned:
-    """A session's rank 0, after each run: the names its session code has bound, which
-    the notebook therefore no longer sends."""
+    """A session's rank 0: the names its session code has bound, which the notebook
+    therefore no longer sends. Said to a kernel that attaches, and after a run that ended
+    in neither a ``Result`` nor a ``Failure`` (which carry the names themselves)."""
 
     rank: int
     names: tuple[str, ...]
@@ -115,6 +116,8 @@ class Result:
     value: bytes | None = None
     file: str | None = None
     stats: RankStats | None = None
+    assigned: tuple[str, ...] | None = None
+    """A session's answering rank: the names its code has bound (as ``Assigned``)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +133,8 @@ class Failure:
     time: float = field(default_factory=time.time)
     stats: RankStats | None = None
     """The rank's stats as it failed (as a ``Result``'s)."""
+    assigned: tuple[str, ...] | None = None
+    """A session's answering rank: the names its code has bound (as a ``Result``'s)."""
 
 
 @dataclass(frozen=True)
