@@ -31,7 +31,7 @@ pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
 
 def pump_over(*events, current=(0, 0)):
-    q: queue.Queue = queue.Queue()
+    q: queue.SimpleQueue = queue.SimpleQueue()
     for event in events:
         q.put(event)
     return Pump(q, lambda: current), q

@@ -66,7 +66,7 @@ class KernelLink:
         self._channel, self._mailbox, self._run_dir = channel, mailbox, run_dir
         self._seq = 0
         self._lock = threading.Lock()
-        self._starts: queue.Queue[tuple[int, Start] | None] = queue.Queue()
+        self._starts: queue.SimpleQueue[tuple[int, Start] | None] = queue.SimpleQueue()
         self._generation = 0
         """Which kernel this link serves (a SLURM session's rank may serve several, one
         after another): a Start from an earlier one is not run."""

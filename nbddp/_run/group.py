@@ -87,7 +87,7 @@ class RankGroup:
 
     def __init__(self, nprocs: int, run_dir: RunDir) -> None:
         self.nprocs, self.run_dir = nprocs, run_dir
-        self.events: queue.Queue[Any] = queue.Queue()
+        self.events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.launcher: Launcher | None = None
         self.records: Records | None = None
         self._server: ChannelServer | None = None

@@ -29,7 +29,7 @@ Numbered = Sequenced | Disconnected
 class Pump:
     """Reads ``events`` for one run; ``current()`` is the (requeue, attempt) it follows."""
 
-    def __init__(self, events: queue.Queue[Any],
+    def __init__(self, events: queue.SimpleQueue[Any],
                  current: Callable[[], tuple[int, int]]) -> None:
         self._events, self._current = events, current
         self._handlers: dict[type, list[Handler]] = {}
