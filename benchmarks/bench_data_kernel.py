@@ -1,0 +1,194 @@
+"""Benchmark the data plane through a real Jupyter kernel, as a notebook's user meets it.
+
+A kernel started with ``jupyter_client`` defines a tensor in one cell and launches a
+function that takes it in the next; the client times each launch cell from its execute
+request to the kernel going idle. On 2 CPU ranks (gloo), standby ranks ready before
+each launch, for 64 MiB, 1 GiB and 5 GiB of float32:
+
+- **first send**: a tensor made in the cell before (new memory), against the same
+  launch without it;
+- **again**: the same unchanged tensor, right after a launch that sent it;
+- **result**: a launch returning a tensor of that size, against one that makes it on the
+  ranks and returns nothing.
+
+Then, in the same kernel and many times over, **the steps of one send**, each timed on
+its own with the functions a launch uses: the walk (pickling the payload, the tensor's
+bytes left out of band), allocating its shared memory, the copy into it, and a reader
+mapping the file and touching every page (what a rank does when it reads the tensor).
+The spread of those steps over the repeats is what says where a slow first send loses
+its time.
+
+Run: ``python benchmarks/bench_data_kernel.py [--repeats N] [--sizes MiB,...] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench_launch import write_json
+
+MIB = 2**20
+FIRST_TARGET = 0.6  # seconds a 1 GiB captured tensor may add, the first time
+AGAIN_TARGET = 0.05  # ... sent again unchanged
+RESULT_TARGET = 0.5  # ... returned
+
+SETUP = r'''
+import json, os, tempfile, time
+from pathlib import Path
+import torch, nbddp
+from nbddp._wire import dataplane
+from nbddp._wire.payload import Payload
+
+def holds(data):
+    return 0 if data is None else len(data)
+
+def returns(n, send=True):
+    made = torch.ones(n)
+    return made if send else None
+
+def ready():
+    while nbddp.standby().status != "ready":
+        time.sleep(0.1)
+    time.sleep(1.0)  # the last run's ranks have exited, its rooms are allocated
+
+def steps(n):
+    """One send's steps, each on its own: walk, allocate, copy, map and touch."""
+    data = torch.ones(n)
+    folder = dataplane.shm_root() or Path(tempfile.gettempdir())
+    times = {}
+    start = time.perf_counter()
+    packed = Payload.capture(holds, (data,), {}).dumps()
+    times["walk"] = time.perf_counter() - start
+    size, _ = dataplane.layout(packed)
+    room = folder / f"nbddp-bench-room-{os.getpid()}"
+    start = time.perf_counter()
+    fd = os.open(room, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.posix_fallocate(fd, 0, size)
+    os.close(fd)
+    times["allocate"] = time.perf_counter() - start
+    path = folder / f"nbddp-bench-{os.getpid()}"
+    start = time.perf_counter()
+    dataplane.write(path, packed, room)
+    times["copy"] = time.perf_counter() - start
+    start = time.perf_counter()
+    mapped = Payload.unpack(dataplane.read(path)).args[0]
+    float(mapped[::1024].sum())  # one float per page
+    times["map and touch"] = time.perf_counter() - start
+    del mapped
+    path.unlink()
+    return times
+'''
+
+
+class Kernel:
+    """A Jupyter kernel and its client; ``run`` executes a cell and times it."""
+
+    def __init__(self, cwd: str) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        env = {**os.environ, "NBDDP_DISPLAY": "text"}
+        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=cwd, env=env)
+
+    def run(self, code: str, timeout: float = 600) -> tuple[float, str]:
+        """The cell's wall time as the client sees it, and what it printed."""
+        printed: list[str] = []
+
+        def hook(msg: dict[str, Any]) -> None:
+            if msg["msg_type"] == "stream":
+                printed.append(msg["content"]["text"])
+
+        start = time.perf_counter()
+        reply = self.client.execute_interactive(code, timeout=timeout, output_hook=hook)
+        elapsed = time.perf_counter() - start
+        if reply["content"]["status"] != "ok":
+            raise RuntimeError(f"the cell failed: {code}\n{reply['content']}\n{''.join(printed)}")
+        return elapsed, "".join(printed)
+
+    def launch(self, call: str) -> float:
+        """Time of a launch cell on ready standby ranks (made ready in an untimed cell)."""
+        self.run("ready()")
+        return self.run(f"nbddp.launch({call}, nprocs=2, backend='gloo');")[0]
+
+    def close(self) -> None:
+        self.client.stop_channels()
+        self.manager.shutdown_kernel(now=False)
+
+
+def launches(kernel: Kernel, size_mib: int, repeats: int) -> dict[str, list[float]]:
+    """Added seconds per repeat: first send, again, result."""
+    n = size_mib * MIB // 4
+    added: dict[str, list[float]] = {"first send": [], "again": [], "result": []}
+    for _ in range(repeats):
+        base = kernel.launch("holds, args=(None,)")
+        kernel.run(f"data = torch.ones({n})")
+        added["first send"].append(kernel.launch("holds, args=(data,)") - base)
+        added["again"].append(kernel.launch("holds, args=(data,)") - base)
+        kernel.run("del data")
+        made = kernel.launch(f"returns, args=({n}, False)")
+        kernel.launch(f"returns, args=({n},)")  # (the result's room is made ahead after)
+        added["result"].append(kernel.launch(f"returns, args=({n},)") - made)
+    return added
+
+
+def send_steps(kernel: Kernel, size_mib: int, repeats: int) -> dict[str, list[float]]:
+    """Each step of one send, ``repeats`` times, in the kernel."""
+    n = size_mib * MIB // 4
+    out = kernel.run(f"print(json.dumps([steps({n}) for _ in range({repeats})]))")[1]
+    rows = json.loads(out.strip().splitlines()[-1])
+    return {name: [row[name] for row in rows] for name in rows[0]}
+
+
+def _spread(values: list[float]) -> str:
+    return (f"{statistics.median(values):+.3f} s (min {min(values):+.3f}, "
+            f"max {max(values):+.3f})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3, help="launches per figure")
+    parser.add_argument("--steps", type=int, default=10, help="timed sends, step by step")
+    parser.add_argument("--sizes", default="64,1024,5120", help="MiB, comma-separated")
+    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    opts = parser.parse_args()
+    sizes = [int(s) for s in opts.sizes.split(",")]
+    result: dict[str, Any] = {"repeats": opts.repeats, "cpus": os.cpu_count(),
+                              "load_before": os.getloadavg()[0], "sizes": {}}
+    with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
+        os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")
+        kernel = Kernel(tmp)
+        try:
+            kernel.run(SETUP + "\nnbddp.standby(True)\nnbddp.launch(holds, nprocs=2, "
+                       "args=(None,), backend='gloo');", timeout=180)
+            for size in sizes:
+                print(f"{size} MiB through the kernel:", flush=True)
+                added = launches(kernel, size, opts.repeats)
+                for name, values in added.items():
+                    print(f"  {name:12} {_spread(values)}", flush=True)
+                parts = send_steps(kernel, size, opts.steps)
+                print("  one send, step by step, " + "; ".join(
+                    f"{name} {statistics.median(v):.3f} s ({min(v):.3f}-{max(v):.3f})"
+                    for name, v in parts.items()), flush=True)
+                result["sizes"][size] = {"added_s": added, "steps_s": parts}
+            kernel.run("nbddp.standby(False)")
+        finally:
+            kernel.close()
+    result["load_after"] = os.getloadavg()[0]
+    gib = result["sizes"].get(1024)
+    if gib:
+        for name, target in (("first send", FIRST_TARGET), ("again", AGAIN_TARGET),
+                             ("result", RESULT_TARGET)):
+            value = statistics.median(gib["added_s"][name])
+            print(f"1 GiB {name}: {value:+.3f} s, target <= {target}: "
+                  f"{'met' if value <= target else 'MISSED'}")
+    write_json(opts.json, result)
+
+
+if __name__ == "__main__":
+    main()
