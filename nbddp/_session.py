@@ -376,8 +376,7 @@ class Session:
             self._check_idle()
             self._busy = True
             try:
-                records, self._next_records = self._next_records or Records.create(
-                    forget_old=False), None
+                records = self._take_records()
                 warm = self._hand_over(config, payload, records)
                 run = _OnSession(self._group)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
@@ -392,6 +391,11 @@ class Session:
             self._running = job
         self._records_ahead()
         return job
+
+    def _take_records(self) -> Records:
+        """(Under the lock) This run's records folder: the one made ahead, if any."""
+        records, self._next_records = self._next_records, None
+        return records or Records.create(forget_old=False)
 
     def _records_ahead(self) -> None:
         """While the ranks run a cell: the oldest runs' records go, and the next cell's

@@ -48,7 +48,8 @@ class Payload:
     """The kernel's import path, so modules importable there import on the ranks."""
     sources: dict[str, list[str]] = field(default_factory=dict)
     """The source of the notebook cells whose code the payload carries, by code file
-    name, so remote tracebacks show the lines (filled in by ``dumps``)."""
+    name, so remote tracebacks show the lines (``dumps`` sends the cells it pickled;
+    ``unpack`` fills this in on the rank)."""
 
     @classmethod
     def capture(cls, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Payload:
