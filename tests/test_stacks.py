@@ -429,3 +429,23 @@ def test_a_subgroups_progress_is_named_as_every_rank_names_it():
     default, tp = _progress_in([trace])
     assert default == GroupProgress("0", "default_pg", 0, 0)
     assert tp == GroupProgress("5", "tp", 2, 3, "all_reduce", "all_gather", 7.0)
+
+
+def test_a_recorder_that_lags_behind_the_groups_own_count_is_corrected_by_it():
+    """gloo marks a collective completed some time after it returned: the recorder may
+    still show a rank that has left its 11th all-reduce as waiting in its 10th."""
+    from nbddp._rank.collectives import _progress_in
+
+    entries = [{"pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": n,
+                "profiling_name": "gloo:all_reduce", "time_created_ns": n * 10**9,
+                "is_p2p": False} for n in range(1, 13)]
+    trace = {"pg_status": {"0": {"last_completed_collective": 9,
+                                 "last_enqueued_collective": 10}}, "entries": entries}
+    resting = {"0": GroupProgress("0", "default_pg", 11, 11)}
+    waiting = {"0": GroupProgress("0", "default_pg", 11, 12, "", "all_reduce")}
+    assert _progress_in([trace], resting) == (
+        GroupProgress("0", "default_pg", 11, 11, "all_reduce"),)
+    assert _progress_in([trace], waiting) == (
+        GroupProgress("0", "default_pg", 11, 12, "all_reduce", "all_reduce", 12.0),)
+    assert _progress_in([trace], {}) == (  # (nothing to check it against: as recorded)
+        GroupProgress("0", "default_pg", 9, 10, "all_reduce", "all_reduce", 10.0),)

@@ -42,7 +42,7 @@ def progress() -> tuple[tuple[GroupProgress, ...], str, str]:
         traces = ("torch's flight recorder is off (TORCH_FR_BUFFER_SIZE=0)" if _recorder_off()
                   else _traces(str(dist.get_backend())))
         if not isinstance(traces, str):
-            return _progress_in(traces), "", ""
+            return _progress_in(traces, _counts(dist)), "", ""
         why = traces
     except Exception as exc:  # noqa: BLE001 - a recorder that fails must not stop the rank
         why = f"torch's flight recorder could not be read ({type(exc).__name__}: {exc})"
@@ -101,12 +101,23 @@ def _traces(backend: str) -> list[dict[str, Any]] | str:
     return [pickle.loads(dump(True, False, False)) for dump in dumps]  # noqa: S301 - torch's own bytes
 
 
-def _progress_in(traces: list[dict[str, Any]]) -> tuple[GroupProgress, ...]:
+def _counts(dist: Any) -> dict[str, GroupProgress]:
+    """Each group's own count, by name, to check the recorder's against (none if they
+    cannot be read)."""
+    try:
+        return {group.group: group for group in _counted(dist)}
+    except Exception:  # noqa: BLE001 - the recorder's figures stand alone then
+        return {}
+
+
+def _progress_in(traces: list[dict[str, Any]],
+                 counts: dict[str, GroupProgress] | None = None) -> tuple[GroupProgress, ...]:
+    counts = counts or {}
     groups = []
     for trace in traces:
         entries = trace.get("entries", [])
         for pg_id, status in sorted(trace.get("pg_status", {}).items()):
-            groups.append(_progress(str(pg_id), status, entries))
+            groups.append(_progress(str(pg_id), status, entries, counts))
     return tuple(groups) or (GroupProgress("0", "default_pg", 0, 0),)  # (none yet)
 
 
@@ -118,20 +129,30 @@ def _recorder_off() -> bool:
     return False
 
 
-def _progress(pg_id: str, status: dict[str, Any], entries: list[dict[str, Any]]) -> GroupProgress:
+def _progress(pg_id: str, status: dict[str, Any], entries: list[dict[str, Any]],
+              counts: dict[str, GroupProgress]) -> GroupProgress:
     """One group's progress. The status is keyed by the group's id in this process, which
-    may differ across ranks; its entries name the group as every rank does."""
+    may differ across ranks; its entries name the group as every rank does.
+
+    The recorder may lag: gloo's groups mark a collective completed some time after it
+    returned, so a rank long past it, or waiting in a later one, would be shown still
+    waiting in it. Where the group's own count and the main thread's stack (``counts``)
+    say more collectives completed, they stand; the entries still name them."""
     completed = max(int(status.get("last_completed_collective", 0)), 0)  # (-1: none yet)
     entered = max(int(status.get("last_enqueued_collective", 0)), 0)
     mine = [entry for entry in entries
             if str(entry.get("pg_id")) == pg_id and not entry.get("is_p2p")]
+    name, label = _group_of(mine[-1]) if mine else ("0" if pg_id == "0" else pg_id, "")
+    counted = counts.get(name)
+    if counted is not None and counted.completed > completed:
+        completed, entered = counted.completed, max(entered, counted.entered)
     by_number = {entry.get("collective_seq_id"): entry for entry in mine}
     done, waiting = by_number.get(completed, {}), by_number.get(completed + 1, {})
-    name, label = _group_of(mine[-1]) if mine else ("0" if pg_id == "0" else pg_id, "")
     since = waiting.get("time_created_ns") if entered > completed else None
+    waiting_op = _operation(waiting) or (counted.waiting_op if counted else "")
     return GroupProgress(name, label or ("default_pg" if name == "0" else name),
                          completed, entered, _operation(done),
-                         _operation(waiting) if entered > completed else "",
+                         waiting_op if entered > completed else "",
                          since / 1e9 if since else None)
 
 
