@@ -25,6 +25,7 @@ from ._slurm.group import SlurmGroup
 from ._slurm.launcher import find_run_dir
 from ._slurm.options import Slurm, cluster_run
 from ._wire.dataplane import Packed
+from ._wire.kept_storages import kernels_copies
 from ._wire.payload import Payload
 from ._wire.rundir import RunDir
 
@@ -152,7 +153,8 @@ def launch(
         config, cluster = cluster_run(options, slurm)
     else:
         config = options.on_this_machine()
-    payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
+    here = kernels_copies() if cluster is None else None  # (ranks that map this machine's memory)
+    payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(here)
     job: Job[R] = Job.started_held(
         lambda: _start_here(config, payload) if cluster is None else
         _start(SlurmGroup.for_submission(config, cluster), config, payload))

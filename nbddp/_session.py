@@ -47,6 +47,7 @@ from ._slurm.options import Slurm, SlurmOptions, cluster_run
 from ._slurm.session import SessionRecord, SlurmSessionGroup, running_sessions
 from ._slurm.step import Allocation
 from ._wire.dataplane import Packed
+from ._wire.kept_storages import kernels_copies
 from ._wire.messages import Assigned, Failure, Result
 from ._wire.payload import Payload
 from ._wire.rundir import RunDir
@@ -367,7 +368,8 @@ class Session:
                                      stall_after=stall_after, pdb=pdb,
                                      ranks=chosen_ranks(ranks, self.config.nprocs),
                                      autoreload=self.reloads)
-        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps()
+        here = kernels_copies() if self._cluster is None else None
+        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(here)
         return Job.started_held(lambda: self._start(config, payload, stdout))._handed_back()
 
     def _start(self, config: RunConfig, payload: Packed, stdout: TextIO | None) -> Job:
@@ -464,6 +466,7 @@ class Session:
             self._closed = True  # the kernel left the job for another: nothing to restart
         try:
             if run.kept:
+                self._group.payload_taken()
                 if run.names is not None:  # (a run on some ranks adds to what the others had)
                     before = self.names if job.config.ranks is not None else frozenset()
                     self.names = before | frozenset(run.names)

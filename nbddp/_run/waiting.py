@@ -76,6 +76,9 @@ class WaitingGroup(RankGroup):
         self._present: set[int] = set()  # who answered the latest
         self._answered = threading.Condition(self._lock)
         self._payload_file: Path | None = None
+        self._payload: Packed | None = None
+        """The latest run's payload: the kept copies of tensors it names stay open
+        (``_wire.kept_storages``) until the ranks have mapped them."""
         self._stopped = False
 
     launcher_name = "torchrun"
@@ -208,6 +211,7 @@ class WaitingGroup(RankGroup):
         if self._payload_file is not None:
             self._payload_file.unlink(missing_ok=True)
             self._payload_file = None
+        self._payload = payload
         start = self._start_message(self.run_dir.payload, records, options, handover)
         inline = self._with_payload_inside(start, payload)
         if inline is not None:
@@ -227,6 +231,11 @@ class WaitingGroup(RankGroup):
         """(Under the lock, once the run is known) Send ``rank`` its Start."""
         assert self._server is not None and self._start is not None
         self._server.send(rank, self._start)
+
+    def payload_taken(self) -> None:
+        """Every rank has taken the latest run's payload (they are back at rest): the
+        kept copies of tensors it names need not stay open for them."""
+        self._payload = None
 
     def make_room(self, payload: int, result: int = 0) -> None:
         """Get ready for a next payload and result of about these sizes (where the backend
@@ -279,6 +288,7 @@ class WaitingGroup(RankGroup):
 
     def close(self) -> None:
         super().close()
+        self._payload = None
         self._forget_if_done()
 
     def _forget_if_done(self) -> None:

@@ -27,14 +27,18 @@ import struct
 import sys
 import threading
 import types
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
 from .code_files import reduce_code
+
+if TYPE_CHECKING:
+    from .kept_storages import KeptStorages
 
 OUT_OF_BAND_MIN = 64 * 1024
 """Buffers smaller than this stay in the pickle (a file is not worth it)."""
@@ -66,10 +70,12 @@ class Packed:
         return pickle.loads(self.data, buffers=self.buffers)
 
 
-def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True) -> Packed:
+def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
+         kept: KeptStorages | None = None) -> Packed:
     """Pickle ``value`` (cloudpickle, protocol 5), tensor and array bytes out of band
     (unless ``out_of_band`` is false); ``to_cpu`` moves device tensors to the CPU first
-    (for the kernel, which has no GPU)."""
+    (for the kernel, which has no GPU). Large tensors' storages go by their ``kept``
+    copies, where given (for ranks on this machine): made now, or still current."""
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -79,7 +85,9 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True) -> Packed:
         return False
 
     stream = io.BytesIO()
-    pickler = _Pickler(stream, to_cpu, keep)
+    if kept is not None:
+        kept.sweep()
+    pickler = _Pickler(stream, to_cpu, keep, kept)
     pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
                   frozenset(pickler.code_files))
@@ -244,12 +252,13 @@ class _StorageBox:
     def __reduce__(self) -> tuple[Any, ...]:
         size = self.storage.nbytes()
         if size == 0:
-            return _storage_from_buffer, (b"",)
+            return storage_from_buffer, (b"",)
         raw = (ctypes.c_ubyte * size).from_address(self.storage.data_ptr())
-        return _storage_from_buffer, (pickle.PickleBuffer(memoryview(raw).cast("B")),)
+        return storage_from_buffer, (pickle.PickleBuffer(memoryview(raw).cast("B")),)
 
 
-def _storage_from_buffer(buffer: Any) -> Any:
+def storage_from_buffer(buffer: Any) -> Any:
+    """A tensor storage over ``buffer``'s memory (which it keeps alive)."""
     import torch
 
     if not len(memoryview(buffer)):
@@ -263,6 +272,16 @@ def _tensor(storage: Any, dtype: Any, size: Sequence[int], stride: Sequence[int]
 
     tensor = torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _parameter(storage: Any, dtype: Any, size: Sequence[int], stride: Sequence[int],
+               offset: int, requires_grad: bool, state: Any) -> Any:
+    """A ``Parameter`` as torch rebuilds one (pickled with its own tensor, whose version
+    counter is the one its in-place updates bump; ``.data`` would have a fresh one)."""
+    from torch._utils import _rebuild_parameter_with_state
+
+    tensor = _tensor(storage, dtype, size, stride, offset, False)
+    return _rebuild_parameter_with_state(tensor, requires_grad, OrderedDict(), state)
 
 
 def _identity(value: Any) -> Any:
@@ -283,10 +302,13 @@ class _Pickler(cloudpickle.Pickler):
     """cloudpickle, protocol 5, with tensors as their storage's bytes out of band, and
     code objects under their real file names (``code_files``), which it notes."""
 
-    def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any) -> None:
+    def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any,
+                 kept: KeptStorages | None) -> None:
         super().__init__(stream, protocol=5, buffer_callback=keep)
         self._to_cpu = to_cpu
-        self.storages: dict[tuple[int, int], _StorageBox] = {}
+        self._kept = kept
+        self.storages: dict[tuple[int, int], Any] = {}
+        """Each storage pickled: its ``_StorageBox``, or its kept copy."""
         self.code_files: set[str] = set()
 
     def reducer_override(self, obj: Any) -> Any:
@@ -298,13 +320,22 @@ class _Pickler(cloudpickle.Pickler):
             if self._to_cpu and obj.device.type not in ("cpu", "meta"):
                 return _identity, (obj.cpu(),)
             if _plain(obj):
-                return _tensor, (self._box(obj.untyped_storage()), obj.dtype,
-                                 tuple(obj.size()), obj.stride(), obj.storage_offset(),
-                                 obj.requires_grad)
+                return _tensor, self._tensor_args(obj) + (obj.requires_grad,)
+            if type(obj) is torch.nn.Parameter and _plain(obj.detach()):
+                return _parameter, self._tensor_args(obj) + (
+                    obj.requires_grad, torch._utils._get_obj_state(obj))
         return super().reducer_override(obj)
 
-    def _box(self, storage: Any) -> _StorageBox:
+    def _tensor_args(self, tensor: Any) -> tuple[Any, ...]:
+        """How ``_tensor`` rebuilds ``tensor``: its storage, dtype, size, stride, offset."""
+        return (self._box(tensor, tensor.untyped_storage()), tensor.dtype,
+                tuple(tensor.size()), tensor.stride(), tensor.storage_offset())
+
+    def _box(self, tensor: Any, storage: Any) -> Any:
+        """How ``storage`` (``tensor``'s) is pickled: by its kept copy where there is
+        one, else as its bytes; once, however many tensors share it."""
         key = (storage.data_ptr(), storage.nbytes())
         if key not in self.storages:
-            self.storages[key] = _StorageBox(storage)
+            copy = None if self._kept is None else self._kept.copy_of(tensor, storage)
+            self.storages[key] = copy if copy is not None else _StorageBox(storage)
         return self.storages[key]

@@ -22,6 +22,7 @@ import cloudpickle
 
 from .._errors import PayloadError
 from .dataplane import Packed, pack
+from .kept_storages import KeptStorages
 
 #: A payload whose pickle (tensor and array bytes aside, which travel out of band) is
 #: larger than this still ships, with a warning naming what made it large.
@@ -58,15 +59,16 @@ class Payload:
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
         return cls(fn, tuple(args), dict(kwargs), _import_path())
 
-    def dumps(self) -> Packed:
-        """Pickle for the ranks, tensor and array bytes out of band; name the culprit if
-        it fails, warn if the pickle itself (the pure-Python part) is huge.
+    def dumps(self, kept: KeptStorages | None = None) -> Packed:
+        """Pickle for the ranks, tensor and array bytes out of band (large tensors by
+        their ``kept`` copies, where given: for ranks on this machine); name the culprit
+        if it fails, warn if the pickle itself (the pure-Python part) is huge.
 
         The user's objects are pickled apart from the import path, so a rank can put
         the kernel's path in place before it unpickles them.
         """
         try:
-            body = pack((self.fn, self.args, self.kwargs))
+            body = pack((self.fn, self.args, self.kwargs), kept=kept)
         except Exception as exc:
             raise _explain_pickling_failure(self, exc) from exc
         if len(body.data) > LARGE_PAYLOAD_BYTES:

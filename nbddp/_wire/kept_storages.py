@@ -1,0 +1,221 @@
+"""Large tensors' bytes kept in shared memory from one send to the next: sent again, an
+unchanged tensor costs nothing.
+
+The first time the kernel sends a large CPU tensor to ranks on this machine, its
+storage's bytes are copied into a memory file of their own (``memfd``), and the payload
+names that file instead of carrying the bytes. The next send of the same storage, if it
+has not changed, names the same file again: nothing is copied. A rank maps the file
+copy-on-write, as it maps a payload file.
+
+By value, both ways. The kernel never writes to a file once it is made: a tensor
+changed in the notebook gets a new file at its next send, and a rank that kept a name
+from an earlier cell keeps the old bytes (its mapping outlives the file's release). A
+rank's writes go to its private pages; the notebook's tensor is never touched.
+
+Whether a storage changed since its copy is told by the version counter of the tensor
+sent (torch bumps it at every in-place write through the tensor or its views; a
+``Parameter`` is sent with its own counter, which the optimizer's steps bump). Writes
+that bypass the counter (through ``.data``, ``.numpy()``, or the NumPy array a tensor
+was made from) are caught where they changed much of the tensor: each send compares
+``SAMPLES`` random bytes of the tensor with its copy. NumPy arrays have no counter at
+all: they are copied at every send.
+
+Memory stays bounded: a copy is released once its storage is freed in the notebook (the
+tensor deleted), or found changed (at the next send, or once the tensor that was sent
+is seen changed), and at most ``MAX_KEPT`` are kept. A memory file has no name: only a
+process of the same user can open it (through ``/proc/<kernel>/fd``, checked like a
+debugger's access), and it is gone once the kernel and every rank that mapped it are,
+however they ended: a killed kernel leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from .dataplane import storage_from_buffer, write_at
+
+KEEP_MIN = 4 * 2**20
+"""Smaller storages travel in the payload file: copying them costs less than a file."""
+MAX_KEPT = 256
+"""Copies kept at most (each holds a file descriptor of the kernel's)."""
+SAMPLES = 4096
+"""Random bytes of a tensor compared with its copy at each send."""
+SWEEP_AFTER = 0.05
+"""Seconds from a sent tensor's end to the sweep that releases its copy."""
+
+
+class KeptCopy:
+    """One storage's bytes in a memory file, and what they were copied from. Pickled as
+    the file's address, which a rank maps (``_map_copy``). The file is closed when
+    neither the kept copies nor a payload on its way hold this any more."""
+
+    def __init__(self, tensor: Any, storage: Any) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.nbytes = storage.nbytes()
+        self.data_ptr = storage.data_ptr()
+        self.storage = StorageWeakRef(storage)  # (the storage's memory is not kept alive)
+        self.version = tensor._version
+        self.sent = weakref.ref(tensor)
+        self.fd = _copy_to_memory_file(storage)
+        self.inode = os.fstat(self.fd).st_ino
+        weakref.finalize(self, os.close, self.fd)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _map_copy, (os.getpid(), self.fd, self.inode, self.nbytes)
+
+    def holds(self, tensor: Any, storage: Any) -> bool:
+        """The copy still holds ``tensor``'s storage as it is now."""
+        return (not self.storage.expired() and storage.data_ptr() == self.data_ptr
+                and storage.nbytes() == self.nbytes and tensor._version == self.version
+                and self._same_sample(storage))
+
+    def outdated(self) -> bool:
+        """The storage is gone, or the tensor that was sent has been written since."""
+        if self.storage.expired():
+            return True
+        sent = self.sent()
+        return sent is not None and sent._version != self.version
+
+    def _same_sample(self, storage: Any) -> bool:
+        import torch
+
+        where = torch.randint(self.nbytes, (SAMPLES,), generator=_sampler())
+        live = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE) as mapped:
+            copy = torch.frombuffer(mapped, dtype=torch.uint8)
+            same = torch.equal(live[where], copy[where])
+            del copy  # (the mapping closes only once nothing views it)
+        return same
+
+
+def _sampler() -> Any:
+    """nbddp's own random numbers: the notebook's (``torch.manual_seed``) stay its own."""
+    global _SAMPLER
+    if _SAMPLER is None:
+        import torch
+
+        _SAMPLER = torch.Generator()
+        _SAMPLER.seed()
+    return _SAMPLER
+
+
+_SAMPLER: Any = None
+
+
+def _copy_to_memory_file(storage: Any) -> int:
+    """A new memory file holding ``storage``'s bytes; OSError if memory is short."""
+    nbytes = storage.nbytes()
+    fd = os.memfd_create("nbddp-tensor", os.MFD_CLOEXEC)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # (ENOSPC now, not SIGBUS in a rank later)
+        raw = (ctypes.c_ubyte * nbytes).from_address(storage.data_ptr())
+        write_at(fd, memoryview(raw).cast("B"), 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _map_copy(pid: int, fd: int, inode: int, nbytes: int) -> Any:
+    """(On a rank) The storage of a kept copy: the kernel's memory file mapped
+    copy-on-write. An error that says so if the file is gone (or a descriptor of that
+    number now names another file)."""
+    try:
+        opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
+    except OSError as exc:
+        raise RuntimeError(f"nbddp: the kernel's shared copy of a tensor is gone ({exc})") \
+            from None
+    try:
+        status = os.fstat(opened)
+        if status.st_ino != inode or status.st_size != nbytes:
+            raise RuntimeError("nbddp: the kernel's shared copy of a tensor is gone")
+        mapped = mmap.mmap(opened, nbytes, flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(opened)
+    return storage_from_buffer(mapped)
+
+
+class KeptStorages:
+    """The kernel's kept copies, by storage. ``copy_of`` gives the copy to send for a
+    tensor (a new one if its storage changed); copies of storages freed or changed are
+    released as soon as the tensor sent is seen to go (a thread of its own, woken then),
+    and at every send."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, KeptCopy] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._sweeper: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        return len(self._copies)
+
+    def copy_of(self, tensor: Any, storage: Any) -> KeptCopy | None:
+        """The kept copy of ``tensor``'s storage, made now if there is none or it is
+        outdated; None where the storage is too small to keep, the copies are at their
+        limit, or memory is short (the bytes then travel in the payload)."""
+        nbytes = storage.nbytes()
+        if nbytes < KEEP_MIN:
+            return None
+        key = storage._cdata  # (unique while a copy's weak reference holds it)
+        with self._lock:
+            copy = self._copies.pop(key, None)
+            if copy is not None and copy.holds(tensor, storage):
+                self._copies[key] = copy
+                return copy
+            if len(self._copies) >= MAX_KEPT:
+                return None
+        try:
+            copy = KeptCopy(tensor, storage)
+        except OSError:
+            return None
+        with self._lock:
+            self._copies[key] = copy
+        weakref.finalize(tensor, self._wake.set)
+        self._start_sweeper()
+        return copy
+
+    def sweep(self) -> None:
+        """Release the copies whose storage is gone or whose tensor has been written."""
+        with self._lock:
+            outdated = [key for key, copy in self._copies.items() if copy.outdated()]
+            for key in outdated:
+                del self._copies[key]
+
+    def _start_sweeper(self) -> None:
+        with self._lock:
+            if self._sweeper is not None:
+                return
+            self._sweeper = threading.Thread(target=self._sweep_when_woken, daemon=True,
+                                             name="nbddp-kept-sweeper")
+        self._sweeper.start()
+
+    def _sweep_when_woken(self) -> None:
+        """Sweep each time a tensor that was sent is freed: a moment later, once torch
+        has freed its storage (the interpreter tells while it frees the tensor, and
+        torch may let this thread run before the storage goes)."""
+        while True:
+            self._wake.wait()
+            time.sleep(SWEEP_AFTER)
+            self._wake.clear()
+            self.sweep()
+
+
+_KERNELS_COPIES: KeptStorages | None = None
+
+
+def kernels_copies() -> KeptStorages:
+    """This process's kept copies (made on first use)."""
+    global _KERNELS_COPIES
+    if _KERNELS_COPIES is None:
+        _KERNELS_COPIES = KeptStorages()
+    return _KERNELS_COPIES
