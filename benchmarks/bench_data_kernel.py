@@ -7,14 +7,21 @@ each launch, for 64 MiB, 1 GiB and 5 GiB of float32:
 
 - **first send**: a tensor made in the cell before (new memory), against the same
   launch without it;
-- **again**: the same unchanged tensor, right after a launch that sent it;
+- **again**: the same unchanged tensor, right after a launch that sent it (its bytes
+  are still in shared memory: nothing is copied);
+- **changed**: the same tensor written in place in the notebook, then sent (a new copy);
 - **result**: a launch returning a tensor of that size, against one that makes it on the
-  ranks and returns nothing.
+  ranks and returns nothing; and how much the kernel's memory grows at its peak while
+  the launch brings back that result and the notebook reads every page of it;
+- **session cells**: first send, again and changed as ``Session.run`` calls on one
+  session's ranks, against a call that sends nothing.
 
 Then, in the same kernel and many times over, **the steps of one send**, each timed on
 its own with the functions a launch uses: the walk (pickling the payload, the tensor's
 bytes left out of band), allocating its shared memory, the copy into it, and a reader
-mapping the file and touching every page (what a rank does when it reads the tensor).
+mapping the file and touching every page (what a rank does when it reads the tensor);
+and the kept copy a launch makes instead (``kept copy``: a memory file allocated and
+written) and the walk that finds it again (``kept again``).
 The spread of those steps over the repeats is what says where a slow first send loses
 its time.
 
@@ -38,12 +45,14 @@ MIB = 2**20
 FIRST_TARGET = 0.6  # seconds a 1 GiB captured tensor may add, the first time
 AGAIN_TARGET = 0.05  # ... sent again unchanged
 RESULT_TARGET = 0.5  # ... returned
+MEMORY_TARGET = 1.1  # GiB the kernel's memory may grow for a 1 GiB result
 
 SETUP = r'''
 import json, os, tempfile, time
 from pathlib import Path
 import torch, nbddp
 from nbddp._wire import dataplane
+from nbddp._wire.kept_storages import KeptStorages
 from nbddp._wire.payload import Payload
 
 def holds(data):
@@ -83,7 +92,51 @@ def steps(n):
     times["map and touch"] = time.perf_counter() - start
     del mapped
     path.unlink()
+    kept = KeptStorages()
+    start = time.perf_counter()
+    Payload.capture(holds, (data,), {}).dumps(kept)
+    times["kept copy"] = time.perf_counter() - start
+    start = time.perf_counter()
+    Payload.capture(holds, (data,), {}).dumps(kept)
+    times["kept again"] = time.perf_counter() - start
     return times
+
+def vm(field):
+    """This process's memory figure ``field`` (/proc/self/status), in bytes."""
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+
+def result_growth(n):
+    """GiB the kernel's memory grows at its peak, a launch returning ``n`` floats and
+    the notebook reading every page of them."""
+    ready()
+    Path("/proc/self/clear_refs").write_text("5")  # (the peak starts from here)
+    before = vm("VmRSS")
+    got = nbddp.launch(returns, nprocs=2, args=(n,), backend="gloo")
+    float(got[::1024].sum())
+    return (vm("VmHWM") - before) / 2**30
+
+def session_cells(n, repeats):
+    """Seconds a session cell sending ``n`` floats adds: the first time, again, changed."""
+    session = nbddp.Session(2, backend="gloo", output="none")
+    added = {"first send": [], "again": [], "changed": []}
+    def timed(*args):
+        start = time.perf_counter()
+        session.run(holds, *args)
+        return time.perf_counter() - start
+    try:
+        for _ in range(repeats):
+            base = min(timed(None) for _ in range(3))
+            data = torch.ones(n)
+            added["first send"].append(timed(data) - base)
+            added["again"].append(timed(data) - base)
+            data.add_(1)
+            added["changed"].append(timed(data) - base)
+            del data
+    finally:
+        session.close()
+    return added
 '''
 
 
@@ -124,17 +177,35 @@ class Kernel:
 def launches(kernel: Kernel, size_mib: int, repeats: int) -> dict[str, list[float]]:
     """Added seconds per repeat: first send, again, result."""
     n = size_mib * MIB // 4
-    added: dict[str, list[float]] = {"first send": [], "again": [], "result": []}
+    added: dict[str, list[float]] = {"first send": [], "again": [], "changed": [],
+                                     "result": []}
     for _ in range(repeats):
         base = kernel.launch("holds, args=(None,)")
         kernel.run(f"data = torch.ones({n})")
         added["first send"].append(kernel.launch("holds, args=(data,)") - base)
         added["again"].append(kernel.launch("holds, args=(data,)") - base)
+        kernel.run("data += 1")
+        added["changed"].append(kernel.launch("holds, args=(data,)") - base)
         kernel.run("del data")
         made = kernel.launch(f"returns, args=({n}, False)")
         kernel.launch(f"returns, args=({n},)")  # (the result's room is made ahead after)
         added["result"].append(kernel.launch(f"returns, args=({n},)") - made)
     return added
+
+
+def result_memory(kernel: Kernel, size_mib: int, repeats: int) -> list[float]:
+    """GiB the kernel's memory grows at its peak for a result of ``size_mib``."""
+    n = size_mib * MIB // 4
+    out = kernel.run(f"print(json.dumps([result_growth({n}) for _ in range({repeats})]))")[1]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def session_added(kernel: Kernel, size_mib: int, repeats: int) -> dict[str, list[float]]:
+    """Added seconds per session cell: first send, again, changed."""
+    n = size_mib * MIB // 4
+    kernel.run("ready()")
+    out = kernel.run(f"print(json.dumps(session_cells({n}, {repeats})))")[1]
+    return json.loads(out.strip().splitlines()[-1])
 
 
 def send_steps(kernel: Kernel, size_mib: int, repeats: int) -> dict[str, list[float]]:
@@ -171,11 +242,18 @@ def main() -> None:
                 added = launches(kernel, size, opts.repeats)
                 for name, values in added.items():
                     print(f"  {name:12} {_spread(values)}", flush=True)
+                grown = result_memory(kernel, size, opts.repeats)
+                print(f"  result: the kernel's memory grew {statistics.median(grown):.2f} GiB "
+                      f"at its peak (max {max(grown):.2f})", flush=True)
+                cells = session_added(kernel, size, opts.repeats)
+                for name, values in cells.items():
+                    print(f"  session {name:12} {_spread(values)}", flush=True)
                 parts = send_steps(kernel, size, opts.steps)
                 print("  one send, step by step, " + "; ".join(
                     f"{name} {statistics.median(v):.3f} s ({min(v):.3f}-{max(v):.3f})"
                     for name, v in parts.items()), flush=True)
-                result["sizes"][size] = {"added_s": added, "steps_s": parts}
+                result["sizes"][size] = {"added_s": added, "result_memory_gib": grown,
+                                         "session_added_s": cells, "steps_s": parts}
             kernel.run("nbddp.standby(False)")
         finally:
             kernel.close()
@@ -187,6 +265,12 @@ def main() -> None:
             value = statistics.median(gib["added_s"][name])
             print(f"1 GiB {name}: {value:+.3f} s, target <= {target}: "
                   f"{'met' if value <= target else 'MISSED'}")
+        again = statistics.median(gib["session_added_s"]["again"])
+        print(f"1 GiB again in a session cell: {again:+.3f} s, target <= {AGAIN_TARGET}: "
+              f"{'met' if again <= AGAIN_TARGET else 'MISSED'}")
+        grown = statistics.median(gib["result_memory_gib"])
+        print(f"1 GiB result: the kernel grew {grown:.2f} GiB, target <= {MEMORY_TARGET}: "
+              f"{'met' if grown <= MEMORY_TARGET else 'MISSED'}")
     write_json(opts.json, result)
 
 
