@@ -17,6 +17,7 @@ the copy itself; a ``Room`` allocates the next payload's pages ahead, while noth
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import io
 import mmap
@@ -85,10 +86,9 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
         return False
 
     stream = io.BytesIO()
-    if kept is not None:
-        kept.sweep()
     pickler = _Pickler(stream, to_cpu, keep, kept)
-    pickler.dump(value)
+    with contextlib.nullcontext() if kept is None else kept.sending():
+        pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
                   frozenset(pickler.code_files))
 

@@ -17,12 +17,14 @@ sent (torch bumps it at every in-place write through the tensor or its views; a
 ``Parameter`` is sent with its own counter, which the optimizer's steps bump). Writes
 that bypass the counter (through ``.data``, ``.numpy()``, or the NumPy array a tensor
 was made from) are caught where they changed much of the tensor: each send compares
-``SAMPLES`` random bytes of the tensor with its copy. NumPy arrays have no counter at
+``SAMPLES`` random places of the tensor with its copy. NumPy arrays have no counter at
 all: they are copied at every send.
 
 Memory stays bounded: a copy is released once its storage is freed in the notebook (the
 tensor deleted), or found changed (at the next send, or once the tensor that was sent
-is seen changed), and at most ``MAX_KEPT`` are kept. A memory file has no name: only a
+is seen changed), and at most ``MAX_KEPT`` are kept. A changed tensor's next copy is
+written into its last copy's file where no process maps that any more
+(``memory_files``): its pages are there already. A memory file has no name: only a
 process of the same user can open it (through ``/proc/<kernel>/fd``, checked like a
 debugger's access), and it is gone once the kernel and every rank that mapped it are,
 however they ended: a killed kernel leaves nothing behind.
@@ -30,32 +32,39 @@ however they ended: a killed kernel leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
+import random
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from .dataplane import storage_from_buffer, write_at
+from .memory_files import MemoryFiles
 
 KEEP_MIN = 4 * 2**20
 """Smaller storages travel in the payload file: copying them costs less than a file."""
 MAX_KEPT = 256
 """Copies kept at most (each holds a file descriptor of the kernel's)."""
-SAMPLES = 4096
-"""Random bytes of a tensor compared with its copy at each send."""
+SAMPLES = 64
+"""Random places of a tensor compared with its copy at each send, ``SAMPLE_BYTES`` each
+(a tenth of a millisecond in all)."""
+SAMPLE_BYTES = 64
 SWEEP_AFTER = 0.05
 """Seconds from a sent tensor's end to the sweep that releases its copy."""
 
 
 class KeptCopy:
     """One storage's bytes in a memory file, and what they were copied from. Pickled as
-    the file's address, which a rank maps (``_map_copy``). The file is closed when
-    neither the kept copies nor a payload on its way hold this any more."""
+    the file's address, which a rank maps (``_map_copy``). The file is released (closed,
+    or kept for a next copy where no process maps it: ``memory_files``) when neither the
+    kept copies nor a payload on its way hold this any more."""
 
-    def __init__(self, tensor: Any, storage: Any) -> None:
+    def __init__(self, tensor: Any, storage: Any, files: MemoryFiles) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self.nbytes = storage.nbytes()
@@ -63,9 +72,11 @@ class KeptCopy:
         self.storage = StorageWeakRef(storage)  # (the storage's memory is not kept alive)
         self.version = tensor._version
         self.sent = weakref.ref(tensor)
-        self.fd = _copy_to_memory_file(storage)
+        self.fd = _copy_to_memory_file(storage, files)
         self.inode = os.fstat(self.fd).st_ino
-        weakref.finalize(self, os.close, self.fd)
+        self._reuse = [False]
+        release = weakref.finalize(self, files.release, self.fd, self.nbytes, self._reuse)
+        release.atexit = False  # (at the exit, the process's end closes every file)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _map_copy, (os.getpid(), self.fd, self.inode, self.nbytes)
@@ -76,46 +87,36 @@ class KeptCopy:
                 and storage.nbytes() == self.nbytes and tensor._version == self.version
                 and self._same_sample(storage))
 
-    def outdated(self) -> bool:
-        """The storage is gone, or the tensor that was sent has been written since."""
-        if self.storage.expired():
-            return True
+    def replaced(self) -> None:
+        """Its tensor changed: once released, its file may take the next copy."""
+        self._reuse[0] = True
+
+    def changed(self) -> bool:
+        """The tensor that was sent has been written since (if it is still there)."""
         sent = self.sent()
         return sent is not None and sent._version != self.version
 
     def _same_sample(self, storage: Any) -> bool:
-        import torch
-
-        where = torch.randint(self.nbytes, (SAMPLES,), generator=_sampler())
-        live = torch.empty(0, dtype=torch.uint8).set_(storage)
-        with mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_PRIVATE,
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE) as mapped:
-            copy = torch.frombuffer(mapped, dtype=torch.uint8)
-            same = torch.equal(live[where], copy[where])
-            del copy  # (the mapping closes only once nothing views it)
-        return same
-
-
-def _sampler() -> Any:
-    """nbddp's own random numbers: the notebook's (``torch.manual_seed``) stay its own."""
-    global _SAMPLER
-    if _SAMPLER is None:
-        import torch
-
-        _SAMPLER = torch.Generator()
-        _SAMPLER.seed()
-    return _SAMPLER
+        """``SAMPLES`` random places of the storage hold what the copy holds (read from
+        the file: no mapping, no page faults)."""
+        address = storage.data_ptr()
+        for _ in range(SAMPLES):
+            offset = _SAMPLER.randrange(max(1, self.nbytes - SAMPLE_BYTES + 1))
+            length = min(SAMPLE_BYTES, self.nbytes - offset)
+            if os.pread(self.fd, length, offset) != ctypes.string_at(address + offset, length):
+                return False
+        return True
 
 
-_SAMPLER: Any = None
+_SAMPLER = random.Random()
+"""nbddp's own random numbers: the notebook's (``random.seed``) stay its own."""
 
 
-def _copy_to_memory_file(storage: Any) -> int:
-    """A new memory file holding ``storage``'s bytes; OSError if memory is short."""
+def _copy_to_memory_file(storage: Any, files: MemoryFiles) -> int:
+    """A memory file holding ``storage``'s bytes; OSError if memory is short."""
     nbytes = storage.nbytes()
-    fd = os.memfd_create("nbddp-tensor", os.MFD_CLOEXEC)
+    fd = files.new(nbytes)
     try:
-        os.posix_fallocate(fd, 0, nbytes)  # (ENOSPC now, not SIGBUS in a rank later)
         raw = (ctypes.c_ubyte * nbytes).from_address(storage.data_ptr())
         write_at(fd, memoryview(raw).cast("B"), 0)
     except BaseException:
@@ -152,6 +153,8 @@ class KeptStorages:
 
     def __init__(self) -> None:
         self._copies: dict[int, KeptCopy] = {}
+        self.files = MemoryFiles()
+        """Where copies are written: released ones' files are reused."""
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._sweeper: threading.Thread | None = None
@@ -174,8 +177,11 @@ class KeptStorages:
                 return copy
             if len(self._copies) >= MAX_KEPT:
                 return None
+        if copy is not None:
+            copy.replaced()
+            copy = None  # (released: its file may take the new copy)
         try:
-            copy = KeptCopy(tensor, storage)
+            copy = KeptCopy(tensor, storage, self.files)
         except OSError:
             return None
         with self._lock:
@@ -184,12 +190,33 @@ class KeptStorages:
         self._start_sweeper()
         return copy
 
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Around one send: outdated copies released first, the files of changed ones
+        kept for their next copies in this send; those it did not take closed after."""
+        self._sweep(spares=True)
+        try:
+            yield
+        finally:
+            self.files.budget(0)
+
     def sweep(self) -> None:
         """Release the copies whose storage is gone or whose tensor has been written."""
+        self._sweep(spares=False)
+
+    def _sweep(self, spares: bool) -> None:
+        """(``spares``: the files of changed copies may be kept, within the bytes of the
+        copies whose storages are still there; never those of storages gone.)"""
         with self._lock:
-            outdated = [key for key, copy in self._copies.items() if copy.outdated()]
-            for key in outdated:
-                del self._copies[key]
+            live = {key: copy for key, copy in self._copies.items()
+                    if not copy.storage.expired()}
+            self.files.budget(sum(copy.nbytes for copy in live.values()) if spares else 0)
+            self._copies = {}
+            for key, copy in live.items():
+                if copy.changed():
+                    copy.replaced()
+                else:
+                    self._copies[key] = copy
 
     def _start_sweeper(self) -> None:
         with self._lock:
