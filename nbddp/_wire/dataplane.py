@@ -30,16 +30,14 @@ import threading
 import types
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import cloudpickle
 
 from .code_files import reduce_code
-
-if TYPE_CHECKING:
-    from .kept_storages import KeptStorages
 
 OUT_OF_BAND_MIN = 64 * 1024
 """Buffers smaller than this stay in the pickle (a file is not worth it)."""
@@ -71,8 +69,18 @@ class Packed:
         return pickle.loads(self.data, buffers=self.buffers)
 
 
+class Kept(Protocol):
+    """Copies of large storages kept from one send to the next (``kept_storages``)."""
+
+    def sending(self) -> AbstractContextManager[None]:
+        """Around one send."""
+
+    def copy_of(self, tensor: Any, storage: Any) -> Any:
+        """The copy to pickle for ``tensor``'s storage, or None to send its bytes."""
+
+
 def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
-         kept: KeptStorages | None = None) -> Packed:
+         kept: Kept | None = None) -> Packed:
     """Pickle ``value`` (cloudpickle, protocol 5), tensor and array bytes out of band
     (unless ``out_of_band`` is false); ``to_cpu`` moves device tensors to the CPU first
     (for the kernel, which has no GPU). Large tensors' storages go by their ``kept``
@@ -303,7 +311,7 @@ class _Pickler(cloudpickle.Pickler):
     code objects under their real file names (``code_files``), which it notes."""
 
     def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any,
-                 kept: KeptStorages | None) -> None:
+                 kept: Kept | None) -> None:
         super().__init__(stream, protocol=5, buffer_callback=keep)
         self._to_cpu = to_cpu
         self._kept = kept

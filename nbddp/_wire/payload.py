@@ -21,8 +21,7 @@ from typing import Any
 import cloudpickle
 
 from .._errors import PayloadError
-from .dataplane import Packed, pack
-from .kept_storages import KeptStorages
+from .dataplane import Kept, Packed, pack
 
 #: A payload whose pickle (tensor and array bytes aside, which travel out of band) is
 #: larger than this still ships, with a warning naming what made it large.
@@ -59,7 +58,7 @@ class Payload:
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
         return cls(fn, tuple(args), dict(kwargs), _import_path())
 
-    def dumps(self, kept: KeptStorages | None = None) -> Packed:
+    def dumps(self, kept: Kept | None = None) -> Packed:
         """Pickle for the ranks, tensor and array bytes out of band (large tensors by
         their ``kept`` copies, where given: for ranks on this machine); name the culprit
         if it fails, warn if the pickle itself (the pure-Python part) is huge.
