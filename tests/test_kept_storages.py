@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import time
+import weakref
 
 import pytest
 import torch
@@ -112,6 +113,19 @@ def test_a_models_parameters_are_sent_again_free_until_an_optimizer_step():
     stepped = dataplane.pack(model, kept=kept)
     assert copies(stepped) != copies(first)
     assert torch.equal(stepped.load().weight, model.weight)
+
+
+@pytest.mark.fast
+def test_a_parameter_sent_after_every_step_gathers_nothing_on_it():
+    kept = KeptStorages()
+    model = torch.nn.Linear(1024, 1024)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(20):
+        model(torch.ones(1024)).sum().backward()
+        optimizer.step()
+        dataplane.pack(model, kept=kept)
+    assert len(kept) == 1
+    assert weakref.getweakrefcount(model.weight) <= 2  # not one watcher per send
 
 
 @pytest.mark.fast

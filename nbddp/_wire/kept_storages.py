@@ -158,6 +158,7 @@ class KeptStorages:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._sweeper: threading.Thread | None = None
+        self._watched: dict[int, weakref.ref[Any]] = {}  # the tensors sent, by id
 
     def __len__(self) -> int:
         return len(self._copies)
@@ -186,9 +187,24 @@ class KeptStorages:
             return None
         with self._lock:
             self._copies[key] = copy
-        weakref.finalize(tensor, self._wake.set)
+            self._watch(tensor)
         self._start_sweeper()
         return copy
+
+    def _watch(self, tensor: Any) -> None:
+        """(Under the lock) Wake the sweeper when ``tensor`` goes; once per tensor, however
+        many copies of it were made (a model's parameters, sent after every step)."""
+        key = id(tensor)
+        watching = self._watched.get(key)
+        if watching is not None and watching() is tensor:
+            return
+
+        def gone(ref: weakref.ref[Any]) -> None:
+            if self._watched.get(key) is ref:
+                self._watched.pop(key, None)
+            self._wake.set()
+
+        self._watched[key] = weakref.ref(tensor, gone)
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
