@@ -17,8 +17,9 @@ import weakref
 import pytest
 import torch
 
+import nbddp
 from nbddp._wire import dataplane
-from nbddp._wire.kept_storages import KEEP_MIN, KeptCopy, KeptStorages
+from nbddp._wire.kept_storages import KEEP_ENV, KEEP_MIN, KeptCopy, KeptStorages
 
 from .conftest import wait_until
 
@@ -194,6 +195,25 @@ def test_another_user_can_neither_open_a_kept_copy_nor_read_it():
          f"/proc/{os.getpid()}/fd"], capture_output=True, text=True, timeout=30)
     assert attempt.stdout.strip() == "", attempt.stdout  # not one byte
     assert attempt.stderr.count("Permission denied") == 2, attempt.stderr
+
+
+@pytest.mark.fast
+def test_a_rank_told_of_a_copy_that_is_gone_says_so():
+    kept = KeptStorages()
+    data = torch.ones(FLOATS)
+    packed = dataplane.pack(data, kept=kept)
+    copy = copies(packed)[0]
+    os.dup2(os.open("/dev/null", os.O_RDONLY), copy.fd)  # that number now names another file
+    with pytest.raises(RuntimeError, match="shared copy of a tensor is gone"):
+        packed.load()
+
+
+def test_kept_copies_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv(KEEP_ENV, "0")
+    before = memory_files(os.getpid())
+    data = torch.ones(FLOATS)
+    total = nbddp.launch(lambda: float(data.sum()), nprocs=2, output="none")
+    assert total == FLOATS and memory_files(os.getpid()) == before
 
 
 # --- through a real kernel ----------------------------------------------------------

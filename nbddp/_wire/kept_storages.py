@@ -131,6 +131,10 @@ def _map_copy(pid: int, fd: int, inode: int, nbytes: int) -> Any:
     number now names another file)."""
     try:
         opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDONLY)
+    except PermissionError as exc:
+        raise RuntimeError(f"nbddp: this rank may not open the kernel's shared copy of a "
+                           f"tensor ({exc}); set {KEEP_ENV}=0 in the notebook's environment "
+                           "to send tensors' bytes with every run instead") from None
     except OSError as exc:
         raise RuntimeError(f"nbddp: the kernel's shared copy of a tensor is gone ({exc})") \
             from None
@@ -254,11 +258,16 @@ class KeptStorages:
 
 
 _KERNELS_COPIES: KeptStorages | None = None
+KEEP_ENV = "NBDDP_KEEP_TENSORS"
+"""``0`` turns kept copies off: every send carries the tensors' bytes."""
 
 
-def kernels_copies() -> KeptStorages:
-    """This process's kept copies (made on first use)."""
+def kernels_copies() -> KeptStorages | None:
+    """This process's kept copies (made on first use); None where ``NBDDP_KEEP_TENSORS``
+    is ``0``."""
     global _KERNELS_COPIES
+    if os.environ.get(KEEP_ENV, "1") == "0":
+        return None
     if _KERNELS_COPIES is None:
         _KERNELS_COPIES = KeptStorages()
     return _KERNELS_COPIES
