@@ -213,7 +213,7 @@ def test_kept_copies_can_be_turned_off(monkeypatch):
     before = memory_files(os.getpid())
     data = torch.ones(FLOATS)
     total = nbddp.launch(lambda: float(data.sum()), nprocs=2, output="none")
-    assert total == FLOATS and memory_files(os.getpid()) == before
+    assert total == FLOATS and memory_files(os.getpid()) - before == set()  # none made
 
 
 # --- through a real kernel ----------------------------------------------------------
