@@ -130,11 +130,15 @@ def test_a_parameter_sent_after_every_step_gathers_nothing_on_it():
 
 
 @pytest.mark.fast
-def test_small_tensors_and_numpy_arrays_travel_in_the_payload():
+def test_what_has_no_version_counter_or_is_small_travels_in_the_payload():
     np = pytest.importorskip("numpy")
     kept = KeptStorages()
-    packed = dataplane.pack((torch.ones(FLOATS // 2), np.ones(FLOATS, np.float32)), kept=kept)
-    assert len(kept) == 0 and len(packed.buffers) == 2
+    with torch.inference_mode():
+        inferred = torch.ones(FLOATS)  # (torch keeps no version counter for it)
+    packed = dataplane.pack((torch.ones(FLOATS // 2), np.ones(FLOATS, np.float32), inferred),
+                            kept=kept)
+    assert len(kept) == 0 and len(packed.buffers) == 3
+    assert float(packed.load()[2].sum()) == FLOATS
 
 
 @pytest.mark.fast

@@ -18,7 +18,8 @@ sent (torch bumps it at every in-place write through the tensor or its views; a
 that bypass the counter (through ``.data``, ``.numpy()``, or the NumPy array a tensor
 was made from) are caught where they changed much of the tensor: each send compares
 ``SAMPLES`` random places of the tensor with its copy. NumPy arrays have no counter at
-all: they are copied at every send.
+all: they are copied at every send, and so are tensors made under
+``torch.inference_mode`` (torch keeps no counter for them).
 
 Memory stays bounded: a copy is released once its storage is freed in the notebook (the
 tensor deleted), or found changed (at the next send, or once the tensor that was sent
@@ -159,7 +160,7 @@ class KeptStorages:
         self._copies: dict[int, KeptCopy] = {}
         self.files = MemoryFiles()
         """Where copies are written: released ones' files are reused."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a copy released by the collector re-enters)
         self._wake = threading.Event()
         self._sweeper: threading.Thread | None = None
         self._watched: dict[int, weakref.ref[Any]] = {}  # the tensors sent, by id
@@ -172,7 +173,7 @@ class KeptStorages:
         outdated; None where the storage is too small to keep, the copies are at their
         limit, or memory is short (the bytes then travel in the payload)."""
         nbytes = storage.nbytes()
-        if nbytes < KEEP_MIN:
+        if nbytes < KEEP_MIN or tensor.is_inference():  # (no version counter to watch)
             return None
         key = storage._cdata  # (unique while a copy's weak reference holds it)
         with self._lock:

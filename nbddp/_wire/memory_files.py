@@ -30,7 +30,7 @@ class MemoryFiles:
     def __init__(self) -> None:
         self._spares: list[tuple[int, int]] = []  # (descriptor, size), oldest first
         self._budget = 0
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (a copy released by the collector re-enters)
 
     def new(self, nbytes: int) -> int:
         """A file of ``nbytes`` (its descriptor): a spare where there is one (the
