@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import nbddp
-from nbddp._wire import dataplane
+from nbddp._wire import dataplane, kept_storages
 from nbddp._wire.kept_storages import KEEP_ENV, KEEP_MIN, KeptCopy, KeptStorages
 
 from .conftest import wait_until
@@ -130,6 +130,56 @@ def test_a_parameter_sent_after_every_step_gathers_nothing_on_it():
 
 
 @pytest.mark.fast
+def test_a_tensor_object_the_copy_was_not_made_for_is_not_taken_on_trust():
+    kept = KeptStorages()
+    data = torch.ones(FLOATS)
+    made = copies(dataplane.pack(data, kept=kept))
+    alias = data.data  # the same storage, a version counter of its own
+    alias[7] = 5.0  # (data's counter does not move; a sample would likely miss it)
+    again = copies(dataplane.pack(alias, kept=kept))
+    assert again != made and float(dataplane.pack(alias, kept=kept).load()[7]) == 5.0
+
+
+@pytest.mark.fast
+def test_a_parameter_subclass_is_copied_at_every_send_never_sent_stale():
+    class Tagged(torch.nn.Parameter):
+        pass
+
+    kept = KeptStorages()
+    weight = Tagged(torch.ones(FLOATS))
+    first = dataplane.pack(weight, kept=kept)
+    weight.data[3] = 2.0  # through torch's own pickling, each send has a fresh .data
+    second = dataplane.pack(weight, kept=kept)
+    assert copies(second) != copies(first) and float(second.load()[3].detach()) == 2.0
+
+
+@pytest.mark.fast
+def test_copies_stay_within_their_share_of_memory(monkeypatch):
+    monkeypatch.setattr(kept_storages, "_memory_limit", lambda: 3 * KEEP_MIN)
+    monkeypatch.setattr(kept_storages, "KEEP_SHARE", 0.5)  # room for one copy
+    kept = KeptStorages()
+    first, second = torch.ones(FLOATS), torch.zeros(FLOATS)
+    dataplane.pack(first, kept=kept)
+    dataplane.pack(second, kept=kept)
+    assert len(kept) == 1  # the copy least recently sent made room
+    assert copies(dataplane.pack(second, kept=kept))  # the newest stays
+    too_large = dataplane.pack(torch.ones(2 * FLOATS), kept=kept)
+    assert copies(too_large) == [] and len(too_large.buffers) == 1
+
+
+@pytest.mark.fast
+def test_copies_are_read_only_files_and_a_forked_child_holds_none():
+    kept = KeptStorages()
+    data = torch.ones(FLOATS)
+    copy = copies(dataplane.pack(data, kept=kept))[0]
+    assert os.stat(f"/proc/self/fd/{copy.fd}").st_mode & 0o777 == 0o400
+    child = os.fork()
+    if child == 0:  # a notebook's forked worker
+        os._exit(0 if not memory_files(os.getpid()) else 1)
+    assert os.waitpid(child, 0)[1] == 0, "the forked child still held the kernel's copies"
+
+
+@pytest.mark.fast
 def test_what_has_no_version_counter_or_is_small_travels_in_the_payload():
     np = pytest.importorskip("numpy")
     kept = KeptStorages()
@@ -187,6 +237,7 @@ def test_a_payload_keeps_its_copies_open_until_it_is_dropped():
 
 
 @pytest.mark.fast
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming another user takes root")
 def test_another_user_can_neither_open_a_kept_copy_nor_read_it():
     """The way a rank opens a copy (``/proc/<kernel>/fd/<n>``) is closed to other users:
     the system lets only a process that could debug the kernel through."""

@@ -78,6 +78,9 @@ class Kept(Protocol):
     def copy_of(self, tensor: Any, storage: Any) -> Any:
         """The copy to pickle for ``tensor``'s storage, or None to send its bytes."""
 
+    def seen_with(self, copy: Any, tensor: Any) -> None:
+        """``tensor`` is another on a storage already pickled as ``copy``."""
+
 
 def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
          kept: Kept | None = None) -> Packed:
@@ -346,4 +349,6 @@ class _Pickler(cloudpickle.Pickler):
         if key not in self.storages:
             copy = None if self._kept is None else self._kept.copy_of(tensor, storage)
             self.storages[key] = copy if copy is not None else _StorageBox(storage)
+        elif self._kept is not None:
+            self._kept.seen_with(self.storages[key], tensor)
         return self.storages[key]

@@ -12,9 +12,11 @@ changed in the notebook gets a new file at its next send, and a rank that kept a
 from an earlier cell keeps the old bytes (its mapping outlives the file's release). A
 rank's writes go to its private pages; the notebook's tensor is never touched.
 
-Whether a storage changed since its copy is told by the version counter of the tensor
-sent (torch bumps it at every in-place write through the tensor or its views; a
-``Parameter`` is sent with its own counter, which the optimizer's steps bump). Writes
+Whether a storage changed since its copy is told by the version counters of the tensor
+objects it was made for (torch bumps one at every in-place write through the tensor or
+its views; a ``Parameter`` is sent with its own counter, which the optimizer's steps
+bump): another object over the same storage has a counter of its own, and is not taken
+on trust. Writes
 that bypass the counter (through ``.data``, ``.numpy()``, or the NumPy array a tensor
 was made from) are caught where they changed much of the tensor: each send compares
 ``SAMPLES`` random places of the tensor with its copy. NumPy arrays have no counter at
@@ -23,7 +25,9 @@ all: they are copied at every send, and so are tensors made under
 
 Memory stays bounded: a copy is released once its storage is freed in the notebook (the
 tensor deleted), or found changed (at the next send, or once the tensor that was sent
-is seen changed), and at most ``MAX_KEPT`` are kept. A changed tensor's next copy is
+is seen changed); at most ``MAX_KEPT`` are kept, in ``KEEP_SHARE`` of the memory (the
+least recently sent go first), and a forked child of the kernel closes its inherited
+descriptors of them. A changed tensor's next copy is
 written into its last copy's file where no process maps that any more
 (``memory_files``): its pages are there already. A memory file has no name: only a
 process of the same user can open it (through ``/proc/<kernel>/fd``, checked like a
@@ -51,6 +55,8 @@ KEEP_MIN = 4 * 2**20
 """Smaller storages travel in the payload file: copying them costs less than a file."""
 MAX_KEPT = 256
 """Copies kept at most (each holds a file descriptor of the kernel's)."""
+KEEP_SHARE = 0.5
+"""The share of the machine's (or the kernel's cgroup's) memory copies may take."""
 SAMPLES = 64
 """Random places of a tensor compared with its copy at each send, ``SAMPLE_BYTES`` each
 (a tenth of a millisecond in all)."""
@@ -71,31 +77,48 @@ class KeptCopy:
         self.nbytes = storage.nbytes()
         self.data_ptr = storage.data_ptr()
         self.storage = StorageWeakRef(storage)  # (the storage's memory is not kept alive)
-        self.version = tensor._version
-        self.sent = weakref.ref(tensor)
-        self.fd = _copy_to_memory_file(storage, files)
-        self.inode = os.fstat(self.fd).st_ino
+        self.fd = files.new(self.nbytes)
         self._reuse = [False]
-        release = weakref.finalize(self, files.release, self.fd, self.nbytes, self._reuse)
-        release.atexit = False  # (at the exit, the process's end closes every file)
+        self._release = weakref.finalize(self, files.release, self.fd, self.nbytes,
+                                         self._reuse)
+        self._release.atexit = False  # (at the exit, the process's end closes every file)
+        _ALL_COPIES.add(self)
+        self._seen = [(weakref.ref(tensor), tensor._version)]
+        """Each tensor object this copy was made for, and its version counter then."""
+        _write(storage, self.fd)
+        self.inode = os.fstat(self.fd).st_ino
 
     def __reduce__(self) -> tuple[Any, ...]:
         return _map_copy, (os.getpid(), self.fd, self.inode, self.nbytes)
 
     def holds(self, tensor: Any, storage: Any) -> bool:
-        """The copy still holds ``tensor``'s storage as it is now."""
+        """The copy still holds ``tensor``'s storage as it is now: ``tensor`` is one it
+        was made for (another object's counter tells nothing of this one's writes), no
+        tensor it was made for has been written since, and a sample still matches."""
         return (not self.storage.expired() and storage.data_ptr() == self.data_ptr
-                and storage.nbytes() == self.nbytes and tensor._version == self.version
-                and self._same_sample(storage))
+                and storage.nbytes() == self.nbytes
+                and any(ref() is tensor for ref, _ in self._seen)
+                and not self.changed() and self._same_sample(storage))
+
+    def also(self, tensor: Any) -> None:
+        """Another tensor on the storage, pickled in the send that made this copy."""
+        if not any(ref() is tensor for ref, _ in self._seen):
+            self._seen.append((weakref.ref(tensor), tensor._version))
 
     def replaced(self) -> None:
         """Its tensor changed: once released, its file may take the next copy."""
         self._reuse[0] = True
 
     def changed(self) -> bool:
-        """The tensor that was sent has been written since (if it is still there)."""
-        sent = self.sent()
-        return sent is not None and sent._version != self.version
+        """A tensor it was made for (one still there) has been written since."""
+        return any(tensor is not None and tensor._version != version
+                   for tensor, version in ((ref(), version) for ref, version in self._seen))
+
+    def forget(self) -> None:
+        """(In a child forked from the kernel) Close this process's copy of the file."""
+        self._release.detach()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
     def _same_sample(self, storage: Any) -> bool:
         """``SAMPLES`` random places of the storage hold what the copy holds (read from
@@ -113,17 +136,14 @@ _SAMPLER = random.Random()
 """nbddp's own random numbers: the notebook's (``random.seed``) stay its own."""
 
 
-def _copy_to_memory_file(storage: Any, files: MemoryFiles) -> int:
-    """A memory file holding ``storage``'s bytes; OSError if memory is short."""
-    nbytes = storage.nbytes()
-    fd = files.new(nbytes)
-    try:
-        raw = (ctypes.c_ubyte * nbytes).from_address(storage.data_ptr())
-        write_at(fd, memoryview(raw).cast("B"), 0)
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+def _write(storage: Any, fd: int) -> None:
+    """``storage``'s bytes into the file ``fd`` (OSError if memory is short)."""
+    raw = (ctypes.c_ubyte * storage.nbytes()).from_address(storage.data_ptr())
+    write_at(fd, memoryview(raw).cast("B"), 0)
+
+
+_ALL_COPIES: weakref.WeakSet[KeptCopy] = weakref.WeakSet()
+"""Every copy this process holds (a forked child closes theirs)."""
 
 
 def _map_copy(pid: int, fd: int, inode: int, nbytes: int) -> Any:
@@ -164,14 +184,16 @@ class KeptStorages:
         self._wake = threading.Event()
         self._sweeper: threading.Thread | None = None
         self._watched: dict[int, weakref.ref[Any]] = {}  # the tensors sent, by id
+        self._made_now: set[int] = set()  # the copies made in this send
 
     def __len__(self) -> int:
         return len(self._copies)
 
     def copy_of(self, tensor: Any, storage: Any) -> KeptCopy | None:
         """The kept copy of ``tensor``'s storage, made now if there is none or it is
-        outdated; None where the storage is too small to keep, the copies are at their
-        limit, or memory is short (the bytes then travel in the payload)."""
+        outdated; None where the storage is too small to keep, too large for the budget
+        (``KEEP_SHARE`` of memory: the copies least recently sent go first), or memory
+        is short (the bytes then travel in the payload)."""
         nbytes = storage.nbytes()
         if nbytes < KEEP_MIN or tensor.is_inference():  # (no version counter to watch)
             return None
@@ -179,22 +201,41 @@ class KeptStorages:
         with self._lock:
             copy = self._copies.pop(key, None)
             if copy is not None and copy.holds(tensor, storage):
-                self._copies[key] = copy
+                self._copies[key] = copy  # (now the most recently sent)
                 return copy
-            if len(self._copies) >= MAX_KEPT:
+            if copy is not None:
+                copy.replaced()
+                copy = None  # (released: its file may take the new copy)
+            if not self._room_for(nbytes):
                 return None
-        if copy is not None:
-            copy.replaced()
-            copy = None  # (released: its file may take the new copy)
         try:
             copy = KeptCopy(tensor, storage, self.files)
         except OSError:
             return None
         with self._lock:
             self._copies[key] = copy
+            self._made_now.add(id(copy))
             self._watch(tensor)
         self._start_sweeper()
         return copy
+
+    def seen_with(self, copy: Any, tensor: Any) -> None:
+        """``tensor`` shares a storage this send already pickled as ``copy``: a copy made
+        in this send holds it as it is now."""
+        with self._lock:
+            if isinstance(copy, KeptCopy) and id(copy) in self._made_now:
+                copy.also(tensor)
+
+    def _room_for(self, nbytes: int) -> bool:
+        """(Under the lock) Make room for ``nbytes`` more within the budget, releasing
+        the copies least recently sent; False if it cannot be made."""
+        budget = _memory_limit() * KEEP_SHARE
+        if nbytes > budget:
+            return False
+        while self._copies and (sum(c.nbytes for c in self._copies.values()) + nbytes > budget
+                                or len(self._copies) >= MAX_KEPT):
+            del self._copies[next(iter(self._copies))]
+        return True
 
     def _watch(self, tensor: Any) -> None:
         """(Under the lock) Wake the sweeper when ``tensor`` goes; once per tensor, however
@@ -216,6 +257,7 @@ class KeptStorages:
         """Around one send: outdated copies released first, the files of changed ones
         kept for their next copies in this send; those it did not take closed after."""
         self._sweep(spares=True)
+        self._made_now = set()
         try:
             yield
         finally:
@@ -272,3 +314,28 @@ def kernels_copies() -> KeptStorages | None:
     if _KERNELS_COPIES is None:
         _KERNELS_COPIES = KeptStorages()
     return _KERNELS_COPIES
+
+
+def _memory_limit() -> int:
+    """The memory this process may use: the machine's, or its cgroup's limit if lower."""
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as cgroup:  # (cgroup v2; "max": none)
+            text = cgroup.read().strip()
+        if text != "max":
+            limit = min(limit, int(text))
+    return limit
+
+
+def _forget_after_fork() -> None:
+    """A child forked from the kernel (a notebook's DataLoader workers) holds none of the
+    kernel's copies: they would stay in memory while it lives."""
+    global _KERNELS_COPIES
+    for copy in list(_ALL_COPIES):
+        copy.forget()
+    if _KERNELS_COPIES is not None:
+        _KERNELS_COPIES.files.forget()
+    _KERNELS_COPIES = None
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -17,6 +17,7 @@ are closed when it shrinks.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -40,6 +41,7 @@ class MemoryFiles:
             spare = self._pick(nbytes)
         fd = os.memfd_create("nbddp-tensor", os.MFD_CLOEXEC) if spare is None else spare
         try:
+            os.fchmod(fd, 0o400)  # (ranks open it to read; the kernel writes through fd)
             os.ftruncate(fd, nbytes)
             os.posix_fallocate(fd, 0, nbytes)  # (ENOSPC now, not SIGBUS in a rank later)
         except BaseException:
@@ -50,16 +52,26 @@ class MemoryFiles:
     def release(self, fd: int, nbytes: int, reuse: list[bool]) -> None:
         """``fd``'s copy is gone: keep the file as a spare if ``reuse[0]`` (a next copy
         of its tensor is likely: it changed), no process maps it and the budget has
-        room; else close it."""
-        inode = os.fstat(fd).st_ino
+        room; else close it. (A finalizer calls this: it never raises.)"""
+        try:
+            if reuse[0] and self._has_room(nbytes) and not mapped_anywhere(os.fstat(fd).st_ino):
+                with self._lock:
+                    if self._has_room(nbytes):  # (still: a send may have ended meanwhile)
+                        self._spares.append((fd, nbytes))
+                        return
+        except Exception:  # noqa: BLE001 - the file is closed below, whatever failed
+            pass
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+    def _has_room(self, nbytes: int) -> bool:
         with self._lock:
-            keep = (reuse[0] and len(self._spares) < MAX_SPARES
+            return (len(self._spares) < MAX_SPARES
                     and self._spare_bytes() + nbytes <= self._budget)
-        if keep and not mapped_anywhere(inode):
-            with self._lock:
-                self._spares.append((fd, nbytes))
-            return
-        os.close(fd)
+
+    def forget(self) -> None:
+        """(In a forked child) Close the spares."""
+        self.budget(0)
 
     def budget(self, nbytes: int) -> None:
         """Keep at most ``nbytes`` of spares (closing the oldest beyond)."""
@@ -95,7 +107,7 @@ def mapped_anywhere(inode: int) -> bool:
     True also where a process's map cannot be read (it is not known not to)."""
     for pid in (os.getpid(), *_descendants(os.getpid())):
         try:
-            with open(f"/proc/{pid}/maps") as maps:
+            with open(f"/proc/{pid}/maps", "rb") as maps:
                 if any(_maps_memory_file(line, inode) for line in maps):
                     return True
         except FileNotFoundError:  # it ended meanwhile: it maps nothing
@@ -105,9 +117,9 @@ def mapped_anywhere(inode: int) -> bool:
     return False
 
 
-def _maps_memory_file(line: str, inode: int) -> bool:
+def _maps_memory_file(line: bytes, inode: int) -> bool:
     fields = line.split(maxsplit=5)
-    return len(fields) == 6 and fields[4] == str(inode) and fields[5].startswith("/memfd:")
+    return len(fields) == 6 and fields[4] == b"%d" % inode and fields[5].startswith(b"/memfd:")
 
 
 def _descendants(root: int) -> list[int]:
