@@ -39,13 +39,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import mmap
 import os
 import random
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .dataplane import storage_from_buffer, write_at
@@ -71,7 +72,8 @@ class KeptCopy:
     or kept for a next copy where no process maps it: ``memory_files``) when neither the
     kept copies nor a payload on its way hold this any more."""
 
-    def __init__(self, tensor: Any, storage: Any, files: MemoryFiles) -> None:
+    def __init__(self, tensor: Any, storage: Any, files: MemoryFiles,
+                 on_gone: Callable[[Any], None]) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
 
         self.nbytes = storage.nbytes()
@@ -83,8 +85,10 @@ class KeptCopy:
                                          self._reuse)
         self._release.atexit = False  # (at the exit, the process's end closes every file)
         _ALL_COPIES.add(self)
-        self._seen = [(weakref.ref(tensor), tensor._version)]
-        """Each tensor object this copy was made for, and its version counter then."""
+        self._on_gone = on_gone
+        self._seen = [(weakref.ref(tensor, on_gone), tensor._version)]
+        """Each tensor object this copy was made for, and its version counter then (its
+        end calls ``on_gone``, while this copy lives)."""
         _write(storage, self.fd)
         self.inode = os.fstat(self.fd).st_ino
 
@@ -103,7 +107,7 @@ class KeptCopy:
     def also(self, tensor: Any) -> None:
         """Another tensor on the storage, pickled in the send that made this copy."""
         if not any(ref() is tensor for ref, _ in self._seen):
-            self._seen.append((weakref.ref(tensor), tensor._version))
+            self._seen.append((weakref.ref(tensor, self._on_gone), tensor._version))
 
     def replaced(self) -> None:
         """Its tensor changed: once released, its file may take the next copy."""
@@ -183,7 +187,6 @@ class KeptStorages:
         self._lock = threading.RLock()  # (a copy released by the collector re-enters)
         self._wake = threading.Event()
         self._sweeper: threading.Thread | None = None
-        self._watched: dict[int, weakref.ref[Any]] = {}  # the tensors sent, by id
         self._made_now: set[int] = set()  # the copies made in this send
 
     def __len__(self) -> int:
@@ -209,13 +212,12 @@ class KeptStorages:
             if not self._room_for(nbytes):
                 return None
         try:
-            copy = KeptCopy(tensor, storage, self.files)
+            copy = KeptCopy(tensor, storage, self.files, self._tensor_gone)
         except OSError:
             return None
         with self._lock:
             self._copies[key] = copy
             self._made_now.add(id(copy))
-            self._watch(tensor)
         self._start_sweeper()
         return copy
 
@@ -232,25 +234,14 @@ class KeptStorages:
         budget = _memory_limit() * KEEP_SHARE
         if nbytes > budget:
             return False
-        while self._copies and (sum(c.nbytes for c in self._copies.values()) + nbytes > budget
-                                or len(self._copies) >= MAX_KEPT):
-            del self._copies[next(iter(self._copies))]
+        kept = sum(copy.nbytes for copy in self._copies.values())
+        while self._copies and (kept + nbytes > budget or len(self._copies) >= MAX_KEPT):
+            kept -= self._copies.pop(next(iter(self._copies))).nbytes
         return True
 
-    def _watch(self, tensor: Any) -> None:
-        """(Under the lock) Wake the sweeper when ``tensor`` goes; once per tensor, however
-        many copies of it were made (a model's parameters, sent after every step)."""
-        key = id(tensor)
-        watching = self._watched.get(key)
-        if watching is not None and watching() is tensor:
-            return
-
-        def gone(ref: weakref.ref[Any]) -> None:
-            if self._watched.get(key) is ref:
-                self._watched.pop(key, None)
-            self._wake.set()
-
-        self._watched[key] = weakref.ref(tensor, gone)
+    def _tensor_gone(self, _: Any) -> None:
+        """A tensor a copy was made for is gone: its storage may be too (wake the sweeper)."""
+        self._wake.set()
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
@@ -316,8 +307,10 @@ def kernels_copies() -> KeptStorages | None:
     return _KERNELS_COPIES
 
 
+@functools.cache
 def _memory_limit() -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit if lower."""
+    """The memory this process may use: the machine's, or its cgroup's limit if lower
+    (read once: it is asked for at every new copy)."""
     limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     with contextlib.suppress(OSError, ValueError):
         with open("/sys/fs/cgroup/memory.max") as cgroup:  # (cgroup v2; "max": none)
@@ -334,7 +327,7 @@ def _forget_after_fork() -> None:
     for copy in list(_ALL_COPIES):
         copy.forget()
     if _KERNELS_COPIES is not None:
-        _KERNELS_COPIES.files.forget()
+        _KERNELS_COPIES.files.budget(0)  # (its spares closed)
     _KERNELS_COPIES = None
 
 

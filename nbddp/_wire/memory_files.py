@@ -69,10 +69,6 @@ class MemoryFiles:
             return (len(self._spares) < MAX_SPARES
                     and self._spare_bytes() + nbytes <= self._budget)
 
-    def forget(self) -> None:
-        """(In a forked child) Close the spares."""
-        self.budget(0)
-
     def budget(self, nbytes: int) -> None:
         """Keep at most ``nbytes`` of spares (closing the oldest beyond)."""
         closing = []
