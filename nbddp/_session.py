@@ -19,8 +19,6 @@ handed to the job's ranks the same way.
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 import socket
 import threading
 import time
@@ -39,7 +37,7 @@ from ._run.group import RanksGone
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
 from ._run.rank_choice import chosen_ranks
-from ._run.records import Records, forget_old_runs, records_root
+from ._run.records import FolderPerCell, Records, SessionRecords, records_root
 from ._run.shape import GroupShape
 from ._run.supervisor import Ending, Supervisor
 from ._run.waiting import WaitingGroup
@@ -266,7 +264,9 @@ class Session:
         self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
         self._warned: set[str] = set()
         self._running: Job | None = None
-        self._next_records: Records | None = None  # the next run's folder, made ahead
+        self._records: SessionRecords | FolderPerCell = (
+            SessionRecords(config.nprocs) if cluster is None
+            else FolderPerCell(config.nprocs))
         self._closed = False
         self.runs = 0
         self.restarts = 0
@@ -378,7 +378,7 @@ class Session:
             self._check_idle()
             self._busy = True
             try:
-                records = self._take_records()
+                records = self._records.next_cell()
                 warm = self._hand_over(config, payload, records)
                 run = _OnSession(self._group)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
@@ -391,28 +391,8 @@ class Session:
                 self._busy = False
                 raise
             self._running = job
-        self._records_ahead()
+        self._records.prepare()
         return job
-
-    def _take_records(self) -> Records:
-        """(Under the lock) This run's records folder: the one made ahead, if any."""
-        records, self._next_records = self._next_records, None
-        return records or Records.create(forget_old=False)
-
-    def _records_ahead(self) -> None:
-        """While the ranks run a cell: the oldest runs' records go, and the next cell's
-        folder and its ranks' logs are made now (a new file is among a disk's slowest
-        calls, 20 to 90 µs on a virtual machine's, and the kernel has nothing else to do
-        meanwhile; a rank then opens its log as it is)."""
-        forget_old_runs()
-        ahead = Records.create(forget_old=False)
-        for rank in range(self.config.nprocs):
-            os.close(os.open(ahead.rank_log(rank), os.O_WRONLY | os.O_CREAT, 0o600))
-        with self._lock:
-            if self._closed or self._next_records is not None:
-                shutil.rmtree(ahead.path, ignore_errors=True)
-            else:
-                self._next_records = ahead
 
     @property
     def reloads(self) -> bool:
@@ -515,9 +495,7 @@ class Session:
                 running.cancel()
             with self._lock:
                 self._stop_group()
-                if self._next_records is not None:  # (no run had it)
-                    shutil.rmtree(self._next_records.path, ignore_errors=True)
-                    self._next_records = None
+                self._records.close()
 
     def _stop_group(self) -> None:
         self._group.stop()

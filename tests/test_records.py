@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from nbddp._run import records
@@ -32,19 +34,91 @@ def _nothing() -> None:
     return None
 
 
-def test_a_sessions_cells_keep_only_the_newest_runs_records(tmp_path, monkeypatch):
-    """A session removes old records while its ranks run a cell: as many are kept as
-    for launches, and the runs that just ended keep theirs."""
+def _say(text: str, step: int) -> None:
+    import nbddp
+
+    print(f"{text} from rank", __import__("torch.distributed").distributed.get_rank())
+    print("a line without its end", end="")
+    nbddp.log(step=step, loss=float(step))
+
+
+def test_a_sessions_cells_share_one_folder_each_with_its_own_logs_and_metrics(
+        tmp_path, monkeypatch):
+    """A session's cells write in one folder (nothing made per cell), and each job still
+    shows its own cell's output, metrics and folder."""
     import nbddp
 
     monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
     with nbddp.Session(2, output="none") as session:
-        jobs = []
-        for _ in range(2 * (KEEP_RUNS + PRUNE_EVERY)):
-            jobs.append(session.submit(_nothing))
-            jobs[-1].result()
-    kept = records.folders(tmp_path)
-    assert KEEP_RUNS <= len(kept) <= KEEP_RUNS + PRUNE_EVERY, f"{len(kept)} folders kept"
-    assert [job.records for job in jobs[-KEEP_RUNS:]] == kept[-KEEP_RUNS:]
-    assert not jobs[0].records.exists()
-    assert (kept[-1] / "rank-1.log").exists()
+        first = session.submit(_say, ("first", 1))
+        first.result()
+        second = session.submit(_say, ("second", 2))
+        second.result()
+        assert first.records == second.records
+        folder = first.records
+        assert records.folders(tmp_path) == [folder]
+        assert "first from rank 1" in first.logs[1] and "second" not in first.logs[1]
+        assert "first" not in second.logs[1] and "second from rank 1" in second.logs[1]
+        assert first.logs[0].endswith("a line without its end")  # flushed with its cell
+        assert [row["loss"] for row in first.history] == [1.0]
+        assert [row["loss"] for row in second.history] == [2.0]
+        log = (folder / "rank-1.log").read_text()
+        assert log.index("first from rank 1") < log.index("second from rank 1")
+    assert not (folder / records.LIVE_LOCK).exists()
+
+
+def test_a_live_sessions_folder_is_never_pruned_and_an_ended_ones_is(tmp_path, monkeypatch):
+    """Other runs prune the oldest folders; a session's, however old, stays while the
+    session lives, here or in another kernel, and goes like any run's once it ended."""
+    import nbddp
+
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    with nbddp.Session(2, output="none") as session:
+        session.run(_nothing)
+        folder = session.submit(_nothing).records
+        for _ in range(KEEP_RUNS + 1):
+            new_records_dir()
+        records._prune(tmp_path)  # as another kernel's launch would
+        assert folder.exists(), "a live session's records were pruned"
+        session.run(_say, "still", 3)
+    records._prune(tmp_path)
+    assert not folder.exists()
+
+
+def test_a_killed_kernels_session_folder_can_be_pruned(tmp_path, monkeypatch):
+    """The lock that keeps a session's folder goes with its kernel, however it ends."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from nbddp._run.records import SessionRecords;"
+         "print(SessionRecords(2).next_cell().path, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        folder = Path(holder.stdout.readline().strip())
+        for _ in range(KEEP_RUNS + 1):
+            new_records_dir()
+        records._prune(tmp_path)
+        assert folder.exists(), "a live session's records were pruned"
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdin.close()
+        holder.stdout.close()
+    records._prune(tmp_path)
+    assert not folder.exists()
+
+
+def test_a_long_session_moves_to_a_new_folder(tmp_path, monkeypatch):
+    """After ``CELLS_PER_FOLDER`` cells the session writes in a new folder, and the old
+    one is released to be pruned like any run's."""
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    monkeypatch.setattr(records, "CELLS_PER_FOLDER", 2)
+    cells = records.SessionRecords(2)
+    try:
+        paths = [cells.next_cell().path for _ in range(5)]
+    finally:
+        cells.close()
+    assert paths[0] == paths[1] != paths[2] == paths[3] != paths[4]
+    assert not any((path / records.LIVE_LOCK).exists() for path in paths)

@@ -41,7 +41,8 @@ class LiveLines(Protocol):
 
 
 class LogTail:
-    """Shows what was appended to ``path`` since the last ``pump`` through ``sink``.
+    """Shows what was appended to ``path`` since the last ``pump`` through ``sink``, from
+    ``start`` on (a session's cell: where the log ended when the cell began).
 
     With a ``prefix`` (several ranks interleaved) every line is prefixed. Lines being
     redrawn show in place under the cell with ``in_place`` (a Jupyter kernel), else as
@@ -49,8 +50,8 @@ class LogTail:
     """
 
     def __init__(self, path: Path, sink: Sink, prefix: str = "", in_place: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.path, self._prefix, self._clock = path, prefix, clock
+                 clock: Callable[[], float] = time.monotonic, start: int = 0) -> None:
+        self.path, self._prefix, self._clock, self._start = path, prefix, clock, start
         self._file: BinaryIO | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._screen = Screen()
@@ -64,6 +65,7 @@ class LogTail:
                 self._file = open(self.path, "rb")  # noqa: SIM115 - kept open between pumps
             except FileNotFoundError:
                 return
+            self._file.seek(self._start)
         text = ""
         while chunk := self._file.read(_CHUNK):
             text += self._decoder.decode(chunk)

@@ -153,8 +153,9 @@ class GroupShape:
     def take_up(self, wanted: GroupShape) -> tuple[Handover, list[str]]:
         """What ranks started for this shape can take up of ``wanted``'s directory and
         environment (a session's ranks run on), and the variables they cannot."""
-        changed = {name: wanted.env.get(name) for name in self.env.keys() | wanted.env.keys()
-                   if self.env.get(name) != wanted.env.get(name)}
+        changed = {} if self.env == wanted.env else {  # (the same, nearly always: at C speed)
+            name: wanted.env.get(name) for name in self.env.keys() | wanted.env.keys()
+            if self.env.get(name) != wanted.env.get(name)}
         left_out = sorted(name for name in changed if read_at_start(name))
         env = {name: value for name, value in changed.items() if name not in left_out}
         return Handover(wanted.cwd if wanted.cwd != self.cwd else None, env), left_out

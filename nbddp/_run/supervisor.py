@@ -105,11 +105,13 @@ class Supervisor:
     def _make_tails(self) -> list[LogTail]:
         in_place = isinstance(self.panel, WidgetPanel)  # progress bars update under the cell
         running = self.config.running_ranks  # (rank 0, unless a session's run is not on it)
+        records = self.records
         if self.config.output == "rank0":
-            return [LogTail(self.records.rank_log(running[0]), self.output, in_place=in_place)]
+            return [LogTail(records.rank_log(running[0]), self.output, in_place=in_place,
+                            start=records.log_start(running[0]))]
         if self.config.output == "all":
-            return [LogTail(self.records.rank_log(r), self.output, prefix=f"[rank {r}] ",
-                            in_place=in_place) for r in running]
+            return [LogTail(records.rank_log(r), self.output, prefix=f"[rank {r}] ",
+                            in_place=in_place, start=records.log_start(r)) for r in running]
         return []
 
     # --- a handler per message ----------------------------------------------------------
