@@ -22,7 +22,8 @@ from .._run.shape import GroupShape
 from .._wire.rundir import RunDir
 
 _PF_EXITING = 0x4  # a process's flags (/proc/PID/stat) while it exits
-_SIGKILL = 1 << (signal.SIGKILL - 1)  # in a pending-signals mask (/proc/PID/status)
+_SIGKILL = 1 << (signal.SIGKILL - 1)  # in a pending-signals mask
+_PENDING = 31 - 3  # /proc/PID/stat's pending signals, counted from the state (field 3)
 _TERM_GRACE = 0.5
 _KILL_WAIT = 5.0
 _CLEAN_EXIT_WAIT = 10.0  # every rank returned: torchrun exits by itself within this
@@ -145,22 +146,14 @@ def _start_time(pid: int) -> str | None:
 def stopping(pid: int) -> bool:
     """True if ``pid`` is gone, a zombie, exiting, or killed a moment ago (SIGKILL
     pending): it runs no more code. A process killed while others wait on it (torchrun's
-    ranks die of its death, see ``_worker``) is seen before they can notice."""
+    ranks die of its death, see ``_worker``) is seen before they can notice. One read of
+    ``/proc/PID/stat``: a SIGKILL sent to a process is set pending in each of its
+    threads, which that file's ``signal`` field shows for the main one."""
     try:
         stat = _read_proc(pid, "stat")
-        status = _read_proc(pid, "status")
     except OSError:
         return True
     fields = stat[stat.rindex(")") + 2:].split()
     if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
         return True
-    return any(_signal_mask(status, field) & _SIGKILL for field in ("\nSigPnd:", "\nShdPnd:"))
-
-
-def _signal_mask(status: str, field: str) -> int:
-    """A pending-signals mask of ``/proc/PID/status`` (its ``field`` line; 0 if absent)."""
-    at = status.find(field)
-    if at < 0:
-        return 0
-    value = status[at + len(field):status.find("\n", at + 1)]
-    return int(value.strip() or "0", 16)
+    return bool(int(fields[_PENDING]) & _SIGKILL)

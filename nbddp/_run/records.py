@@ -154,6 +154,7 @@ class SessionRecords:
         self._lock_fd: int | None = None
         self._cells = 0
         self._last: Records | None = None  # the latest cell's
+        self._logs: list[str] = []  # each rank's, in the folder
 
     def next_cell(self) -> Records:
         """The next cell's records: where each rank's log ends now is where its part of
@@ -161,8 +162,7 @@ class SessionRecords:
         if self._folder is None or self._cells >= CELLS_PER_FOLDER:
             self._new_folder()
         assert self._folder is not None
-        starts = {rank: os.stat(self._folder / rank_log_name(rank)).st_size
-                  for rank in range(self._nprocs)}
+        starts = {rank: os.stat(log).st_size for rank, log in enumerate(self._logs)}
         if max(starts.values()) >= LOG_TAIL_BYTES:
             self._new_folder()
             return self.next_cell()
@@ -180,8 +180,9 @@ class SessionRecords:
         folder = _new_folder()
         fd = os.open(folder / LIVE_LOCK, os.O_RDONLY | os.O_CREAT, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
-        for rank in range(self._nprocs):
-            os.close(os.open(folder / rank_log_name(rank), os.O_WRONLY | os.O_CREAT, 0o600))
+        self._logs = [str(folder / rank_log_name(rank)) for rank in range(self._nprocs)]
+        for log in self._logs:
+            os.close(os.open(log, os.O_WRONLY | os.O_CREAT, 0o600))
         self._folder, self._lock_fd, self._cells = folder, fd, 0
         forget_old_runs()
 
