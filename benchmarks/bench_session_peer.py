@@ -1,0 +1,144 @@
+"""Benchmark a session's call against Monarch's, side by side in one process.
+
+A trivial call on 2 CPU ranks that keep their state, each with a gloo process group:
+``nbddp.Session.run`` against a Monarch actor endpoint (``mesh.noop.call().get()``),
+each of a no-op and of one all-reduce. Both sides' ranks stay up for the whole run and
+are called in alternating blocks, so that a machine whose speed drifts (as a shared
+virtual machine's does, by a factor of two within an hour) slows both alike. Medians of
+every call and the ratio nbddp / Monarch are printed (``--json`` saves every figure).
+
+Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
+so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--rounds N] [--json PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
+os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
+
+from bench_launch import write_json  # noqa: E402
+
+import nbddp  # noqa: E402
+
+NPROCS = 2
+BLOCK = 20  # calls of one side before the other's turn
+TARGET = 0.001  # seconds, the median of a trivial Session.run: at most
+
+
+def noop() -> None:
+    """The trivial call."""
+
+
+def allreduce_once() -> float:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    return float(value.item())
+
+
+def monarch_ranks() -> tuple[object, object]:
+    """Two Monarch processes, each an actor in a gloo process group; (procs, actors)."""
+    from monarch.actor import Actor, current_rank, endpoint, this_host
+
+    class Ranks(Actor):
+        def __init__(self, port: int) -> None:
+            import torch.distributed as dist
+
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            dist.init_process_group("gloo", rank=current_rank().rank, world_size=NPROCS)
+
+        @endpoint
+        def noop(self) -> None:
+            return None
+
+        @endpoint
+        def allreduce(self) -> float:
+            return allreduce_once()
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = this_host().spawn_procs(per_host={"procs": NPROCS})
+    actors = procs.spawn("ranks", Ranks, port)
+    actors.noop.call().get()
+    return procs, actors
+
+
+def timed(call: Callable[[], object], times: list[float]) -> None:
+    for _ in range(BLOCK):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+
+
+def side_by_side(rounds: int) -> dict[str, list[float]]:
+    """Alternating blocks of each call on both sides, after a warm-up."""
+    procs, actors = monarch_ranks()
+    try:
+        with nbddp.Session(NPROCS, output="none") as session:
+            calls: dict[str, Callable[[], object]] = {
+                "nbddp noop": lambda: session.run(noop),
+                "monarch noop": lambda: actors.noop.call().get(),
+                "nbddp all_reduce": lambda: session.run(allreduce_once),
+                "monarch all_reduce": lambda: actors.allreduce.call().get(),
+            }
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for call in calls.values():
+                timed(call, [])
+            for _ in range(rounds):
+                for name, call in calls.items():
+                    timed(call, times[name])
+    finally:
+        procs.stop().get()
+    return times
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15,
+                        help=f"blocks of {BLOCK} calls per side and call (default 15)")
+    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    opts = parser.parse_args()
+    try:
+        import monarch.actor  # noqa: F401
+    except ImportError:
+        print("Monarch is not installed (pip install torchmonarch): nothing to compare")
+        return 0
+    load = os.getloadavg()[0]
+    times = side_by_side(opts.rounds)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    ratios = {call: medians[f"nbddp {call}"] / medians[f"monarch {call}"]
+              for call in ("noop", "all_reduce")}
+    met = medians["nbddp noop"] <= TARGET
+    print(f"\nnbddp Session.run vs a Monarch endpoint call, {NPROCS} CPU ranks (gloo), median "
+          f"of {opts.rounds * BLOCK}; {os.cpu_count()} CPUs, load {load:.2f} -> "
+          f"{os.getloadavg()[0]:.2f}")
+    for name, value in medians.items():
+        print(f"  {name:22}{value * 1000:8.3f} ms")
+    for call, ratio in ratios.items():
+        print(f"  {call}: nbddp / monarch {ratio:.2f}")
+    print(f"trivial Session.run: {medians['nbddp noop'] * 1000:.2f} ms, target <= "
+          f"{TARGET * 1000:.0f} ms: {'met' if met else 'MISSED'}")
+    write_json(opts.json, {
+        "nprocs": NPROCS, "block": BLOCK, "rounds": opts.rounds,
+        "python": platform.python_version(), "cpus": os.cpu_count(),
+        "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
+        "times_s": times, "medians_s": medians, "ratios": ratios,
+        "target_s": TARGET, "met": met})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
