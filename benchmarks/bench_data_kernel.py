@@ -179,8 +179,8 @@ class Kernel:
 
 
 def launches(kernel: Kernel, size_mib: int, repeats: int,
-             made: list[float]) -> dict[str, list[float]]:
-    """Added seconds per repeat: first send, again, result; ``made`` gets the seconds of
+             making: list[float]) -> dict[str, list[float]]:
+    """Added seconds per repeat: first send, again, result; ``making`` gets the seconds of
     each cell that made the tensor a first send sends (the notebook's own new memory,
     the price of which this machine changes over time)."""
     n = size_mib * MIB // 4
@@ -188,7 +188,7 @@ def launches(kernel: Kernel, size_mib: int, repeats: int,
                                      "result": []}
     for _ in range(repeats):
         base = kernel.launch("holds, args=(None,)")
-        made.append(kernel.run(f"data = torch.ones({n})")[0])
+        making.append(kernel.run(f"data = torch.ones({n})")[0])
         added["first send"].append(kernel.launch("holds, args=(data,)") - base)
         added["again"].append(kernel.launch("holds, args=(data,)") - base)
         kernel.run("data += 1")
