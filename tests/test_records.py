@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,23 @@ def test_a_killed_kernels_session_folder_can_be_pruned(tmp_path, monkeypatch):
         holder.stdout.close()
     records._prune(tmp_path)
     assert not folder.exists()
+
+
+def test_a_session_whose_folder_was_removed_writes_in_a_new_one(tmp_path, monkeypatch):
+    """Someone cleans the records folder while a session lives: its next cell still runs,
+    and its output is kept in a new folder."""
+    import nbddp
+
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    with nbddp.Session(2, output="none") as session:
+        first = session.submit(_say, ("first", 1))
+        first.result()
+        shutil.rmtree(first.records)
+        second = session.submit(_say, ("second", 2))
+        second.result()
+        assert second.records != first.records
+        assert "second from rank 1" in second.logs[1]
+        assert [row["loss"] for row in second.history] == [2.0]
 
 
 def test_a_long_session_moves_to_a_new_folder(tmp_path, monkeypatch):

@@ -162,7 +162,10 @@ class SessionRecords:
         if self._folder is None or self._cells >= CELLS_PER_FOLDER:
             self._new_folder()
         assert self._folder is not None
-        starts = {rank: os.stat(log).st_size for rank, log in enumerate(self._logs)}
+        try:
+            starts = {rank: os.stat(log).st_size for rank, log in enumerate(self._logs)}
+        except FileNotFoundError:  # the folder was removed under the session: a new one
+            starts = {0: LOG_TAIL_BYTES}
         if max(starts.values()) >= LOG_TAIL_BYTES:
             self._new_folder()
             return self.next_cell()
