@@ -378,7 +378,7 @@ class Session:
             self._check_idle()
             self._busy = True
             try:
-                records = self._records.next_cell()
+                records = self._records.next_cell(self.runs + 1)
                 warm = self._hand_over(config, payload, records)
                 run = _OnSession(self._group)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,

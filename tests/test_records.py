@@ -63,6 +63,7 @@ def test_a_sessions_cells_share_one_folder_each_with_its_own_logs_and_metrics(
         assert first.logs[0].endswith("a line without its end")  # flushed with its cell
         assert [row["loss"] for row in first.history] == [1.0]
         assert [row["loss"] for row in second.history] == [2.0]
+        assert {"metrics-1.jsonl", "metrics-2.jsonl"} <= {p.name for p in folder.iterdir()}
         log = (folder / "rank-1.log").read_text()
         assert log.index("first from rank 1") < log.index("second from rank 1")
     assert not (folder / records.LIVE_LOCK).exists()
@@ -76,7 +77,9 @@ def test_a_live_sessions_folder_is_never_pruned_and_an_ended_ones_is(tmp_path, m
     monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
     with nbddp.Session(2, output="none") as session:
         session.run(_nothing)
-        folder = session.submit(_nothing).records
+        job = session.submit(_nothing)
+        job.result()
+        folder = job.records
         for _ in range(KEEP_RUNS + 1):
             new_records_dir()
         records._prune(tmp_path)  # as another kernel's launch would
@@ -94,7 +97,7 @@ def test_a_killed_kernels_session_folder_can_be_pruned(tmp_path, monkeypatch):
     monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys; from nbddp._run.records import SessionRecords;"
-         "print(SessionRecords(2).next_cell().path, flush=True); sys.stdin.read()"],
+         "print(SessionRecords(2).next_cell(1).path, flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         folder = Path(holder.stdout.readline().strip())
@@ -135,8 +138,29 @@ def test_a_long_session_moves_to_a_new_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(records, "CELLS_PER_FOLDER", 2)
     cells = records.SessionRecords(2)
     try:
-        paths = [cells.next_cell().path for _ in range(5)]
+        paths = [cells.next_cell(number).path for number in range(1, 6)]
     finally:
         cells.close()
     assert paths[0] == paths[1] != paths[2] == paths[3] != paths[4]
     assert not any((path / records.LIVE_LOCK).exists() for path in paths)
+
+
+def test_a_folder_whose_lock_cannot_be_asked_about_is_kept(tmp_path, monkeypatch):
+    """A file system without locks (or a broken one) cannot say whether a session still
+    writes in a folder: it is kept, and the pruning goes on with the others."""
+    import errno
+    import fcntl
+
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    unknown = Records.create(forget_old=False).path
+    (unknown / records.LIVE_LOCK).write_bytes(b"")
+    finished = Records.create(forget_old=False).path
+    for _ in range(KEEP_RUNS):
+        Records.create(forget_old=False)
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "no locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    records._prune(tmp_path)
+    assert unknown.exists() and not finished.exists()

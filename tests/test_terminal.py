@@ -208,6 +208,23 @@ def test_tail_decodes_unicode_split_between_reads(tmp_path):
     assert sink.text == "héllo ✓ 🚀 done\n"
 
 
+def test_tail_shows_only_its_cells_part_of_a_sessions_log(tmp_path):
+    """A session's cell starts where the log ended, and stops where the next cell
+    began, even while it still reads (the next cell's lines are not its own)."""
+    log, sink = tmp_path / "rank-0.log", Collect()
+    log.write_bytes(b"the cell before\n")
+    ends: dict[int, int] = {}
+    tail = LogTail(log, sink, start=log.stat().st_size, end=lambda: ends.get(0))
+    with open(log, "ab") as f:
+        f.write(b"this cell\n")
+        f.flush()
+        tail.pump()
+        ends[0] = f.tell()
+        f.write(b"the next cell\n")
+    tail.close()
+    assert sink.text == "this cell\n"
+
+
 def test_tail_of_a_bar_writes_no_line_per_refresh_and_no_code(tmp_path):
     log, sink, clock = tmp_path / "rank0.log", Collect(), Clock()
     tail = LogTail(log, sink, clock=clock)

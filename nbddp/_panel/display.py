@@ -210,9 +210,11 @@ class WidgetPanel:
         self._stream.write(state.summary() + "\n")
         if self._widgets is None and state.footer:
             self._stream.write(f"nbddp: {state.footer}\n")
-        # Not flushed: the kernel sends what was written before it says the cell is done
-        # (and within its flush interval otherwise). A flush from this thread waits for
-        # the kernel's I/O thread, and the caller waits for this: 0.2 ms a session cell.
+        if not _kernels_own(self._stream):  # (a file of the caller's: its last line now)
+            self._stream.flush()
+        # The kernel's own stream is not flushed: it sends what was written before it
+        # says the cell is done (and within its flush interval otherwise). A flush from
+        # this thread waits for its I/O thread, and the caller for this: 0.2 ms a cell.
 
     def note(self, state: PanelState) -> None:
         """The last line, live: standby ranks starting, ready, stopped."""
@@ -357,6 +359,12 @@ def _metrics_html(row: dict[str, Any]) -> str:
                     if k not in ("step", "ranks"))
     return (f"<table><tr><td>step {row['step']} ({averaged_over(row)})</td>"
             f"{cells}</tr></table>")
+
+
+def _kernels_own(stream: TextIO) -> bool:
+    """``stream`` is ipykernel's output stream (which flushes itself)."""
+    iostream = sys.modules.get("ipykernel.iostream")
+    return iostream is not None and isinstance(stream, iostream.OutStream)
 
 
 def make_panel(stream: TextIO | None = None) -> Panel:

@@ -42,7 +42,8 @@ class LiveLines(Protocol):
 
 class LogTail:
     """Shows what was appended to ``path`` since the last ``pump`` through ``sink``, from
-    ``start`` on (a session's cell: where the log ended when the cell began).
+    ``start`` on and up to where ``end()`` says, once it says (a session's cell: its part
+    of the log, which the next cell's part follows).
 
     With a ``prefix`` (several ranks interleaved) every line is prefixed. Lines being
     redrawn show in place under the cell with ``in_place`` (a Jupyter kernel), else as
@@ -50,8 +51,10 @@ class LogTail:
     """
 
     def __init__(self, path: Path, sink: Sink, prefix: str = "", in_place: bool = False,
-                 clock: Callable[[], float] = time.monotonic, start: int = 0) -> None:
+                 clock: Callable[[], float] = time.monotonic, start: int = 0,
+                 end: Callable[[], int | None] = lambda: None) -> None:
         self.path, self._prefix, self._clock, self._start = path, prefix, clock, start
+        self._end = end
         self._file: BinaryIO | None = None
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._screen = Screen()
@@ -67,7 +70,7 @@ class LogTail:
                 return
             self._file.seek(self._start)
         text = ""
-        while chunk := self._file.read(_CHUNK):
+        while chunk := self._file.read(self._readable()):
             text += self._decoder.decode(chunk)
         now = self._clock()
         if text:
@@ -80,6 +83,12 @@ class LogTail:
             self._show(final, [] if settling else self._screen.live(), now)
         else:
             self._lines.update([], self._live, self._screen.cursor, now)  # a snapshot's time
+
+    def _readable(self) -> int:
+        """(The file open) How much the next read may take."""
+        assert self._file is not None
+        end = self._end()
+        return _CHUNK if end is None else max(0, min(_CHUNK, end - self._file.tell()))
 
     def _show(self, final: list[str], live: list[str], now: float) -> None:
         if self._prefix:

@@ -174,8 +174,9 @@ class Rank:
             self._debug(exc, start)
             return Report(failure(self.rank, exc))
         finally:
-            sys.stdout.flush()  # a line without its end yet is this run's output
-            sys.stderr.flush()
+            for stream in (sys.stdout, sys.stderr):  # a line without its end yet is
+                with contextlib.suppress(Exception):  # this run's (a full disk, a
+                    stream.flush()  # closed stream: not the rank's end)
             if reporter is not None:  # what is still buffered goes before the report
                 self._final_stats = stop_reporting()
             if self.reloader is not None and start.options.autoreload:

@@ -193,8 +193,10 @@ class RankGroup:
                 self._server.close()
             if self.records is not None and \
                     self.records.launcher_log != self.run_dir.launcher_log:
-                with contextlib.suppress(OSError):
-                    shutil.copyfile(self.run_dir.launcher_log, self.records.launcher_log)
+                with contextlib.suppress(OSError), \
+                        open(self.run_dir.launcher_log, "rb") as log, \
+                        open(self.records.launcher_log, "ab") as kept:
+                    shutil.copyfileobj(log, kept)  # (after a session's earlier groups')
             self.run_dir.remove()
 
 

@@ -20,6 +20,7 @@ The names of the files a rank writes (its log) or shares with the run dir are
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import secrets
@@ -82,6 +83,10 @@ class Records:
         """Where this run's part of ``rank_log(rank)`` begins (0 but in a session's folder)."""
         return self._log_starts.get(rank, 0)
 
+    def log_end(self, rank: int) -> int | None:
+        """Where this run's part of ``rank_log(rank)`` ends; None while it may grow."""
+        return self._log_ends.get(rank)
+
     def ended_at(self, log_ends: Mapping[int, int]) -> None:
         """The session's next cell began: this one's part of each log ends there."""
         self._log_ends = dict(log_ends)
@@ -114,7 +119,8 @@ class FolderPerCell:
         self._next: Records | None = None
         self._closed = False
 
-    def next_cell(self) -> Records:
+    def next_cell(self, number: int) -> Records:
+        """The records of the session's cell ``number``: a folder of its own."""
         with self._lock:
             records, self._next = self._next, None
         return records or Records.create(forget_old=False)
@@ -152,14 +158,14 @@ class SessionRecords:
         self._nprocs = nprocs
         self._folder: Path | None = None
         self._lock_fd: int | None = None
-        self._cells = 0
+        self._in_folder = 0  # cells
         self._last: Records | None = None  # the latest cell's
         self._logs: list[str] = []  # each rank's, in the folder
 
-    def next_cell(self) -> Records:
-        """The next cell's records: where each rank's log ends now is where its part of
-        the log begins (called before the cell is handed over)."""
-        if self._folder is None or self._cells >= CELLS_PER_FOLDER:
+    def next_cell(self, number: int) -> Records:
+        """The records of the session's cell ``number``: where each rank's log ends now
+        is where its part of the log begins (called before the cell is handed over)."""
+        if self._folder is None or self._in_folder >= CELLS_PER_FOLDER:
             self._new_folder()
         assert self._folder is not None
         try:
@@ -168,26 +174,29 @@ class SessionRecords:
             starts = {0: LOG_TAIL_BYTES}
         if max(starts.values()) >= LOG_TAIL_BYTES:
             self._new_folder()
-            return self.next_cell()
+            return self.next_cell(number)
         if self._last is not None and self._last.path == self._folder:
             self._last.ended_at(starts)
-        self._cells += 1
-        self._last = Records(self._folder, self._cells, starts)
+        self._in_folder += 1
+        self._last = Records(self._folder, number, starts)
         return self._last
 
     def prepare(self) -> None:
         """(Nothing to make ahead: the folder and its logs are there.)"""
 
     def _new_folder(self) -> None:
-        self.close()
+        """A new folder, locked, with each rank's log; the old one (if any) is released
+        once the new one is pruned around (it is not pruned at once)."""
         folder = _new_folder()
-        fd = os.open(folder / LIVE_LOCK, os.O_RDONLY | os.O_CREAT, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        self._logs = [str(folder / rank_log_name(rank)) for rank in range(self._nprocs)]
-        for log in self._logs:
+        fd = os.open(folder / LIVE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        with contextlib.suppress(OSError):  # no locks on this file system: kept anyway
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a new file: never held)
+        logs = [str(folder / rank_log_name(rank)) for rank in range(self._nprocs)]
+        for log in logs:
             os.close(os.open(log, os.O_WRONLY | os.O_CREAT, 0o600))
-        self._folder, self._lock_fd, self._cells = folder, fd, 0
         forget_old_runs()
+        self.close()
+        self._folder, self._lock_fd, self._logs, self._in_folder = folder, fd, logs, 0
 
     def close(self) -> None:
         """The session ended: its folder stays as records, to be pruned like a run's."""
@@ -237,22 +246,26 @@ def folders(root: Path | None = None) -> list[Path]:
 def _prune(root: Path) -> None:
     runs = folders(root)
     for old in runs[:-KEEP_RUNS]:
-        if not _in_use(old):
-            shutil.rmtree(old, ignore_errors=True)
+        with contextlib.suppress(OSError):  # (one folder that cannot be read stops none)
+            if not _in_use(old):
+                shutil.rmtree(old, ignore_errors=True)
 
 
 def _in_use(folder: Path) -> bool:
-    """A SLURM job may still run with the folder, or a live session writes in it."""
+    """A SLURM job may still run with the folder, or a live session writes in it (its
+    kernel holds the lock; where the file system cannot say, the folder is kept)."""
     if any((folder / mark).exists() for mark in _LIVE_MARKS):
         return True
     try:
         fd = os.open(folder / LIVE_LOCK, os.O_RDONLY)
     except FileNotFoundError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    try:  # (shared against the owner's exclusive lock: a read-only file may take it, on NFS too)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return False
-    except BlockingIOError:
+    except OSError:  # held (EWOULDBLOCK), or no locks here (ENOLCK, ENOSYS...)
         return True
     finally:
         os.close(fd)

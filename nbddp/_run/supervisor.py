@@ -105,14 +105,17 @@ class Supervisor:
     def _make_tails(self) -> list[LogTail]:
         in_place = isinstance(self.panel, WidgetPanel)  # progress bars update under the cell
         running = self.config.running_ranks  # (rank 0, unless a session's run is not on it)
-        records = self.records
         if self.config.output == "rank0":
-            return [LogTail(records.rank_log(running[0]), self.output, in_place=in_place,
-                            start=records.log_start(running[0]))]
+            return [self._tail(running[0], "", in_place)]
         if self.config.output == "all":
-            return [LogTail(records.rank_log(r), self.output, prefix=f"[rank {r}] ",
-                            in_place=in_place, start=records.log_start(r)) for r in running]
+            return [self._tail(r, f"[rank {r}] ", in_place) for r in running]
         return []
+
+    def _tail(self, rank: int, prefix: str, in_place: bool) -> LogTail:
+        """``rank``'s output in this run, shown as it comes."""
+        records = self.records
+        return LogTail(records.rank_log(rank), self.output, prefix=prefix, in_place=in_place,
+                       start=records.log_start(rank), end=lambda: records.log_end(rank))
 
     # --- a handler per message ----------------------------------------------------------
 
