@@ -58,7 +58,7 @@ class Records:
                  log_starts: Mapping[int, int] | None = None) -> None:
         """The run's records in ``path``; ``cell``: the run is that cell of a session
         whose ranks' logs, in ``path``, begin this cell at ``log_starts``."""
-        self.path, self.cell = path, cell
+        self.path = path
         self._log_starts = dict(log_starts or {})
         self._log_ends: dict[int, int] = {}  # once the session's next cell began
         own = "" if cell is None else f"-{cell}"
@@ -132,8 +132,7 @@ class FolderPerCell:
         meanwhile; a rank then opens its log as it is)."""
         forget_old_runs()
         ahead = Records.create(forget_old=False)
-        for rank in range(self._nprocs):
-            os.close(os.open(ahead.rank_log(rank), os.O_WRONLY | os.O_CREAT, 0o600))
+        _make_logs(ahead.path, self._nprocs)
         with self._lock:
             if self._closed or self._next is not None:
                 shutil.rmtree(ahead.path, ignore_errors=True)
@@ -168,18 +167,22 @@ class SessionRecords:
         if self._folder is None or self._in_folder >= CELLS_PER_FOLDER:
             self._new_folder()
         assert self._folder is not None
-        try:
-            starts = {rank: os.stat(log).st_size for rank, log in enumerate(self._logs)}
-        except FileNotFoundError:  # the folder was removed under the session: a new one
-            starts = {0: LOG_TAIL_BYTES}
-        if max(starts.values()) >= LOG_TAIL_BYTES:
-            self._new_folder()
+        starts = self._log_sizes()
+        if starts is None or max(starts.values()) >= LOG_TAIL_BYTES:
+            self._new_folder()  # (the folder was removed under the session, or is full)
             return self.next_cell(number)
         if self._last is not None and self._last.path == self._folder:
             self._last.ended_at(starts)
         self._in_folder += 1
         self._last = Records(self._folder, number, starts)
         return self._last
+
+    def _log_sizes(self) -> dict[int, int] | None:
+        """Each rank's log's size now; None if the folder is gone."""
+        try:
+            return {rank: os.stat(log).st_size for rank, log in enumerate(self._logs)}
+        except FileNotFoundError:
+            return None
 
     def prepare(self) -> None:
         """(Nothing to make ahead: the folder and its logs are there.)"""
@@ -191,9 +194,7 @@ class SessionRecords:
         fd = os.open(folder / LIVE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
         with contextlib.suppress(OSError):  # no locks on this file system: kept anyway
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a new file: never held)
-        logs = [str(folder / rank_log_name(rank)) for rank in range(self._nprocs)]
-        for log in logs:
-            os.close(os.open(log, os.O_WRONLY | os.O_CREAT, 0o600))
+        logs = _make_logs(folder, self._nprocs)
         forget_old_runs()
         self.close()
         self._folder, self._lock_fd, self._logs, self._in_folder = folder, fd, logs, 0
@@ -204,6 +205,15 @@ class SessionRecords:
             (self._folder / LIVE_LOCK).unlink(missing_ok=True)
             os.close(self._lock_fd)
         self._folder, self._lock_fd = None, None
+
+
+def _make_logs(folder: Path, nprocs: int) -> list[str]:
+    """Each rank's empty log in ``folder`` (a rank then opens it as it is: a new file is
+    among a disk's slowest calls); their paths."""
+    logs = [str(folder / rank_log_name(rank)) for rank in range(nprocs)]
+    for log in logs:
+        os.close(os.open(log, os.O_WRONLY | os.O_CREAT, 0o600))
+    return logs
 
 
 def records_root() -> Path:
