@@ -45,6 +45,7 @@ from .stack_view import summary_of, where
 from .time_split import TimeSplit, split_lines
 
 _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
+_OUTPUT_INTERVAL = 0.05  # the ranks' logs are read at most twenty times a second
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
 _RESTART_GATHER = 1.0  # how long a failed attempt's other reports may take to come in
 
@@ -83,7 +84,8 @@ class Supervisor:
         """Where each rank's step time goes (data, compute, collectives)."""
         self._stalled = False
         self._stalled_at: dict[int, str] = {}  # where each rank was when it stalled
-        self._refreshed = 0.0
+        self._refreshed = self._pumped = time.monotonic()  # (a quick run's first look is
+        # its last, in ``close``: nothing between its ranks' reports)
         self._ending: Ending | None = None
         self.debugger = Debugger(group.send_to_rank, self.note_now)
         """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
@@ -319,9 +321,14 @@ class Supervisor:
         return stacks, report
 
     def _refresh_now_and_then(self) -> None:
-        """Redraw the panel, at most every ``_REFRESH_INTERVAL`` (redraws coalesce)."""
-        self.pump_output()
-        if time.monotonic() - self._refreshed >= _REFRESH_INTERVAL:
+        """Show the ranks' new output every ``_OUTPUT_INTERVAL`` and redraw the panel
+        every ``_REFRESH_INTERVAL`` (redraws coalesce), not on every event: between the
+        reports of a quick run's ranks, each look would be on the way to its end."""
+        now = time.monotonic()
+        if now - self._pumped >= _OUTPUT_INTERVAL:
+            self.pump_output()
+            self._pumped = now
+        if now - self._refreshed >= _REFRESH_INTERVAL:
             self.history.tick()
             self._update_view()
             self.panel.refresh(self.state)
