@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from nbddp._local.launcher import stopping
+from nbddp._local.launcher import ProcessWatch, stopping
 
 from .conftest import wait_until
 
@@ -29,3 +29,22 @@ def test_stopping_tells_a_live_process_from_a_killed_one():
         child.kill()
         child.wait()
     assert stopping(child.pid)  # reaped: gone
+
+
+def test_a_watch_keeps_each_process_s_stat_open_and_sees_it_killed_and_reaped():
+    """The hand-over's watch reads a file it keeps open: a kill shows at once, and once
+    the process is reaped the watch says so (its file is that process's, not the PID's)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    watch = ProcessWatch()
+    try:
+        assert not watch.stopping(child.pid) and not watch.stopping(os.getpid())
+        os.kill(child.pid, signal.SIGKILL)
+        assert watch.stopping(child.pid)
+        wait_until(lambda: child.poll() is not None)
+        assert watch.stopping(child.pid)
+    finally:
+        child.kill()
+        child.wait()
+        watch.close()
+    assert not watch.stopping(os.getpid())  # closed: a new look opens the file again
+    watch.close()

@@ -23,7 +23,7 @@ from .._wire.stacks import (
     read_dump,
     size_of,
 )
-from .launcher import LocalLauncher, stopping
+from .launcher import LocalLauncher, ProcessWatch
 
 _LOCAL_GROUPS: set[LocalGroup] = set()
 _LOCAL_GROUPS_LOCK = threading.Lock()
@@ -53,6 +53,7 @@ class LocalGroup(WaitingGroup):
             _LOCAL_GROUPS.add(self)
         self._rooms: dict[str, Room] = {}
         self._rooms_closed = False
+        self._watch = ProcessWatch()  # (under the lock: used by hand-overs, closed with us)
         try:
             key = new_key()
             self.run_dir.write_private(self.run_dir.key, key)
@@ -79,10 +80,10 @@ class LocalGroup(WaitingGroup):
         return path
 
     def _check_present(self, called: set[int]) -> None:
-        if stopping(self._torchrun.process.pid):  # killed: the ranks die of it next
+        if self._watch.stopping(self._torchrun.process.pid):  # killed: the ranks die of it next
             raise RanksGone("torchrun had stopped")
         for rank in sorted(called):
-            if stopping(self._hellos[rank].pid):  # killed since it answered
+            if self._watch.stopping(self._hellos[rank].pid):  # killed since it answered
                 raise RanksGone(f"rank {rank} had stopped")
 
     def make_room(self, payload: int, result: int = 0) -> None:
@@ -159,6 +160,7 @@ class LocalGroup(WaitingGroup):
     def close(self) -> None:
         with self._lock:
             self._rooms_closed = True
+            self._watch.close()
         self._discard_rooms()
         super().close()
 

@@ -149,11 +149,41 @@ def stopping(pid: int) -> bool:
     ranks die of its death, see ``_worker``) is seen before they can notice. One read of
     ``/proc/PID/stat``: a SIGKILL sent to a process is set pending in each of its
     threads, which that file's ``signal`` field shows for the main one."""
+    watch = ProcessWatch()
     try:
-        stat = _read_proc(pid, "stat")
-    except OSError:
-        return True
+        return watch.stopping(pid)
+    finally:
+        watch.close()
+
+
+def _stops(stat: str) -> bool:
+    """``stopping``, from the text of the process's ``/proc/PID/stat``."""
     fields = stat[stat.rindex(")") + 2:].split()
     if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
         return True
     return bool(int(fields[_PENDING]) & _SIGKILL)
+
+
+class ProcessWatch:
+    """``stopping`` for the processes a session looks at before every run, each from its
+    ``/proc/PID/stat`` kept open: one ``pread`` per look, no path to resolve (a cold
+    lookup in ``/proc`` costs tens of microseconds). An open stat file stays the
+    process's own: once it is reaped, reads fail, even if its PID is used again."""
+
+    def __init__(self) -> None:
+        self._files: dict[int, int] = {}
+
+    def stopping(self, pid: int) -> bool:
+        fd = self._files.get(pid)
+        try:
+            if fd is None:
+                fd = self._files[pid] = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+            stat = os.pread(fd, 8192, 0).decode(errors="replace")
+        except OSError:
+            return True
+        return _stops(stat)
+
+    def close(self) -> None:
+        files, self._files = self._files, {}
+        for fd in files.values():
+            os.close(fd)
