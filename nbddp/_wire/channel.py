@@ -61,7 +61,7 @@ def new_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def _mac(key: bytes, label: bytes, *parts: bytes) -> bytes:
+def _mac(key: bytes, label: bytes, *parts: bytes | memoryview) -> bytes:
     mac = hmac.new(key, label + b"\0", hashlib.sha256)
     for part in parts:
         mac.update(part)
@@ -138,8 +138,8 @@ class _Link:
 
     def _receive_frame(self) -> Any:
         header = _recv_exact(self.sock, HEADER_SIZE)
-        body = _recv_exact(self.sock, body_size(header))
-        tag = _recv_exact(self.sock, MAC_BYTES)
+        sealed = memoryview(_recv_exact(self.sock, body_size(header) + MAC_BYTES))
+        body, tag = sealed[:-MAC_BYTES], sealed[-MAC_BYTES:]  # (one read for both)
         expected = _mac(self._receive_key, b"frame", self._received.to_bytes(8, "big"),
                         header, body)
         if not hmac.compare_digest(tag, expected):

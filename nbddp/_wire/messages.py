@@ -387,7 +387,7 @@ def body_size(header: bytes) -> int:
     return _HEADER.unpack(header)[0]
 
 
-def decode(body: bytes) -> Any:
+def decode(body: bytes | memoryview) -> Any:
     """The message in a frame's body."""
     return pickle.loads(body)
 
