@@ -4,8 +4,12 @@ A trivial call on 2 CPU ranks that keep their state, each with a gloo process gr
 ``nbddp.Session.run`` against a Monarch actor endpoint (``mesh.noop.call().get()``),
 each of a no-op and of one all-reduce. Both sides' ranks stay up for the whole run and
 are called in alternating blocks, so that a machine whose speed drifts (as a shared
-virtual machine's does, by a factor of two within an hour) slows both alike. Medians of
-every call and the ratio nbddp / Monarch are printed (``--json`` saves every figure).
+virtual machine's does, by a factor of two within an hour) slows both alike. Then the
+same through a real Jupyter kernel, as a person meets it: a ``%%ddp`` session cell and
+a cell that calls the Monarch endpoint, each timed from the execute request to the
+kernel going idle, alternated with a plain cell (``1 + 1``) whose time is taken off: a
+cell's own time. Medians of every call and the ratio nbddp / Monarch are printed
+(``--json`` saves every figure).
 
 Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
 so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--rounds N] [--json PATH]``.
@@ -34,6 +38,7 @@ import nbddp  # noqa: E402
 NPROCS = 2
 BLOCK = 20  # calls of one side before the other's turn
 TARGET = 0.001  # seconds, the median of a trivial Session.run: at most
+CELL_TARGET = 0.002  # seconds, a trivial %%ddp session cell's own time: at most
 
 
 def noop() -> None:
@@ -97,6 +102,46 @@ def side_by_side(rounds: int) -> dict[str, list[float]]:
     return times
 
 
+KERNEL_CELLS = {
+    "plain cell": "1 + 1",
+    "%%ddp noop": "%%ddp\nNone",
+    "monarch noop cell": "actors.noop.call().get()",
+}
+
+
+def in_kernel(cells: int) -> dict[str, list[float]]:
+    """Each of ``KERNEL_CELLS`` ``cells`` times, alternated, in one kernel that holds an
+    nbddp session and a Monarch mesh, after a warm-up; seconds per cell."""
+    from jupyter_client.manager import start_new_kernel
+
+    times: dict[str, list[float]] = {name: [] for name in KERNEL_CELLS}
+    manager, client = start_new_kernel(kernel_name="python3", cwd=str(Path(__file__).parent))
+    try:
+        _cell(client, "from bench_session_peer import monarch_ranks\n"
+                      "procs, actors = monarch_ranks()\n"
+                      "%load_ext nbddp\n%ddp_session start --nprocs 2", 180)
+        for _ in range(10):
+            for code in KERNEL_CELLS.values():
+                _cell(client, code)
+        for _ in range(cells):
+            for name, code in KERNEL_CELLS.items():
+                start = time.perf_counter()
+                _cell(client, code)
+                times[name].append(time.perf_counter() - start)
+        _cell(client, "%ddp_session stop\nprocs.stop().get()", 60)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+    return times
+
+
+def _cell(client: object, code: str, timeout: float = 60) -> None:
+    reply = client.execute_interactive(  # type: ignore[attr-defined]
+        code, timeout=timeout, output_hook=lambda msg: None)
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"the cell failed: {reply['content']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15,
@@ -110,25 +155,35 @@ def main() -> int:
         return 0
     load = os.getloadavg()[0]
     times = side_by_side(opts.rounds)
+    times.update(in_kernel(opts.rounds * BLOCK))
     medians = {name: statistics.median(values) for name, values in times.items()}
+    for name in ("%%ddp noop", "monarch noop cell"):
+        medians[f"{name} - plain cell"] = medians[name] - medians["plain cell"]
     ratios = {call: medians[f"nbddp {call}"] / medians[f"monarch {call}"]
               for call in ("noop", "all_reduce")}
+    ratios["cell's own time"] = (medians["%%ddp noop - plain cell"]
+                                 / medians["monarch noop cell - plain cell"])
     met = medians["nbddp noop"] <= TARGET
+    cell_met = medians["%%ddp noop - plain cell"] <= CELL_TARGET
     print(f"\nnbddp Session.run vs a Monarch endpoint call, {NPROCS} CPU ranks (gloo), median "
           f"of {opts.rounds * BLOCK}; {os.cpu_count()} CPUs, load {load:.2f} -> "
           f"{os.getloadavg()[0]:.2f}")
     for name, value in medians.items():
-        print(f"  {name:22}{value * 1000:8.3f} ms")
+        print(f"  {name:32}{value * 1000:8.3f} ms")
     for call, ratio in ratios.items():
         print(f"  {call}: nbddp / monarch {ratio:.2f}")
     print(f"trivial Session.run: {medians['nbddp noop'] * 1000:.2f} ms, target <= "
           f"{TARGET * 1000:.0f} ms: {'met' if met else 'MISSED'}")
+    print(f"trivial %%ddp session cell's own time: "
+          f"{medians['%%ddp noop - plain cell'] * 1000:.2f} ms, target <= "
+          f"{CELL_TARGET * 1000:.0f} ms: {'met' if cell_met else 'MISSED'}")
     write_json(opts.json, {
         "nprocs": NPROCS, "block": BLOCK, "rounds": opts.rounds,
         "python": platform.python_version(), "cpus": os.cpu_count(),
         "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
         "times_s": times, "medians_s": medians, "ratios": ratios,
-        "target_s": TARGET, "met": met})
+        "target_s": TARGET, "met": met, "cell_target_s": CELL_TARGET,
+        "cell_met": cell_met})
     return 0
 
 
