@@ -17,7 +17,6 @@ import argparse
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -83,26 +82,18 @@ def kernel_round_trips(repeats: int) -> dict[str, list[float]]:
              "%%ddp noop": "%%ddp\nNone",
              "%%ddp all_reduce": "%%ddp\nimport torch, torch.distributed as dist\n"
                                  "t = torch.ones(1); dist.all_reduce(t); float(t)"}
-    times: dict[str, list[float]] = {name: [] for name in cells}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as cwd:
         manager, client = start_new_kernel(kernel_name="python3", cwd=cwd)
         try:
-            _run(client, "%load_ext nbddp\n%ddp_session start --nprocs 2", 120)
-            for _ in range(5):
-                for code in cells.values():
-                    _run(client, code)
-            for _ in range(repeats):
-                for name, code in cells.items():
-                    start = time.perf_counter()
-                    _run(client, code)
-                    times[name].append(time.perf_counter() - start)
-            _run(client, "%ddp_session autoreload on")  # the ranks look at the user's
+            run_cell(client, "%load_ext nbddp\n%ddp_session start --nprocs 2", 120)
+            times = time_cells(client, cells, repeats, warm_up=5)
+            run_cell(client, "%ddp_session autoreload on")  # the ranks look at the user's
             times["%%ddp noop, autoreload on"] = []  # modules' files before each cell
             for _ in range(repeats):
                 start = time.perf_counter()
-                _run(client, cells["%%ddp noop"])
+                run_cell(client, cells["%%ddp noop"])
                 times["%%ddp noop, autoreload on"].append(time.perf_counter() - start)
-            _run(client, "%ddp_session stop")
+            run_cell(client, "%ddp_session stop")
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
@@ -128,10 +119,10 @@ def first_launches(repeats: int) -> dict[str, list[float]]:
             with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as cwd:
                 manager, client = start_new_kernel(kernel_name="python3", cwd=cwd, env=env)
                 try:
-                    _run(client, "import nbddp\ndef noop(): pass")
+                    run_cell(client, "import nbddp\ndef noop(): pass")
                     time.sleep(FIRST_CELL_AFTER)
                     start = time.perf_counter()
-                    _run(client, "nbddp.launch(noop, nprocs=2)", 120)
+                    run_cell(client, "nbddp.launch(noop, nprocs=2)", 120)
                     times[name].append(time.perf_counter() - start)
                 finally:
                     client.stop_channels()
@@ -139,10 +130,27 @@ def first_launches(repeats: int) -> dict[str, list[float]]:
     return times
 
 
-def _run(client: Any, code: str, timeout: float = 60) -> None:
+def run_cell(client: Any, code: str, timeout: float = 60) -> None:
+    """Execute ``code`` in the client's kernel and wait until it is idle again."""
     reply = client.execute_interactive(code, timeout=timeout, output_hook=lambda msg: None)
     if reply["content"]["status"] != "ok":
         raise RuntimeError(f"the cell failed: {reply['content']}")
+
+
+def time_cells(client: Any, cells: dict[str, str], repeats: int, warm_up: int,
+               timeout: float = 60) -> dict[str, list[float]]:
+    """Each of ``cells`` (name: code) ``repeats`` times, alternated, after ``warm_up``
+    untimed rounds: seconds from the execute request to the kernel going idle."""
+    for _ in range(warm_up):
+        for code in cells.values():
+            run_cell(client, code, timeout)
+    times: dict[str, list[float]] = {name: [] for name in cells}
+    for _ in range(repeats):
+        for name, code in cells.items():
+            start = time.perf_counter()
+            run_cell(client, code, timeout)
+            times[name].append(time.perf_counter() - start)
+    return times
 
 
 def main() -> None:
@@ -183,4 +191,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

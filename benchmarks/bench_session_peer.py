@@ -26,12 +26,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 
 from _workloads import allreduce_once  # noqa: E402 - (ranks find it: see bench_launch)
 from bench_launch import write_json  # noqa: E402
+from bench_session import run_cell, time_cells  # noqa: E402
 
 import nbddp  # noqa: E402
 
@@ -45,7 +47,7 @@ def noop() -> None:
     """The trivial call."""
 
 
-def monarch_ranks() -> tuple[object, object]:
+def monarch_ranks() -> tuple[Any, Any]:
     """Two Monarch processes, each an actor in a gloo process group; (procs, actors)."""
     from monarch.actor import Actor, current_rank, endpoint, this_host
 
@@ -114,32 +116,17 @@ def in_kernel(cells: int) -> dict[str, list[float]]:
     nbddp session and a Monarch mesh, after a warm-up; seconds per cell."""
     from jupyter_client.manager import start_new_kernel
 
-    times: dict[str, list[float]] = {name: [] for name in KERNEL_CELLS}
     manager, client = start_new_kernel(kernel_name="python3", cwd=str(Path(__file__).parent))
     try:
-        _cell(client, "from bench_session_peer import monarch_ranks\n"
-                      "procs, actors = monarch_ranks()\n"
-                      "%load_ext nbddp\n%ddp_session start --nprocs 2", 180)
-        for _ in range(10):
-            for code in KERNEL_CELLS.values():
-                _cell(client, code)
-        for _ in range(cells):
-            for name, code in KERNEL_CELLS.items():
-                start = time.perf_counter()
-                _cell(client, code)
-                times[name].append(time.perf_counter() - start)
-        _cell(client, "%ddp_session stop\nprocs.stop().get()", 60)
+        run_cell(client, "from bench_session_peer import monarch_ranks\n"
+                         "procs, actors = monarch_ranks()\n"
+                         "%load_ext nbddp\n%ddp_session start --nprocs 2", 180)
+        times = time_cells(client, KERNEL_CELLS, cells, warm_up=10)
+        run_cell(client, "%ddp_session stop\nprocs.stop().get()", 60)
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=False)
     return times
-
-
-def _cell(client: object, code: str, timeout: float = 60) -> None:
-    reply = client.execute_interactive(  # type: ignore[attr-defined]
-        code, timeout=timeout, output_hook=lambda msg: None)
-    if reply["content"]["status"] != "ok":
-        raise RuntimeError(f"the cell failed: {reply['content']}")
 
 
 def main() -> int:

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench_launch import HERE, alternate, summary, write_json
-from bench_session import _run
+from bench_session import run_cell, time_cells
 from bench_slurm import NPROCS, plain_sbatch, run_plain
 
 import nbddp
@@ -73,21 +73,14 @@ def kernel_figures(nodes: int, repeats: int, gib: float) -> dict[str, list[float
     cells = {"plain cell": "1 + 1", "%%ddp noop": "%%ddp\nNone",
              "%%ddp large argument": "%%ddp\nint(big.numel())",
              "%%ddp large result": "%%ddp --out back\nback = big"}
-    times: dict[str, list[float]] = {name: [] for name in cells}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-", dir=HERE) as cwd:
         manager, client = start_new_kernel(kernel_name="python3", cwd=cwd)
         try:
-            _run(client, f"%load_ext nbddp\nimport torch\nbig = torch.ones({elements})\n"
-                         f"%ddp_session start --slurm --nodes {nodes} --nprocs {NPROCS}", 300)
-            for _ in range(3):
-                for code in cells.values():
-                    _run(client, code, 300)
-            for _ in range(repeats):
-                for name, code in cells.items():
-                    start = time.perf_counter()
-                    _run(client, code, 300)
-                    times[name].append(time.perf_counter() - start)
-            _run(client, "%ddp_session stop", 120)
+            run_cell(client, f"%load_ext nbddp\nimport torch\nbig = torch.ones({elements})\n"
+                             f"%ddp_session start --slurm --nodes {nodes} --nprocs {NPROCS}",
+                     300)
+            times = time_cells(client, cells, repeats, warm_up=3, timeout=300)
+            run_cell(client, "%ddp_session stop", 120)
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
