@@ -48,3 +48,23 @@ def test_a_watch_keeps_each_process_s_stat_open_and_sees_it_killed_and_reaped():
         watch.close()
     assert not watch.stopping(os.getpid())  # closed: a new look opens the file again
     watch.close()
+
+
+def test_a_process_that_has_just_taken_its_kill_is_stopping():
+    """A killed process takes its SIGKILL a few microseconds before it is marked exiting,
+    and ``stat`` shows neither meanwhile: looked at right after each of many kills, the
+    watch must never say such a process goes on (before, about one look in a hundred
+    did)."""
+    missed = 0
+    for _ in range(100):
+        child = subprocess.Popen(["sleep", "60"])
+        watch = ProcessWatch()
+        try:
+            assert not watch.stopping(child.pid)
+            os.kill(child.pid, signal.SIGKILL)
+            missed += not watch.stopping(child.pid)
+        finally:
+            child.kill()
+            child.wait()
+            watch.close()
+    assert missed == 0

@@ -133,22 +133,26 @@ def _read_proc(pid: int, name: str) -> str:
         os.close(fd)
 
 
+def _fields(stat: str) -> list[str]:
+    """A ``/proc/PID/stat``'s fields from the state (field 3) on: after the command name,
+    which may itself hold spaces and parentheses."""
+    return stat[stat.rindex(")") + 2:].split()
+
+
 def _start_time(pid: int) -> str | None:
     """The start time of a live (not zombie) process, or None if there is none."""
     try:
         stat = _read_proc(pid, "stat")
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = _fields(stat)
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
 def stopping(pid: int) -> bool:
     """True if ``pid`` is gone, a zombie, exiting, or killed a moment ago (SIGKILL
     pending): it runs no more code. A process killed while others wait on it (torchrun's
-    ranks die of its death, see ``_worker``) is seen before they can notice. One read of
-    ``/proc/PID/stat``: a SIGKILL sent to a process is set pending in each of its
-    threads, which that file's ``signal`` field shows for the main one."""
+    ranks die of its death, see ``_worker``) is seen before they can notice."""
     watch = ProcessWatch()
     try:
         return watch.stopping(pid)
@@ -157,31 +161,51 @@ def stopping(pid: int) -> bool:
 
 
 def _stops(stat: str) -> bool:
-    """``stopping``, from the text of the process's ``/proc/PID/stat``."""
-    fields = stat[stat.rindex(")") + 2:].split()
+    """``stopping``, as far as the process's ``/proc/PID/stat`` shows: a SIGKILL sent to a
+    process is set pending in each of its threads, which its ``signal`` field shows for
+    the main one, until the process takes it; then it is exiting."""
+    fields = _fields(stat)
     if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
         return True
     return bool(int(fields[_PENDING]) & _SIGKILL)
+
+
+def _killed(status: str) -> bool:
+    """A SIGKILL is pending for the whole process, as its ``/proc/PID/status`` shows."""
+    for line in status.splitlines():
+        if line.startswith("ShdPnd:"):
+            return bool(int(line.split()[1], 16) & _SIGKILL)
+    return False
 
 
 class ProcessWatch:
     """``stopping`` for the processes a session looks at before every run, each from its
     ``/proc/PID/stat`` kept open: one ``pread`` per look, no path to resolve (a cold
     lookup in ``/proc`` costs tens of microseconds). An open stat file stays the
-    process's own: once it is reaped, reads fail, even if its PID is used again."""
+    process's own: once it is reaped, reads fail, even if its PID is used again.
+
+    A process that has just taken its SIGKILL shows it nowhere in ``stat`` for a few
+    microseconds before it is marked exiting: its thread's pending signal is taken, and
+    its state is running. So a running process's ``status`` is read as well, whose
+    process-wide pending signals still hold the kill (a resting rank sleeps: one read)."""
 
     def __init__(self) -> None:
-        self._files: dict[int, int] = {}
+        self._files: dict[tuple[int, str], int] = {}
 
     def stopping(self, pid: int) -> bool:
-        fd = self._files.get(pid)
         try:
-            if fd is None:
-                fd = self._files[pid] = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-            stat = os.pread(fd, 8192, 0).decode(errors="replace")
+            stat = self._read(pid, "stat")
+            if _stops(stat):
+                return True
+            return _fields(stat)[0] == "R" and _killed(self._read(pid, "status"))
         except OSError:
             return True
-        return _stops(stat)
+
+    def _read(self, pid: int, name: str) -> str:
+        fd = self._files.get((pid, name))
+        if fd is None:
+            fd = self._files[pid, name] = os.open(f"/proc/{pid}/{name}", os.O_RDONLY)
+        return os.pread(fd, 8192, 0).decode(errors="replace")
 
     def close(self) -> None:
         files, self._files = self._files, {}
