@@ -46,8 +46,7 @@ def test_a_watch_keeps_each_process_s_stat_open_and_sees_it_killed_and_reaped():
         child.kill()
         child.wait()
         watch.close()
-    assert not watch.stopping(os.getpid())  # closed: a new look opens the file again
-    watch.close()
+    assert watch.stopping(os.getpid())  # closed (its group is): it opens nothing again
 
 
 def test_a_process_that_has_just_taken_its_kill_is_stopping():

@@ -191,8 +191,12 @@ class ProcessWatch:
 
     def __init__(self) -> None:
         self._files: dict[tuple[int, str], int] = {}
+        self._closed = False
 
     def stopping(self, pid: int) -> bool:
+        """(Once closed: True, opening nothing; its group is being closed.)"""
+        if self._closed:
+            return True
         try:
             stat = self._read(pid, "stat")
             if _stops(stat):
@@ -208,6 +212,7 @@ class ProcessWatch:
         return os.pread(fd, 8192, 0).decode(errors="replace")
 
     def close(self) -> None:
+        self._closed = True
         files, self._files = self._files, {}
         for fd in files.values():
             os.close(fd)

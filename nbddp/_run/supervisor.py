@@ -142,6 +142,7 @@ class Supervisor:
     def _debug_prompt(self, prompt: DebugPrompt) -> None:
         self.attempt.debugging.add(prompt.rank)
         self.view.touch()
+        self.pump_output()  # what the line stepped over printed comes before the prompt
         self.debugger.prompt(prompt)
 
     def _debug_done(self, done: DebugDone) -> None:
