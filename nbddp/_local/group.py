@@ -153,9 +153,13 @@ class LocalGroup(WaitingGroup):
 
     def retire(self) -> None:
         """Close first: nothing needs the channel or the run dir once every rank has
-        returned, and a kernel killed while torchrun exits must leave neither behind."""
+        returned, and a kernel killed while torchrun exits must leave neither behind.
+        Once every process is gone, the run dir is removed again: torchrun may still
+        write its logs into it as it exits, and a folder that gains a file while it is
+        being removed stays."""
         self.close()
         self.stop(clean=True)
+        self.run_dir.remove()
 
     def close(self) -> None:
         with self._lock:
