@@ -160,11 +160,10 @@ def stopping(pid: int) -> bool:
         watch.close()
 
 
-def _stops(stat: str) -> bool:
-    """``stopping``, as far as the process's ``/proc/PID/stat`` shows: a SIGKILL sent to a
-    process is set pending in each of its threads, which its ``signal`` field shows for
-    the main one, until the process takes it; then it is exiting."""
-    fields = _fields(stat)
+def _stops(fields: list[str]) -> bool:
+    """``stopping``, as far as the process's ``/proc/PID/stat`` ``fields`` show: a SIGKILL
+    sent to a process is set pending in each of its threads, which its ``signal`` field
+    shows for the main one, until the process takes it; then it is exiting."""
     if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
         return True
     return bool(int(fields[_PENDING]) & _SIGKILL)
@@ -198,10 +197,10 @@ class ProcessWatch:
         if self._closed:
             return True
         try:
-            stat = self._read(pid, "stat")
-            if _stops(stat):
+            fields = _fields(self._read(pid, "stat"))
+            if _stops(fields):
                 return True
-            return _fields(stat)[0] == "R" and _killed(self._read(pid, "status"))
+            return fields[0] == "R" and _killed(self._read(pid, "status"))
         except OSError:
             return True
 
