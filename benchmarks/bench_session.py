@@ -88,11 +88,9 @@ def kernel_round_trips(repeats: int) -> dict[str, list[float]]:
             run_cell(client, "%load_ext nbddp\n%ddp_session start --nprocs 2", 120)
             times = time_cells(client, cells, repeats, warm_up=5)
             run_cell(client, "%ddp_session autoreload on")  # the ranks look at the user's
-            times["%%ddp noop, autoreload on"] = []  # modules' files before each cell
-            for _ in range(repeats):
-                start = time.perf_counter()
-                run_cell(client, cells["%%ddp noop"])
-                times["%%ddp noop, autoreload on"].append(time.perf_counter() - start)
+            times.update(time_cells(  # modules' files before each cell
+                client, {"%%ddp noop, autoreload on": cells["%%ddp noop"]}, repeats,
+                warm_up=0))
             run_cell(client, "%ddp_session stop")
         finally:
             client.stop_channels()

@@ -9,11 +9,20 @@ import sys
 
 import pytest
 
-from nbddp._local.launcher import ProcessWatch, stopping
+from nbddp._local.launcher import ProcessWatch
 
 from .conftest import wait_until
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
+
+def stopping(pid: int) -> bool:
+    """A one-off look, by a watch of its own (it opens the process's files afresh)."""
+    watch = ProcessWatch()
+    try:
+        return watch.stopping(pid)
+    finally:
+        watch.close()
 
 
 def test_stopping_tells_a_live_process_from_a_killed_one():

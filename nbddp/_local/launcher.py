@@ -124,8 +124,8 @@ class LocalLauncher:
 
 
 def _read_proc(pid: int, name: str) -> str:
-    """``/proc/PID/NAME`` (a few hundred bytes), read in one system call: a session's
-    hand-over reads six of these before every run."""
+    """``/proc/PID/NAME`` (a few hundred bytes), read in one system call, for a one-off
+    look (``ProcessWatch`` keeps the files it looks at again and again open)."""
     fd = os.open(f"/proc/{pid}/{name}", os.O_RDONLY)
     try:
         return os.read(fd, 8192).decode(errors="replace")
@@ -149,21 +149,11 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def stopping(pid: int) -> bool:
-    """True if ``pid`` is gone, a zombie, exiting, or killed a moment ago (SIGKILL
-    pending): it runs no more code. A process killed while others wait on it (torchrun's
-    ranks die of its death, see ``_worker``) is seen before they can notice."""
-    watch = ProcessWatch()
-    try:
-        return watch.stopping(pid)
-    finally:
-        watch.close()
-
-
 def _stops(fields: list[str]) -> bool:
-    """``stopping``, as far as the process's ``/proc/PID/stat`` ``fields`` show: a SIGKILL
-    sent to a process is set pending in each of its threads, which its ``signal`` field
-    shows for the main one, until the process takes it; then it is exiting."""
+    """``ProcessWatch.stopping``, as far as the process's ``/proc/PID/stat`` ``fields``
+    show: a SIGKILL sent to a process is set pending in each of its threads, which its
+    ``signal`` field shows for the main one, until the process takes it; then it is
+    exiting."""
     if fields[0] in ("Z", "X") or int(fields[6]) & _PF_EXITING:
         return True
     return bool(int(fields[_PENDING]) & _SIGKILL)
@@ -178,8 +168,8 @@ def _killed(status: str) -> bool:
 
 
 class ProcessWatch:
-    """``stopping`` for the processes a session looks at before every run, each from its
-    ``/proc/PID/stat`` kept open: one ``pread`` per look, no path to resolve (a cold
+    """Whether the processes a session looks at before every run still run code, each
+    from its ``/proc/PID/stat`` kept open: one ``pread`` per look, no path to resolve (a cold
     lookup in ``/proc`` costs tens of microseconds). An open stat file stays the
     process's own: once it is reaped, reads fail, even if its PID is used again.
 
@@ -193,7 +183,10 @@ class ProcessWatch:
         self._closed = False
 
     def stopping(self, pid: int) -> bool:
-        """(Once closed: True, opening nothing; its group is being closed.)"""
+        """True if ``pid`` is gone, a zombie, exiting, or killed a moment ago (SIGKILL
+        pending): it runs no more code. A process killed while others wait on it
+        (torchrun's ranks die of its death, see ``_worker``) is seen before they can
+        notice. Once the watch is closed: True, opening nothing (its group is closing)."""
         if self._closed:
             return True
         try:

@@ -84,8 +84,8 @@ class Supervisor:
         """Where each rank's step time goes (data, compute, collectives)."""
         self._stalled = False
         self._stalled_at: dict[int, str] = {}  # where each rank was when it stalled
-        self._refreshed = self._pumped = time.monotonic()  # (a quick run's first look is
-        # its last, in ``close``: nothing between its ranks' reports)
+        # The clocks start now: a quick run's first look is its last, in ``close``.
+        self._refreshed = self._pumped = time.monotonic()
         self._ending: Ending | None = None
         self.debugger = Debugger(group.send_to_rank, self.note_now)
         """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
