@@ -461,3 +461,20 @@ def test_the_python_session_api(kernel):
         (ready, each, after_restart, session.closed)
     """, timeout=120).assert_ok()
     assert run.result() == "('ready', [14.0, 14.0], 'NameError', True)"
+
+
+def test_output_none_prints_nothing_run_after_run(kernel):
+    """A script or a benchmark looping over ``Session.run`` with ``output="none"`` gets no
+    line per run: no rank output, no panel, no finish line; the records keep the output."""
+    run = kernel.run("""
+        def says(i):
+            print(f"rank output {i}")
+            return i
+
+        with nbddp.Session(nprocs=2, output="none") as quiet:
+            values = [quiet.run(says, i) for i in range(3)]
+            logs = nbddp.last_job().logs[0]
+        (values, "rank output 2" in logs)
+    """, timeout=120).assert_ok()
+    assert run.result() == "([0, 1, 2], True)"
+    assert run.shown_text() == "", run.shown_text()

@@ -367,8 +367,28 @@ def _kernels_own(stream: TextIO) -> bool:
     return iostream is not None and isinstance(stream, iostream.OutStream)
 
 
-def make_panel(stream: TextIO | None = None) -> Panel:
-    """Widgets inside a Jupyter kernel, text elsewhere; ``NBDDP_DISPLAY`` overrides."""
+class QuietPanel:
+    """``output="none"``: nothing is shown, not even the summary line (a loop of session
+    runs in a script prints nothing); the run's records and ``Job.logs`` keep it all."""
+
+    def refresh(self, state: PanelState) -> None:
+        pass
+
+    def write(self, text: str) -> None:
+        pass
+
+    def close(self, state: PanelState) -> None:
+        pass
+
+    def note(self, state: PanelState) -> None:
+        pass
+
+
+def make_panel(stream: TextIO | None = None, quiet: bool = False) -> Panel:
+    """Widgets inside a Jupyter kernel, text elsewhere, nothing when ``quiet``;
+    ``NBDDP_DISPLAY`` chooses between the first two."""
+    if quiet:
+        return QuietPanel()
     stream = stream or sys.stdout
     choice = os.environ.get("NBDDP_DISPLAY", "auto")
     if choice == "widget" or (choice == "auto" and in_notebook_kernel()):

@@ -95,7 +95,8 @@ class RunOptions:
     output: Output = field(default="rank0", metadata=flag(
         "show every rank's output live, each line prefixed with its rank",
         name="--all-ranks", action="store_const", const="all"))
-    """Whose output is shown live: ``"rank0"``, ``"all"`` (each line prefixed), ``"none"``."""
+    """Whose output is shown live: ``"rank0"``, ``"all"`` (each line prefixed), or
+    ``"none"``: nothing at all, no panel or summary line either (the records keep it)."""
     all_ranks: bool = field(default=False, metadata=no_flag(
         "a cell's value is rank 0's; every rank's output is --all-ranks (output)"))
     """Return every rank's value, in rank order, instead of rank 0's."""

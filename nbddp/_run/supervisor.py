@@ -94,7 +94,7 @@ class Supervisor:
         self.history = History(len(config.running_ranks), records.metrics)  # (who logs)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
                                 where=where)
-        self.panel: Panel = make_panel(stdout)
+        self.panel: Panel = make_panel(stdout, quiet=config.output == "none")
         self.output = BoundedOutput(self.panel.write, records.path)
         self._tails = self._make_tails()
         self.pump = Pump(group.events, lambda: self.attempt.key)
