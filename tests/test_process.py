@@ -20,7 +20,8 @@ def stopping(pid: int) -> bool:
     """A one-off look, by a watch of its own (it opens the process's files afresh)."""
     watch = ProcessWatch()
     try:
-        return watch.stopping(pid)
+        watch.follow("it", pid)
+        return watch.stopping("it")
     finally:
         watch.close()
 
@@ -45,17 +46,22 @@ def test_a_watch_keeps_each_process_s_stat_open_and_sees_it_killed_and_reaped():
     the process is reaped the watch says so (its file is that process's, not the PID's)."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     watch = ProcessWatch()
+    watch.follow("child", child.pid)
+    watch.follow("me", os.getpid())
     try:
-        assert not watch.stopping(child.pid) and not watch.stopping(os.getpid())
+        assert not watch.stopping("child") and not watch.stopping("me")
+        assert watch.stopping("never followed")
         os.kill(child.pid, signal.SIGKILL)
-        assert watch.stopping(child.pid)
+        assert watch.stopping("child")
         wait_until(lambda: child.poll() is not None)
-        assert watch.stopping(child.pid)
+        assert watch.stopping("child")
     finally:
         child.kill()
         child.wait()
         watch.close()
-    assert watch.stopping(os.getpid())  # closed (its group is): it opens nothing again
+    assert watch.stopping("me")  # closed (its group is): it opens nothing again
+    watch.follow("me", os.getpid())
+    assert watch.stopping("me")
 
 
 def test_a_process_that_has_just_taken_its_kill_is_stopping():
@@ -67,12 +73,57 @@ def test_a_process_that_has_just_taken_its_kill_is_stopping():
     for _ in range(100):
         child = subprocess.Popen(["sleep", "60"])
         watch = ProcessWatch()
+        watch.follow(0, child.pid)
         try:
-            assert not watch.stopping(child.pid)
+            assert not watch.stopping(0)
             os.kill(child.pid, signal.SIGKILL)
-            missed += not watch.stopping(child.pid)
+            missed += not watch.stopping(0)
         finally:
             child.kill()
             child.wait()
             watch.close()
     assert missed == 0
+
+
+def _sleeper_at(pid: int | None = None) -> subprocess.Popen:
+    """A ``sleep`` process, given ``pid`` (a PID just freed) where asked: the kernel hands
+    out the PID after ``ns_last_pid``, as it would after a long run of other processes."""
+    if pid is not None:
+        with open("/proc/sys/kernel/ns_last_pid", "w") as last:
+            last.write(str(pid - 1))
+    return subprocess.Popen(["sleep", "60"])
+
+
+def _can_choose_pids() -> bool:
+    return os.access("/proc/sys/kernel/ns_last_pid", os.W_OK)
+
+
+@pytest.mark.skipif(not _can_choose_pids(), reason="needs root to choose the next PID")
+def test_a_reused_pid_is_neither_taken_for_the_dead_rank_nor_hidden_from_its_new_one():
+    """A rank's process dies and is reaped, and another process gets its PID. Unless the
+    rank says hello again from that process, the watch still says the rank stopped; once
+    it does (torchrun restarted the rank, which got the old PID), the new process is the
+    rank's, and it runs. Keyed by PID, the watch took one for the other."""
+    first = _sleeper_at()
+    pid = first.pid
+    watch = ProcessWatch()
+    watch.follow(1, pid)
+    again = None
+    try:
+        assert not watch.stopping(1)
+        first.kill()
+        first.wait()
+        again = _sleeper_at(pid)
+        if again.pid != pid:
+            pytest.skip("another process took the PID first")
+        assert watch.stopping(1)  # a stranger at the old PID is not the rank
+        watch.follow(1, again.pid)  # the rank's hello from its new process
+        assert not watch.stopping(1)
+        again.kill()
+        assert watch.stopping(1)
+    finally:
+        for process in (first, again):
+            if process is not None:
+                process.kill()
+                process.wait()
+        watch.close()

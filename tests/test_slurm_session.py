@@ -221,6 +221,7 @@ while True:
     assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
     assert "the session's ranks are back at rest, with their state" in run.error_text()
     counted = cell(cluster_session, """
+import torch.distributed as dist
 everyone = [None] * dist.get_world_size()
 dist.all_gather_object(everyone, ticks)
 min(everyone)

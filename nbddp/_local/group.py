@@ -13,7 +13,7 @@ from .._run.waiting import WaitingGroup
 from .._wire import dataplane
 from .._wire.channel import ChannelServer, new_key
 from .._wire.dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
-from .._wire.messages import Interrupt
+from .._wire.messages import Hello, Interrupt
 from .._wire.rundir import RunDir
 from .._wire.stacks import (
     STACKS_SIGNAL,
@@ -25,6 +25,8 @@ from .._wire.stacks import (
 )
 from .launcher import LocalLauncher, ProcessWatch
 
+TORCHRUN = "torchrun"
+"""The name the hand-over's watch follows torchrun's process under (ranks: their number)."""
 _LOCAL_GROUPS: set[LocalGroup] = set()
 _LOCAL_GROUPS_LOCK = threading.Lock()
 
@@ -59,6 +61,7 @@ class LocalGroup(WaitingGroup):
             self.run_dir.write_private(self.run_dir.key, key)
             self._server = ChannelServer(self.run_dir.socket, key, self._deliver)
             self._torchrun = LocalLauncher(self.run_dir, shape)
+            self._watch.follow(TORCHRUN, self._torchrun.process.pid)
             self._follow_launcher(self._torchrun)
         except BaseException:
             self.stop()
@@ -79,11 +82,17 @@ class LocalGroup(WaitingGroup):
         dataplane.write(path, payload, room)
         return path
 
+    def _said_hello(self, hello: Hello) -> None:
+        """(Under the lock) The hand-over watches the process that said hello for its
+        rank (a PID the rank's earlier process had is not taken for it)."""
+        self._watch.follow(hello.rank, hello.pid)
+        super()._said_hello(hello)
+
     def _check_present(self, called: set[int]) -> None:
-        if self._watch.stopping(self._torchrun.process.pid):  # killed: the ranks die of it next
+        if self._watch.stopping(TORCHRUN):  # killed: the ranks die of it next
             raise RanksGone("torchrun had stopped")
         for rank in sorted(called):
-            if self._watch.stopping(self._hellos[rank].pid):  # killed since it answered
+            if self._watch.stopping(rank):  # killed since it answered
                 raise RanksGone(f"rank {rank} had stopped")
 
     def make_room(self, payload: int, result: int = 0) -> None:

@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 from .._run.config import torchrun_environment
 from .._run.shape import GroupShape
@@ -168,10 +168,14 @@ def _killed(status: str) -> bool:
 
 
 class ProcessWatch:
-    """Whether the processes a session looks at before every run still run code, each
-    from its ``/proc/PID/stat`` kept open: one ``pread`` per look, no path to resolve (a cold
-    lookup in ``/proc`` costs tens of microseconds). An open stat file stays the
-    process's own: once it is reaped, reads fail, even if its PID is used again.
+    """Whether the processes a group looks at before every run still run code: each one
+    followed under a name of the group's (``"torchrun"``, a rank) from the moment the
+    group learns it (its start, a rank's hello), its ``/proc/PID/stat`` opened then and
+    kept open: one ``pread`` per look, no path to resolve (a cold lookup in ``/proc``
+    costs tens of microseconds). An open stat file stays the process's own: once it is
+    reaped, reads fail, even if its PID is used again. So a PID reused within the group
+    (a rank's new process given a dead one's PID) is never taken for the old process:
+    what a name refers to changes only when the group follows a new process under it.
 
     A process that has just taken its SIGKILL shows it nowhere in ``stat`` for a few
     microseconds before it is marked exiting: its thread's pending signal is taken, and
@@ -179,32 +183,53 @@ class ProcessWatch:
     process-wide pending signals still hold the kill (a resting rank sleeps: one read)."""
 
     def __init__(self) -> None:
-        self._files: dict[tuple[int, str], int] = {}
+        self._files: dict[Hashable, tuple[int, int] | None] = {}
+        """Each name's process: its open ``stat`` and ``status`` (None: gone when followed)."""
         self._closed = False
 
-    def stopping(self, pid: int) -> bool:
-        """True if ``pid`` is gone, a zombie, exiting, or killed a moment ago (SIGKILL
-        pending): it runs no more code. A process killed while others wait on it
-        (torchrun's ranks die of its death, see ``_worker``) is seen before they can
-        notice. Once the watch is closed: True, opening nothing (its group is closing)."""
+    def follow(self, name: Hashable, pid: int) -> None:
+        """From now on ``name`` is the process ``pid`` (the one that holds it now)."""
+        self._forget(name)
         if self._closed:
-            return True
+            return
         try:
-            fields = _fields(self._read(pid, "stat"))
+            stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
+        except OSError:
+            self._files[name] = None
+            return
+        try:
+            status = os.open(f"/proc/{pid}/status", os.O_RDONLY)
+        except OSError:
+            os.close(stat)
+            self._files[name] = None
+            return
+        self._files[name] = (stat, status)
+
+    def stopping(self, name: Hashable) -> bool:
+        """True if ``name``'s process is gone, a zombie, exiting, or killed a moment ago
+        (SIGKILL pending): it runs no more code; also if no process was followed under
+        ``name``. A process killed while others wait on it (torchrun's ranks die of its
+        death, see ``_worker``) is seen before they can notice. Once the watch is closed:
+        True, opening nothing (its group is closing)."""
+        files = None if self._closed else self._files.get(name)
+        if files is None:
+            return True
+        stat, status = files
+        try:
+            fields = _fields(os.pread(stat, 8192, 0).decode(errors="replace"))
             if _stops(fields):
                 return True
-            return fields[0] == "R" and _killed(self._read(pid, "status"))
+            return fields[0] == "R" and _killed(os.pread(status, 8192, 0).decode(
+                errors="replace"))
         except OSError:
             return True
 
-    def _read(self, pid: int, name: str) -> str:
-        fd = self._files.get((pid, name))
-        if fd is None:
-            fd = self._files[pid, name] = os.open(f"/proc/{pid}/{name}", os.O_RDONLY)
-        return os.pread(fd, 8192, 0).decode(errors="replace")
+    def _forget(self, name: Hashable) -> None:
+        files = self._files.pop(name, None)
+        for fd in files or ():
+            os.close(fd)
 
     def close(self) -> None:
         self._closed = True
-        files, self._files = self._files, {}
-        for fd in files.values():
-            os.close(fd)
+        for name in list(self._files):
+            self._forget(name)
