@@ -19,12 +19,11 @@ from ._rank.restarts import restart_count
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
+    from ._backends import Slurm, StandbyState, standby
     from ._export.script import export
     from ._launch import attach, last_job, launch
-    from ._local.standby import StandbyState, standby
     from ._run.job import Job
     from ._session import Session, SessionStatus
-    from ._slurm.options import Slurm
 
 __all__ = [
     "Job",
@@ -49,9 +48,9 @@ __all__ = [
 
 _ON_FIRST_USE = {
     "Job": "._run.job", "Session": "._session", "SessionStatus": "._session",
-    "Slurm": "._slurm.options", "StandbyState": "._local.standby",
+    "Slurm": "._backends", "StandbyState": "._backends",
     "attach": "._launch", "export": "._export.script", "last_job": "._launch",
-    "launch": "._launch", "standby": "._local.standby",
+    "launch": "._launch", "standby": "._backends",
 }
 
 
@@ -77,7 +76,7 @@ def _warm_up_in_a_notebook() -> None:
 
     if in_notebook_kernel():  # (the setting as now: standby(True) later is no warm-up)
         setting = os.environ.get("NBDDP_STANDBY")
-        threading.Thread(target=lambda: importlib.import_module("._launch", __name__)
+        threading.Thread(target=lambda: importlib.import_module("._backends", __name__)
                          .warm_up(setting), daemon=True, name="nbddp-warm-up").start()
 
 

@@ -1,35 +1,19 @@
 """``launch()``: run a function on every rank of a fresh torchrun process group.
 
-A local launch runs on the standby group when one waits with a shape it can take up,
-and on a group started now otherwise (also when the standby group lost a process while
-it waited: it is stopped, and the run says so); a SLURM launch submits a batch job.
-Either way the group is handed the payload and a ``Job`` follows the run.
+The backend chosen for the run's options (``_backends``: this machine, or a SLURM batch
+job) starts its ranks and hands them the payload; a ``Job`` follows the run.
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
-from ._local.group import LocalGroup
-from ._local.standby import STANDBY, wanted_by
-from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
-from ._run.group import RankGroup, RanksGone
+from ._backends import Slurm, attach_run, run_backend
+from ._run.config import DEFAULT_STALL_AFTER, RunOptions
 from ._run.job import Job
-from ._run.records import Records
-from ._run.shape import GroupShape, Handover
-from ._slurm.group import SlurmGroup
-from ._slurm.launcher import find_run_dir
-from ._slurm.options import Slurm, cluster_run
-from ._wire.dataplane import Packed
-from ._wire.kept_storages import kernels_copies
 from ._wire.payload import Payload
-from ._wire.rundir import RunDir
-
-logger = logging.getLogger(__name__)
 
 R = TypeVar("R")
 
@@ -148,72 +132,10 @@ def launch(
     options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, timeout=timeout, init=init,
                          all_ranks=all_ranks, env=env, output=output,
                          max_restarts=max_restarts, stall_after=stall_after, pdb=pdb)
-    cluster = None
-    if slurm is not False:
-        config, cluster = cluster_run(options, slurm)
-    else:
-        config = options.on_this_machine()
-    here = kernels_copies() if cluster is None else None  # (ranks that map this machine's memory)
-    payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(here)
-    job: Job[R] = Job.started_held(
-        lambda: _start_here(config, payload) if cluster is None else
-        _start(SlurmGroup.for_submission(config, cluster), config, payload))
+    ranks = run_backend(options, slurm)  # (``backend`` is the process group's)
+    payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(ranks.kernels_copies())
+    job: Job[R] = Job.started_held(lambda: ranks.start_run(payload))
     return _follow(job, wait)
-
-
-def warm_up(setting: str | None) -> None:
-    """Start standby ranks of the shape a ``launch(fn)`` without options runs on (one per
-    visible GPU, or two gloo ranks), if standby is on and was by ``NBDDP_STANDBY`` as
-    nbddp loaded (``setting``), and none wait yet: the first run of a fresh kernel then
-    starts warm too. Never raises: a warm-up that fails leaves the first run to start
-    cold, as it would have."""
-    if not (wanted_by(setting) and STANDBY.enabled) or STANDBY.state().status != "none":
-        return
-    try:
-        shape = GroupShape.of(RunOptions().on_this_machine())
-        STANDBY.refill(shape, lambda line: logger.info("nbddp: %s", line))
-    except Exception:  # noqa: BLE001 - the first run starts cold and says why, if anything
-        logger.debug("nbddp: no warm-up", exc_info=True)
-
-
-def _start_here(config: RunConfig, payload: Packed) -> Job:
-    """On the standby group if it can take the run, else on a group started now; the
-    run's end starts the next standby group."""
-    shape = GroupShape.of(config)
-
-    def after(job: Job) -> None:  # the next launch likely sends and gets as much again
-        STANDBY.refill(shape, job._note, *job._data_bytes)
-
-    taken = STANDBY.take(shape)
-    records, notice = None, None
-    if taken is not None:
-        records = Records.create()  # kept for fresh ranks if these cannot take the run
-        try:
-            return _start(taken[0], config, payload, records, taken[1], warm=True, after=after)
-        except RanksGone as gone:  # it is being stopped; no rank had the run
-            notice = f"nbddp: standby ranks replaced ({gone.why}); this run starts on fresh ranks"
-    group = LocalGroup(shape)
-    group.notice = notice
-    return _start(group, config, payload, records, after=after)
-
-
-def _start(group: RankGroup, config: RunConfig, payload: Packed, records: Records | None = None,
-           handover: Handover | None = None, warm: bool = False,
-           after: Callable[[Job], None] | None = None) -> Job:
-    """Hand ``group`` the run and follow it; if that fails, stop the group (standby
-    ranks that cannot take the run: in the background, while fresh ones start)."""
-    try:
-        records = records or group.new_records()
-        group.hand_over(payload, records, config.rank_options, handover or Handover())
-        return Job(group, config, records, warm=warm, sent=payload.buffer_bytes, after=after)
-    except RanksGone:
-        assert isinstance(group, LocalGroup)
-        STANDBY.retire(group)
-        raise
-    except BaseException:
-        group.stop()
-        group.close()
-        raise
 
 
 def _follow(job: Job, wait: bool) -> Any:
@@ -228,15 +150,7 @@ def attach(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:
     output and metrics so far are shown again, then live; ``result()`` returns rank 0's
     value once it ends, or raises its error.
     """
-    folder = find_run_dir(str(job_id)) if run_dir is None else RunDir.of_job(Path(run_dir))
-    group = SlurmGroup.attached(folder)
-    try:
-        job: Job = Job(group, group.config, group.new_records())
-    except BaseException:
-        group.stop()
-        group.close()
-        raise
-    return _follow(job, wait=False)
+    return _follow(attach_run(job_id, run_dir), wait=False)
 
 
 def last_job() -> Job | None:

@@ -22,6 +22,7 @@ from IPython.core.magic import (
 )
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ._backends import Slurm
 from ._errors import NbddpError
 from ._export.script import export
 from ._launch import launch
@@ -34,7 +35,6 @@ from ._run.flags import argparse_arguments, flag_values
 from ._run.job import Job
 from ._run.rank_choice import parse_ranks
 from ._session import Session
-from ._slurm.options import Slurm
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
 F = TypeVar("F", bound=Callable[..., Any])

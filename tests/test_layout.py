@@ -18,7 +18,11 @@ pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 PACKAGE = Path(__file__).resolve().parents[1] / "nbddp"
 FLOOR = {"_errors", "_version"}
 """Leaf modules every package may use: the exceptions a user catches, and the version."""
-FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_worker", "_torchrun"}
+FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_backends", "_worker", "_torchrun"}
+BACKENDS = {"_local", "_slurm"}
+"""The backends: packages that place and start rank groups (see ``_run.backend``)."""
+CHOOSER = "_backends"
+"""The one front-door module that names the backends."""
 ALLOWED = {
     "_wire": set(),
     "_rank": {"_wire"},
@@ -143,3 +147,28 @@ def test_the_waiting_lane_names_test_modules_that_exist():
     notebooks = tests.parent / "notebooks"
     assert {name for name in WAITING_LANE
             if not (tests / name).exists() and not (notebooks / name).exists()} == set()
+
+
+def test_the_front_door_names_the_backends_in_one_module_only():
+    """``launch``, ``Session``, attach and the magics drive every backend through
+    ``_run.backend.Backend``: a new backend touches the front door where it is chosen."""
+    naming = {}
+    for module in FRONT_DOOR - set(ENTRY_MODULES):
+        path = PACKAGE / f"{module}.py"
+        rooms = {_room(target) for target in _imports(path, PACKAGE)}
+        naming[module] = rooms & BACKENDS
+    assert {module for module, named in naming.items() if named} == {CHOOSER}
+    assert naming[CHOOSER] == BACKENDS
+
+
+@pytest.mark.parametrize("package", sorted(BACKENDS))
+def test_each_backend_offers_runs_sessions_and_attach_through_the_neutral_interface(package):
+    """Each backend has a ``backend`` module with a subclass of ``Backend`` (its runs,
+    sessions, placement), which the front door's chooser imports."""
+    path = PACKAGE / package / "backend.py"
+    tree = ast.parse(path.read_text())
+    subclasses = [node.name for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                  and any(getattr(base, "id", None) == "Backend" for base in node.bases)]
+    assert subclasses, f"{package}/backend.py defines no Backend"
+    assert f"{package}.backend" in _imports(PACKAGE / f"{CHOOSER}.py", PACKAGE)
+    assert ALLOWED[package] & BACKENDS == set()  # no backend leans on another's insides

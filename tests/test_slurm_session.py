@@ -590,7 +590,7 @@ def test_attach_names_the_session_jobs_to_choose_from(slurm_env, jobs, monkeypat
             nbddp.Session.attach()
         assert all(f"SLURM job {job_id}: 1 rank on 1 node, started" in str(error.value)
                    for job_id in ids), error.value
-        monkeypatch.setattr(nbddp._session, "ATTACH_WAIT", 3.0)
+        monkeypatch.setattr(nbddp._slurm.backend, "ATTACH_WAIT", 3.0)
         with pytest.raises(nbddp.NbddpError, match="did not come within 3 s"):
             nbddp.Session.attach(ids[0])  # its ranks are this process's session's
 
@@ -603,7 +603,7 @@ def test_attach_takes_no_folder_that_anyone_else_made_or_can_write(slurm_env, jo
     """A user who can write to the runs folder (a group's project space) plants a copy of
     a session's folder, with a key of their own: attach must not listen with it."""
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
-    monkeypatch.setattr(nbddp._session, "ATTACH_WAIT", 2.0)
+    monkeypatch.setattr(nbddp._slurm.backend, "ATTACH_WAIT", 2.0)
     with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=1, cpus_per_task=1)) as session:
         job_id = session.status().where.split()[2]
         jobs.append(job_id)

@@ -301,6 +301,50 @@ def test_a_launch_right_after_a_standby_process_died_runs_on_fresh_ranks(skernel
                and local_run_dirs() - before == {fresh_dir}, timeout=15)
 
 
+CHAOS_ROUNDS = int(os.environ.get("NBDDP_CHAOS_ROUNDS", "8"))
+"""Rounds of the chaos test below (the issue's check ran 20: NBDDP_CHAOS_ROUNDS=20)."""
+CHAOS_DELAYS = (0.0, 0.4, 0.9, 1.5, 2.2, 3.0, 4.5, 7.0)
+"""Seconds from a run's end to the kill: while the standby group's torchrun starts, its
+ranks import torch, join gloo, and once they wait."""
+
+
+def test_a_standby_process_killed_at_any_moment_of_its_life_means_a_fresh_and_told_launch(
+        skernel):
+    """A run leaves standby ranks starting; some time later one of their processes
+    (torchrun, or a rank, whether it has said hello yet or not) is killed, and a launch
+    follows at once. Whatever the moment, the launch runs on fresh ranks, says why, and
+    nothing is left behind (before, one such round in two raised WorkerError)."""
+    import random
+
+    chooser = random.Random(int(os.environ.get("NBDDP_CHAOS_SEED", "37")))
+    before = local_run_dirs()
+    skernel.run("import signal\n_job = nbddp.launch(world, nprocs=2)").assert_ok()
+    for round in range(CHAOS_ROUNDS):
+        time.sleep(CHAOS_DELAYS[round % len(CHAOS_DELAYS)] + chooser.uniform(0, 0.3))
+        state = skernel.run("_s = nbddp.standby(); _s.status, _s.pids").assert_ok().result()
+        status, pids = eval(state)  # noqa: S307 - our own repr
+        group = [pids[0], *sorted(descendants(pids[0]))]  # torchrun, ranks said hello or not
+        victim = chooser.choice(group)
+        waiting = _snapshot(group)
+        run = skernel.run(f"""
+            os.kill({victim}, signal.SIGKILL)
+            _job = nbddp.launch(world, nprocs=2, wait=False)
+            _job.result(), _job.warm
+        """, timeout=180)
+        said = f"round {round}: {status} group {group}, killed {victim}\n{run.describe()}"
+        run.assert_ok()
+        (pid, size, total), warm = eval(run.result())  # noqa: S307 - our own repr
+        assert (size, total, warm) == (2, 2.0, False) and pid not in waiting, said
+        assert "nbddp: standby ranks replaced (" in run.stream_text(), said
+        assert "); this run starts on fresh ranks" in run.stream_text(), said
+        wait_until(lambda waiting=waiting: not _alive(waiting), timeout=15)
+    fresh = wait_ready(skernel)  # the last run's end started the next group, and only that
+    command = _cmdline(fresh[0]).split()
+    fresh_dir = command[command.index("nbddp._torchrun") + 1]
+    wait_until(lambda: descendants(skernel.pid) == set(fresh)
+               and local_run_dirs() - before == {fresh_dir}, timeout=15)
+
+
 def test_standby_is_off_where_the_environment_says_so(kernel):
     assert kernel.run("nbddp.standby().status").result() == "'off'"  # NBDDP_STANDBY=0
 

@@ -25,7 +25,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
+from .._run.interrupt_hold import pressed_now
 from .._run.shape import GroupShape, Handover
 from .group import LocalGroup
 
@@ -34,6 +36,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_IDLE_TIMEOUT = 600.0
 START_TIMEOUT = 300.0  # a group not ready by then is stuck: it is stopped
 _OFF = ("0", "false", "no", "off")
+_READY_LOOK = 0.05  # how often a wait for a starting group looks for Ctrl-C
 
 Note = Callable[[str], None]
 
@@ -50,6 +53,43 @@ class StandbyState:
     nprocs: int | None = None
     pids: tuple[int, ...] = ()
     """torchrun's and the ranks' process ids."""
+
+
+@dataclass(frozen=True)
+class Taken:
+    """What ``Standby.take`` found for a launch: the waiting group and what it must
+    change, or none; ``missed``: why standby ranks meant for it could not take it."""
+
+    group: LocalGroup | None = None
+    handover: Handover | None = None
+    missed: str | None = None
+    """``standby ranks replaced (rank 1 had stopped)``, said under the run."""
+
+
+class _Detached(NamedTuple):
+    """The group taken out of standby, its note, when it started, and why the group
+    before it was lost unused (and its shape), if it was."""
+
+    group: LocalGroup | None
+    note: Note | None
+    started: float
+    lost: tuple[str, GroupShape] | None
+
+
+def _ready_by(group: LocalGroup, deadline: float) -> bool:
+    """Wait until every rank of ``group`` waits for its Start: False if the group broke,
+    ``deadline`` passed, or Ctrl-C was pressed meanwhile (the run then stops as
+    interrupted)."""
+    while not group.wait_ready(_READY_LOOK):
+        if group.broken or time.monotonic() > deadline or pressed_now():
+            return False
+    return True
+
+
+def _why_lost(group: LocalGroup) -> str:
+    """What the notebook is told when standby ranks could not take a run."""
+    why = group.gone or "the ranks stopped while they started"
+    return f"nbddp: standby ranks replaced ({why}); this run starts on fresh ranks"
 
 
 def wanted_by(setting: str | None) -> bool:
@@ -72,23 +112,31 @@ class Standby:
         self._note: Note | None = None
         self._started = 0.0
         self._announced = False
+        self._lost: tuple[str, GroupShape] | None = None
+        """Why the last group stopped while it waited, unused, and its shape."""
         self._timer: threading.Timer | None = None
         self._retiring: list[threading.Thread] = []
         atexit.register(self.shutdown)
 
     # --- launches -------------------------------------------------------------------
 
-    def take(self, shape: GroupShape) -> tuple[LocalGroup, Handover] | None:
+    def take(self, shape: GroupShape) -> Taken:
         """The waiting group and what it must change, if it can run a launch of ``shape``;
-        otherwise None, and the group (if any) is stopped."""
-        group, _ = self._detach()
+        otherwise none, and the group (if any) is stopped. A group still starting is
+        waited for (it is ahead of one started now): the run is handed to ranks that are
+        all up, whose roll call then covers every one. ``Taken.missed`` says why ranks
+        that would have taken the run did not (one of their processes stopped)."""
+        group, _, started, lost = self._detach()
         if group is None:
-            return None
-        handover = None if group.broken else group.shape.handover(shape)
+            return Taken(missed=lost[0] if lost and lost[1].handover(shape) else None)
+        handover = group.shape.handover(shape)
         if handover is None:
             self.retire(group)
-            return None
-        return group, handover
+            return Taken()
+        if not _ready_by(group, started + START_TIMEOUT):
+            self.retire(group)
+            return Taken(missed=None if pressed_now() else _why_lost(group))
+        return Taken(group, handover)
 
     def refill(self, shape: GroupShape, note: Note, payload: int = 0, result: int = 0) -> None:
         """Start the group for the next launch, with shared memory allocated ahead for a
@@ -99,7 +147,7 @@ class Standby:
         group.make_room(payload, result)
         with self._lock:
             old, self._group, self._note = self._group, group, note
-            self._started, self._announced = time.monotonic(), False
+            self._started, self._announced, self._lost = time.monotonic(), False, None
             self._restart_timer(START_TIMEOUT, "standby: stopped; the ranks were not ready "
                                                f"after {_minutes(START_TIMEOUT)}")
         if old is not None:
@@ -117,6 +165,7 @@ class Standby:
             note = self._note
             if group.broken:
                 self._group = self._note = None
+                self._lost = (_why_lost(group), group.shape)  # the next launch says so
                 line = "standby: the ranks stopped before use; the next launch starts cold"
             elif group.is_ready and not self._announced:
                 self._announced = True
@@ -145,21 +194,21 @@ class Standby:
             self._timer.daemon = True
             self._timer.start()
 
-    def _detach(self, only: LocalGroup | None = None) -> tuple[LocalGroup | None, Note | None]:
+    def _detach(self, only: LocalGroup | None = None) -> _Detached:
         """Take the current group (only if it is ``only``, when given) out of standby."""
         with self._lock:
-            group, note = self._group, self._note
-            if only is not None and group is not only:
-                return None, None
-            self._group = self._note = None
+            if only is not None and self._group is not only:
+                return _Detached(None, None, 0.0, None)
+            detached = _Detached(self._group, self._note, self._started, self._lost)
+            self._group = self._note = self._lost = None
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
-        return group, note
+        return detached
 
     def _stop_current(self, line: str, wait: bool = False,
                       only: LocalGroup | None = None) -> None:
-        group, note = self._detach(only)
+        group, note, _, _ = self._detach(only)
         if group is None:
             return
         if wait:

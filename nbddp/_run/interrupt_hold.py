@@ -28,12 +28,16 @@ T = TypeVar("T")
 class InterruptHold:
     """While held, SIGINT is noted instead of raising ``KeyboardInterrupt``."""
 
+    _current: InterruptHold | None = None
+    """The hold in force on the main thread, if any (see ``pressed_now``)."""
+
     def __init__(self) -> None:
         self.pressed = False
         self._previous: object = None
         if (threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self._previous = signal.signal(signal.SIGINT, self._note)
+            InterruptHold._current = self
 
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.pressed = True
@@ -53,6 +57,14 @@ class InterruptHold:
         if self._previous is not None:
             signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
             self._previous = None
+            InterruptHold._current = None
+
+
+def pressed_now() -> bool:
+    """Ctrl-C was pressed while held, on the way to a run: a wait inside the hold (for
+    ranks still starting) gives up, and the run that follows stops as interrupted."""
+    hold = InterruptHold._current
+    return hold is not None and hold.pressed
 
 
 def held_while(start: Callable[[], T]) -> tuple[T, InterruptHold]:

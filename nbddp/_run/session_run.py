@@ -1,0 +1,94 @@
+"""One run on a session's ranks, as its ``Job`` sees it: whether the ranks stay for the
+next run with their state, and what the error says about it.
+
+A run that ends early (a rank raised, an interrupt, a timeout) keeps the ranks if every
+one comes back to rest within ``SETTLE_SECONDS``; otherwise the session replaces them,
+and the error says that the state is gone.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .._errors import WorkerError
+from .._wire.messages import Assigned, Failure, Result
+from .supervisor import Ending, Supervisor
+from .waiting import WaitingGroup
+
+SETTLE_SECONDS = 10.0
+"""How long a session's ranks may take to come back to rest after a failure, an
+interrupt or a timeout before they are restarted (a rank stuck in a collective whose
+peer left never comes back by itself)."""
+STATE_KEPT = "the session's ranks are back at rest, with their state"
+STATE_LOST = "the session was restarted: variables defined in earlier cells are gone"
+
+
+def with_session_note(error: BaseException, kept: bool) -> BaseException:
+    """``error``, saying whether the session's state was kept."""
+    note = STATE_KEPT if kept else STATE_LOST
+    if isinstance(error, WorkerError):
+        error.note = note
+        return error
+    message = str(error).replace("; every rank was stopped", "")
+    if isinstance(error, KeyboardInterrupt):
+        message = "every rank was interrupted" + (f"\n{message}" if message else "")
+    first, newline, rest = message.partition("\n")  # (then where each rank was)
+    renamed = type(error)(f"{first}; {note}{newline}{rest}" if first else note)
+    renamed.__cause__ = error.__cause__
+    for found in ("stacks", "hang_report"):  # what the run saw before it stopped the ranks
+        if hasattr(error, found):
+            setattr(renamed, found, getattr(error, found))
+    return renamed
+
+
+class OnSession:
+    """One run on the session's ranks, as its ``Job`` sees it (``Staying``): the names
+    the ranks' code bound (the answering rank's report carries them), and whether the
+    ranks stay for the next run, with their state."""
+
+    def __init__(self, group: WaitingGroup) -> None:
+        self._group = group
+        self.kept: bool | None = None
+        """Whether the ranks kept their state: None until the run's end decided it."""
+        self.names: tuple[str, ...] | None = None
+
+    def watch(self, supervisor: Supervisor) -> None:
+        for kind in (Assigned, Result, Failure):
+            supervisor.pump.on(kind, self._assigned)
+
+    def _assigned(self, message: Assigned | Result | Failure) -> None:
+        names = message.names if isinstance(message, Assigned) else message.assigned
+        if names is not None:
+            self.names = names
+
+    def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
+        self.kept = ending.kind == "returned" or self._bring_back(supervisor)
+        return self.kept
+
+    def told(self, error: BaseException) -> BaseException:
+        return with_session_note(error, bool(self.kept))
+
+    def abandoned(self) -> bool:
+        if self.kept is not None:
+            return False
+        self.kept = False
+        return True
+
+    def _bring_back(self, supervisor: Supervisor) -> bool:
+        """Interrupt the ranks still in the run; True once every rank is back at rest,
+        within ``SETTLE_SECONDS`` (which also wait for rank 0's names, sent right after
+        its report)."""
+        if supervisor.lost:
+            return False
+        everyone = set(range(supervisor.config.nprocs))
+        self._group.interrupt(everyone - supervisor.attempt.reported)
+        deadline = time.monotonic() + SETTLE_SECONDS
+
+        def at_rest() -> bool:
+            return supervisor.attempt.reported == everyone and not supervisor.lost
+
+        supervisor.pump.run(lambda: at_rest() or supervisor.lost, SETTLE_SECONDS,
+                            turn=supervisor.pump_output)
+        if at_rest() and self.names is None:
+            supervisor.pump.run(lambda: self.names is not None, deadline - time.monotonic())
+        return at_rest()
