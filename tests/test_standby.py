@@ -75,6 +75,16 @@ def launch_in(kernel: Kernel, call: str) -> tuple[object, bool]:
     return eval(run.result())  # noqa: S307 - our own repr
 
 
+def only_the_next_group_is_left(kernel: Kernel, before: set[str]) -> None:
+    """The last run's end started the next standby group, and only that runs and has a
+    run dir (besides those in ``before``)."""
+    fresh = wait_ready(kernel)
+    command = _cmdline(fresh[0]).split()
+    fresh_dir = command[command.index("nbddp._torchrun") + 1]
+    wait_until(lambda: descendants(kernel.pid) == set(fresh)
+               and local_run_dirs() - before == {fresh_dir}, timeout=15)
+
+
 # --- through a real kernel ------------------------------------------------------------
 
 
@@ -294,11 +304,7 @@ def test_a_launch_right_after_a_standby_process_died_runs_on_fresh_ranks(skernel
         assert "nbddp: standby ranks replaced (" in text, run.describe()
         assert "had stopped); this run starts on fresh ranks" in text, text
         wait_until(lambda waiting=waiting: not _alive(waiting), timeout=15)
-    fresh = wait_ready(skernel)  # the last run's end started the next group, and only that
-    command = _cmdline(fresh[0]).split()
-    fresh_dir = command[command.index("nbddp._torchrun") + 1]
-    wait_until(lambda: descendants(skernel.pid) == set(fresh)
-               and local_run_dirs() - before == {fresh_dir}, timeout=15)
+    only_the_next_group_is_left(skernel, before)
 
 
 CHAOS_ROUNDS = int(os.environ.get("NBDDP_CHAOS_ROUNDS", "8"))
@@ -338,11 +344,7 @@ def test_a_standby_process_killed_at_any_moment_of_its_life_means_a_fresh_and_to
         assert "nbddp: standby ranks replaced (" in run.stream_text(), said
         assert "); this run starts on fresh ranks" in run.stream_text(), said
         wait_until(lambda waiting=waiting: not _alive(waiting), timeout=15)
-    fresh = wait_ready(skernel)  # the last run's end started the next group, and only that
-    command = _cmdline(fresh[0]).split()
-    fresh_dir = command[command.index("nbddp._torchrun") + 1]
-    wait_until(lambda: descendants(skernel.pid) == set(fresh)
-               and local_run_dirs() - before == {fresh_dir}, timeout=15)
+    only_the_next_group_is_left(skernel, before)
 
 
 def test_standby_is_off_where_the_environment_says_so(kernel):

@@ -20,7 +20,7 @@ from .._run.waiting import WaitingGroup
 from .._wire.dataplane import Packed
 from .._wire.kept_storages import KeptStorages, kernels_copies
 from .group import LocalGroup
-from .standby import STANDBY, START_TIMEOUT, wanted_by
+from .standby import STANDBY, START_TIMEOUT, replaced, wanted_by
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +51,7 @@ class LocalBackend(Backend):
                               after=after)
             except RanksGone as gone:  # no rank had the run: stopped while fresh ones start
                 STANDBY.retire(taken.group)
-                notice = (f"nbddp: standby ranks replaced ({gone.why}); this run starts on "
-                          "fresh ranks")
+                notice = replaced(gone.why)
         group = LocalGroup(shape)
         group.notice = notice
         return follow(group, config, payload, records, after=after)

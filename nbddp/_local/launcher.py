@@ -192,18 +192,16 @@ class ProcessWatch:
         self._forget(name)
         if self._closed:
             return
+        opened: list[int] = []
         try:
-            stat = os.open(f"/proc/{pid}/stat", os.O_RDONLY)
-        except OSError:
+            for file in ("stat", "status"):
+                opened.append(os.open(f"/proc/{pid}/{file}", os.O_RDONLY))
+        except OSError:  # gone already
+            for fd in opened:
+                os.close(fd)
             self._files[name] = None
             return
-        try:
-            status = os.open(f"/proc/{pid}/status", os.O_RDONLY)
-        except OSError:
-            os.close(stat)
-            self._files[name] = None
-            return
-        self._files[name] = (stat, status)
+        self._files[name] = (opened[0], opened[1])
 
     def stopping(self, name: Hashable) -> bool:
         """True if ``name``'s process is gone, a zombie, exiting, or killed a moment ago

@@ -86,10 +86,13 @@ def _ready_by(group: LocalGroup, deadline: float) -> bool:
     return True
 
 
-def _why_lost(group: LocalGroup) -> str:
-    """What the notebook is told when standby ranks could not take a run."""
-    why = group.gone or "the ranks stopped while they started"
+def replaced(why: str) -> str:
+    """What the notebook is told when standby ranks could not take a run, and ``why``."""
     return f"nbddp: standby ranks replaced ({why}); this run starts on fresh ranks"
+
+
+def _why_lost(group: LocalGroup) -> str:
+    return replaced(group.gone or "the ranks stopped while they started")
 
 
 def wanted_by(setting: str | None) -> bool:

@@ -73,8 +73,8 @@ class SlurmBackend(Backend):
             _say(group)
             if group.status.state == "RUNNING" and running_since is None:
                 running_since = time.monotonic()
-            started_for = time.monotonic() - (running_since or time.monotonic())
-            if started_for > self.start_timeout:
+            if running_since is not None and \
+                    time.monotonic() - running_since > self.start_timeout:
                 return False
         _say(group)
         return group.is_ready
