@@ -87,6 +87,7 @@ class AttachableLink(KernelLink):
         with self._lock:
             self._generation += 1
             busy = self.busy.is_set()
+            self._interrupt_for = None  # (the SIGINT below is for the run it is in)
         if busy:
             print("nbddp: the notebook kernel went away; interrupting this run",
                   file=sys.stderr)

@@ -66,7 +66,13 @@ class KernelLink:
         self._channel, self._mailbox, self._run_dir = channel, mailbox, run_dir
         self._seq = 0
         self._lock = threading.Lock()
-        self._starts: queue.SimpleQueue[tuple[int, Start] | None] = queue.SimpleQueue()
+        self._starts: queue.SimpleQueue[tuple[int, int, Start] | None] = queue.SimpleQueue()
+        self._received = 0  # Starts that came over the channel; each run's number
+        self._running = -1  # the number of the run taken last (-1: none, or from a file)
+        self._finished = -1  # ... and of the last run over
+        self._interrupt_for: int | None = None
+        """The run the kernel's last Interrupt was for (it comes behind that run's
+        Start); None: a SIGINT is for whatever run the rank is in."""
         self._generation = 0
         """Which kernel this link serves (a SLURM session's rank may serve several, one
         after another): a Start from an earlier one is not run."""
@@ -126,17 +132,30 @@ class KernelLink:
             self.busy.set()
             return decode(bodies[0])
         while (item := self._starts.get()) is not None:
-            generation, start = item
+            generation, number, start = item
             with self._lock:
                 if generation == self._generation:
+                    self._running = number
                     self.busy.set()
                     return start
         return None
 
+    def run_over(self) -> None:
+        """The run taken last is over (its report sent): the rank is at rest, and an
+        interrupt the kernel sent for that run, still on its way, is for no run now."""
+        with self._lock:
+            self._finished = self._running
+            self.busy.clear()
+
     def in_run(self) -> bool:
-        """The rank runs a Start, or has one waiting to be taken: an interrupt now is
-        for that run (the kernel's comes behind the Start it interrupts)."""
-        return self.busy.is_set() or not self._starts.empty()
+        """The rank runs a Start, or has one waiting to be taken, and the kernel's last
+        interrupt was not for a run already over: an interrupt now is for that run. (A
+        rank that ended its run as the kernel interrupted it, the next Start already
+        queued, would otherwise raise it in the next cell.)"""
+        interrupt_for = self._interrupt_for  # (no lock: called by the signal handler,
+        # in the main thread, which may hold it to send)
+        stale = interrupt_for is not None and interrupt_for <= self._finished
+        return not stale and (self.busy.is_set() or not self._starts.empty())
 
     def ask(self, prompt: DebugPrompt) -> DebugInput:
         """Send pdb's prompt to the kernel and wait for the user's line."""
@@ -164,12 +183,15 @@ class KernelLink:
                         self.send(Present(self.rank, message.call))
                 elif isinstance(message, Start):
                     self._drop_kept_unless(message.payload)
-                    self._starts.put((self._generation, message))
+                    self._received += 1
+                    self._starts.put((self._generation, self._received, message))
                 elif isinstance(message, KeepPayload):
                     self._keep(message)
                 elif isinstance(message, DebugInput):
                     self._answers.put(message)
                 elif isinstance(message, Interrupt):  # raised in the main thread, if in a run
+                    with self._lock:
+                        self._interrupt_for = self._received
                     os.kill(os.getpid(), signal.SIGINT)
                 elif isinstance(message, ShowStacks):  # (this thread must go on listening)
                     threading.Thread(target=self._send_stacks, args=(message.call,),

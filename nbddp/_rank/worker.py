@@ -116,8 +116,8 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) ->
     while (start := link.wait_start()) is not None:  # (it marks the rank busy)
         report = me.run(start, link.send)
         link.send(report.message, report.data)
-        link.busy.clear()
-        me.interrupts.forget()  # (after the clear: a later SIGINT finds the rank at rest)
+        link.run_over()
+        me.interrupts.forget()  # (after that: a later SIGINT finds the rank at rest)
         ended_well = isinstance(report.message, (Result, Requeueing))
         del report  # (its data, a CPU copy of the result's tensors, goes now)
         if not start.session:
