@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -427,6 +428,31 @@ def test_a_kernel_that_goes_leaves_nothing_of_its_session(tmp_path, how):
         cell(kernel, "x = 1").assert_ok()
         procs = {**ranks, **_snapshot(descendants(kernel.pid))}
         kernel.end(how)
+        wait_until(lambda: not _alive(procs), timeout=15)
+        wait_until(lambda: not (run_dirs() - before), timeout=15)
+    finally:
+        kernel.shutdown()
+
+
+def test_a_kernel_killed_as_it_stops_its_ranks_at_exit_leaves_nothing_on_disk(tmp_path):
+    """A front end shutting a kernel down kills it if it takes too long to exit; killed
+    the moment its ranks' torchrun is gone (torchrun, which removes the run's folders
+    when the kernel dies, is then no longer there to do it), it leaves no folder behind,
+    in the temp dir or in shared memory."""
+    kernel = Kernel(tmp_path)
+    before = run_dirs()
+    try:
+        start_session(kernel)
+        cell(kernel, "import torch\nx = torch.ones(1)").assert_ok()
+        procs = _snapshot(descendants(kernel.pid))
+        torchrun = [pid for pid in procs if "nbddp._torchrun" in
+                    Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+        assert torchrun, procs
+        assert run_dirs() - before  # (the session's run dir and its twin)
+        kernel.kc.shutdown()  # the request a front end sends; the kernel exits
+        while any(os.path.exists(f"/proc/{pid}") for pid in torchrun):  # (reaped by
+            time.sleep(0.0002)  # the kernel: the moment its stop returns)
+        os.kill(kernel.pid, signal.SIGKILL)  # ... and is killed as torchrun is gone
         wait_until(lambda: not _alive(procs), timeout=15)
         wait_until(lambda: not (run_dirs() - before), timeout=15)
     finally:

@@ -37,9 +37,10 @@ def _end_local_groups() -> None:
     its run, not a standby one (their run dirs would stay on disk)."""
     with _LOCAL_GROUPS_LOCK:
         groups = list(_LOCAL_GROUPS)
+    for group in groups:  # all closed first: a kernel killed while it stops them (a
+        group.close()  # front end's shutdown gives it seconds) leaves no folder behind
     for group in groups:
-        group.stop()
-        group.close()
+        group.retire(clean=False)
 
 
 class LocalGroup(WaitingGroup):
@@ -160,22 +161,35 @@ class LocalGroup(WaitingGroup):
         for rank in sorted(ranks):
             self._server.send(rank, Interrupt())
 
-    def retire(self) -> None:
+    def retire(self, clean: bool = True) -> None:
         """Close first: nothing needs the channel or the run dir once every rank has
-        returned, and a kernel killed while torchrun exits must leave neither behind.
+        returned (or of a group nobody will use), and a kernel killed while torchrun
+        exits must leave neither behind. ``clean``: let torchrun end by itself first.
         Once every process is gone, the run dir is removed again: torchrun may still
         write its logs into it as it exits, and a folder that gains a file while it is
         being removed stays."""
         self.close()
-        self.stop(clean=True)
+        self.stop(clean)
         self.run_dir.remove()
+
+    def stop(self, clean: bool = False) -> None:
+        """Stop every process; the data files in shared memory go first (nothing reads
+        them once the group stops), so that a kernel killed before ``close`` leaves
+        none there: torchrun, which would remove them when the kernel dies, is gone."""
+        self._close_rooms()
+        self.run_dir.remove_twin()
+        super().stop(clean)
 
     def close(self) -> None:
         with self._lock:
-            self._rooms_closed = True
             self._watch.close()
-        self._discard_rooms()
+        self._close_rooms()
         super().close()
+
+    def _close_rooms(self) -> None:
+        with self._lock:
+            self._rooms_closed = True
+        self._discard_rooms()
 
     def _forget(self) -> None:
         with _LOCAL_GROUPS_LOCK:

@@ -215,8 +215,7 @@ class Standby:
         if group is None:
             return
         if wait:
-            group.stop()
-            group.close()
+            group.retire(clean=False)
         else:
             self.retire(group)
         if note is not None:
@@ -227,8 +226,7 @@ class Standby:
         background; the kernel's exit waits for it."""
         def stop() -> None:
             try:
-                group.stop()
-                group.close()
+                group.retire(clean=False)
             except Exception:
                 logger.exception("nbddp: stopping standby ranks failed")
 

@@ -186,6 +186,10 @@ class RunDir:
                 secret.unlink(missing_ok=True)
         else:
             shutil.rmtree(self.path, ignore_errors=True)
+        self.remove_twin()
+
+    def remove_twin(self) -> None:
+        """Remove the twin in shared memory (its data files), if there is one."""
         if self.twin is not None:
             shutil.rmtree(self.twin, ignore_errors=True)
 
