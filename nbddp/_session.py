@@ -184,8 +184,7 @@ class Session:
             self._check_idle()
             self._busy = True
             try:
-                records = self._records.next_cell(self.runs + 1)
-                warm = self._hand_over(config, payload, records)
+                records, warm = self._hand_over(config, payload)
                 run = OnSession(self._group)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
                                sent=payload.buffer_bytes, staying=run,
@@ -207,19 +206,21 @@ class Session:
         (``%autoreload 2`` or 3)."""
         return self.autoreload if self.autoreload is not None else notebook_autoreloads()
 
-    def _hand_over(self, config: RunConfig, payload: Packed, records: Records) -> bool:
+    def _hand_over(self, config: RunConfig, payload: Packed) -> tuple[Records, bool]:
         """(Under the lock) Give the ranks the run; if one of their processes died while
-        they were idle, give it to fresh ranks, and say so. True: the session's ranks
-        (not fresh ones) took it."""
+        they were idle, give it to fresh ranks, and say so. The run's records, and
+        whether the session's ranks (not fresh ones) took it."""
+        records = self._records.next_cell(self.runs + 1)
         try:
             self._hand_to(config, payload, records)
-            return True
+            return records, True
         except RanksGone as gone:
             self._replace_group(standby=False)
+            records = self._records.redo(records, self.runs + 1)
             lost = STATE_LOST if self.runs else "this first run starts on fresh ranks"
             self._group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
         self._hand_to(config, payload, records)
-        return False
+        return records, False
 
     def _hand_to(self, config: RunConfig, payload: Packed, records: Records) -> None:
         group = self._group
@@ -261,6 +262,7 @@ class Session:
                 self._warned.clear()
                 if not self._closed:
                     self.restarts += 1
+                    self._records.new_ranks()
                     self._group = self._new_group()
                     job._note("session: restarted with fresh ranks; what earlier runs "
                               "defined is gone")
@@ -287,6 +289,7 @@ class Session:
         self._warned.clear()
         self.restarts += 1
         self._group = self._new_group(standby)
+        self._records.new_ranks()
 
     def close(self) -> None:
         """Stop the ranks; nothing of the session is left running or on disk. Ctrl-C

@@ -26,6 +26,8 @@ from nbddp._wire.rundir import RunDir
 
 from .conftest import wait_until
 
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
 
 @contextlib.contextmanager
 def sigint_held() -> Iterator[None]:

@@ -350,6 +350,32 @@ def test_a_rank_killed_while_idle_means_fresh_ranks_for_the_next_cell(fresh_sess
     assert status.result() == "2"
 
 
+def test_what_a_replaced_ranks_process_writes_late_stays_with_the_cell_before(fresh_session):
+    """Rank 0 started a process of its own in a cell (a data loader's worker, a tool),
+    which writes to the rank's output after that cell is over. Rank 1 is killed while
+    idle, the next cell replaces the ranks, and the late line comes as it runs: it
+    belongs to the cell that started the process, not under the next one."""
+    cell(fresh_session, """
+import subprocess, sys
+import torch.distributed as dist
+if dist.get_rank() == 0:
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5); "
+                      "print('late words from the old rank 0', flush=True)"],
+                     start_new_session=True)
+""").assert_ok()
+    fresh_session.run("before = nbddp.last_job()").assert_ok()
+    fresh_session.run(f"os.kill({session_pids(fresh_session)[1]}, 9)").assert_ok()
+    run = cell(fresh_session, "import time\ntime.sleep(2)\nprint('the next cell', flush=True)"
+               ).assert_ok()
+    assert "rank 1 had stopped while idle" in run.stream_text(), run.describe()
+    assert "the next cell" in run.stream_text(), run.describe()
+    assert "late words" not in run.stream_text(), run.describe()
+    logs = fresh_session.run("nbddp.last_job().logs[0]").assert_ok().result()
+    assert "the next cell" in logs and "late words" not in logs, logs
+    assert "late words from the old rank 0" in fresh_session.run(
+        "before.logs[0]").assert_ok().result()
+
+
 SETTLE_AND_MORE = 12  # longer than the 10 s a failed cell's ranks get, and standby's 1 s
 
 

@@ -139,6 +139,13 @@ class FolderPerCell:
             else:
                 self._next = ahead
 
+    def new_ranks(self) -> None:
+        """(Each cell has a folder of its own already: nothing to do.)"""
+
+    def redo(self, records: Records, number: int) -> Records:
+        """(The cell keeps its folder on fresh ranks.)"""
+        return records
+
     def close(self) -> None:
         """The session ended: the folder made ahead for a cell that never came goes."""
         with self._lock:
@@ -159,6 +166,7 @@ class SessionRecords:
         self._lock_fd: int | None = None
         self._in_folder = 0  # cells
         self._last: Records | None = None  # the latest cell's
+        self._ended: Records | None = None  # the cell's before it, ended where it began
         self._logs: list[str] = []  # each rank's, in the folder
 
     def next_cell(self, number: int) -> Records:
@@ -171,8 +179,10 @@ class SessionRecords:
         if starts is None or max(starts.values()) >= LOG_TAIL_BYTES:
             self._new_folder()  # (the folder was removed under the session, or is full)
             return self.next_cell(number)
-        if self._last is not None and self._last.path == self._folder:
-            self._last.ended_at(starts)
+        self._ended = self._last if self._last is not None and \
+            self._last.path == self._folder else None
+        if self._ended is not None:
+            self._ended.ended_at(starts)
         self._in_folder += 1
         self._last = Records(self._folder, number, starts)
         return self._last
@@ -186,6 +196,20 @@ class SessionRecords:
 
     def prepare(self) -> None:
         """(Nothing to make ahead: the folder and its logs are there.)"""
+
+    def new_ranks(self) -> None:
+        """The session's ranks were replaced: the next cell starts a folder of its own.
+        What the old ranks' processes still write (as they are stopped, or a process a
+        rank started) stays with the last cell they ran, not under the next."""
+        self._in_folder = CELLS_PER_FOLDER
+
+    def redo(self, records: Records, number: int) -> Records:
+        """Cell ``number``, whose ``records`` were made for ranks found gone as it was
+        handed over, goes to fresh ones (after ``new_ranks``): its records anew, and the
+        rest of the old ranks' logs is the cell's before, which they ran last."""
+        if self._ended is not None:
+            self._ended.ended_at({})
+        return self.next_cell(number)
 
     def _new_folder(self) -> None:
         """A new folder, locked, with each rank's log; the old one (if any) is released
