@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TextIO, TypeVar
 
@@ -35,6 +34,7 @@ from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
 from ._run.rank_choice import chosen_ranks
 from ._run.records import FolderPerCell, Records, SessionRecords
+from ._run.session_names import SessionNames
 from ._run.session_run import STATE_LOST, OnSession
 from ._run.session_status import SessionStatus, rss_mib
 from ._run.shape import GroupShape
@@ -87,7 +87,7 @@ class Session:
         session = cls.__new__(cls)
         session._begin(where)
         session._group = _as_sessions(group)
-        session.names = names
+        session._held = SessionNames(names)
         return session
 
     def _begin(self, where: Backend) -> None:
@@ -96,15 +96,12 @@ class Session:
         """The backend: where the ranks run, how they start, and how that is said."""
         self._lock = threading.Lock()
         self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
-        self._warned: set[str] = set()
         self._running: Job | None = None
         self._records: SessionRecords | FolderPerCell = where.session_records()
         self._closed = False
         self.runs = 0
         self.restarts = 0
-        self.names: frozenset[str] = frozenset()
-        """The names the session's code has bound on the ranks (rank 0's): a cell that
-        reads one of them gets the ranks' value, not the notebook's."""
+        self._held = SessionNames()
         self.auto = False
         """Auto mode (``%ddp_session auto on``): every cell runs on the ranks; the panel
         says so."""
@@ -131,12 +128,7 @@ class Session:
             raise
         if not ready:
             self.close()
-            problem = ("stopped" if group.broken
-                       else f"were not ready after {self._where.start_timeout:g} s")
-            outside = group.stopped_from_outside()
-            because = f" ({outside})" if outside else ""
-            raise NbddpError(f"the session's ranks {problem}{because} before their first run; "
-                             f"{group.launcher_name} said:\n{group.launcher_tail()}")
+            raise self._where.not_ready(group)
 
     # --- runs -----------------------------------------------------------------------
 
@@ -225,17 +217,8 @@ class Session:
     def _hand_to(self, config: RunConfig, payload: Packed, records: Records) -> None:
         group = self._group
         handover, left_out = group.shape.take_up(GroupShape.of(config))
-        self._warn_left_out(left_out)
+        self._held.warn_left_out(left_out)
         group.hand_over(payload, records, config.rank_options, handover)
-
-    def _warn_left_out(self, names: list[str]) -> None:
-        """Once per variable: a notebook change the running ranks cannot take up."""
-        new = [name for name in names if name not in self._warned]
-        if new:
-            self._warned.update(new)
-            warnings.warn(f"{', '.join(new)} changed in the notebook, but the session's ranks "
-                          "read them when they started: restart the session "
-                          "(%ddp_session restart) for the new values", stacklevel=3)
 
     def _check_idle(self) -> None:
         if self._closed:
@@ -254,12 +237,9 @@ class Session:
         try:
             if run.kept:
                 self._group.payload_taken()
-                if run.names is not None:  # (a run on some ranks adds to what the others had)
-                    before = self.names if job.config.ranks is not None else frozenset()
-                    self.names = before | frozenset(run.names)
+                self._held.kept(run, some_ranks=job.config.ranks is not None)
             else:
-                self.names = frozenset()
-                self._warned.clear()
+                self._held.lost()
                 if not self._closed:
                     self.restarts += 1
                     self._records.new_ranks()
@@ -285,8 +265,7 @@ class Session:
         """(Under the lock) Stop the ranks and start fresh ones (``standby``: waiting
         standby ranks may be taken): what the session defined is gone."""
         self._stop_group()
-        self.names = frozenset()
-        self._warned.clear()
+        self._held.lost()
         self.restarts += 1
         self._group = self._new_group(standby)
         self._records.new_ranks()
@@ -313,6 +292,12 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def names(self) -> frozenset[str]:
+        """The names the session's code has bound on the ranks (rank 0's): a cell that
+        reads one of them gets the ranks' value, not the notebook's."""
+        return self._held.bound
 
     def status(self) -> SessionStatus:
         """The ranks, their PIDs and memory, and the session's age."""

@@ -8,9 +8,9 @@ the others that subclasses ``Backend``, plus one line where the front door choos
 
 - ``start_run``: a one-off run, handed to a group the backend starts (or has waiting),
   followed by a ``Job``;
-- ``session_group``, ``wait_placed``, ``started``: a session's ranks, started, waited for
-  until every one waits for its first run (a queue, a placement), and what the user is
-  told once they do;
+- ``session_group``, ``wait_placed``, ``started``, ``not_ready``: a session's ranks,
+  started, waited for until every one waits for its first run (a queue, a placement),
+  what the user is told once they do, and why they did not;
 - ``place``, ``hosts``: where the ranks run, as a session's status says it;
 - ``kernels_copies``: whether the ranks map this machine's memory (tensors are then kept
   as copies the ranks map, see ``_wire.kept_storages``), ``session_records``: how a
@@ -26,6 +26,7 @@ import socket
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 
+from .._errors import NbddpError
 from .._wire.dataplane import Packed
 from .._wire.kept_storages import KeptStorages
 from .config import RunConfig
@@ -68,6 +69,16 @@ class Backend(ABC):
         """Block until every rank of ``group`` waits for its first run, saying what the
         user should know meanwhile (a job's queue state); False if the group broke or
         took too long. Ctrl-C raises (the session then stops the group)."""
+
+    def not_ready(self, group: WaitingGroup) -> NbddpError:
+        """Why ``group``'s ranks did not come to wait for their first run, with what
+        their launcher said."""
+        problem = ("stopped" if group.broken
+                   else f"were not ready after {self.start_timeout:g} s")
+        outside = group.stopped_from_outside()
+        because = f" ({outside})" if outside else ""
+        return NbddpError(f"the session's ranks {problem}{because} before their first run; "
+                          f"{group.launcher_name} said:\n{group.launcher_tail()}")
 
     def started(self, group: WaitingGroup) -> None:
         """The session's ranks wait: tell the user what they should know (how they end)."""
