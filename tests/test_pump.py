@@ -167,3 +167,23 @@ def test_a_rank_back_from_pdb_runs_even_without_a_hello(supervised):
     assert sup.rank_states() == ["running"]
     sup.ended = True
     assert sup.rank_states() == ["stopped"]
+
+
+def test_the_next_attempts_messages_wait_until_it_is_followed():
+    """torchrun's next attempt can report before the failed one's last reports are
+    gathered: its result must count for it, not vanish with the attempt before."""
+    current = [(0, 0)]
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    pump = Pump(q, lambda: current[0])
+    for event in (Sequenced(0, Failure(0, "RuntimeError", "builtins", "first attempt", ""),
+                            attempt=0),
+                  Sequenced(0, Result(1), attempt=1), Disconnected(1, attempt=1)):
+        q.put(event)
+    dispatched = []
+    for kind in (Failure, Result, Disconnected):
+        pump.on(kind, dispatched.append)
+    pump.drain()
+    assert [type(event) for event in dispatched] == [Failure]
+    current[0] = (0, 1)  # the supervisor follows the next attempt
+    pump.drain()
+    assert dispatched[1:] == [Result(1), Disconnected(1, attempt=1)]

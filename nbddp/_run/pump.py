@@ -2,17 +2,21 @@
 
 A rank numbers its messages and may send each on two links (a socket and a mailbox
 file); what came through the other link first is a copy. A message of an attempt that
-torchrun restarted, or of a run of the job that SLURM requeued, is stale. Each message
-that is neither goes to the handlers registered for its type, in the order they were
-registered: the supervisor's first, then the backend's and the session's. Every wait of
-a run (its whole course, a failed attempt's last reports, a session's ranks coming back
-to rest, the events left at its end) is this one loop with its own end.
+torchrun restarted, or of a run of the job that SLURM requeued, is stale. One of a newer
+attempt than the one followed is held until it is followed: torchrun's next attempt can
+report before the failed attempt's last reports are gathered, and its results belong to
+it. Each message that is none of these goes to the handlers registered for its type, in
+the order they were registered: the supervisor's first, then the backend's and the
+session's. Every wait of a run (its whole course, a failed attempt's last reports, a
+session's ranks coming back to rest, the events left at its end) is this one loop with
+its own end.
 """
 
 from __future__ import annotations
 
 import queue
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +40,8 @@ class Pump:
         self._arrivals: list[Callable[[Numbered], None]] = []
         self._next_seq: dict[tuple[int, int, int], int] = {}
         """Per rank, requeue and attempt: the next message number expected."""
+        self._ahead: deque[Numbered] = deque()
+        """Messages of a newer attempt than the one followed, in the order they came."""
 
     def on(self, kind: type, handler: Handler) -> None:
         """Call ``handler`` with every new message of type ``kind``."""
@@ -47,16 +53,17 @@ class Pump:
         self._arrivals.append(hook)
 
     def _pull(self, timeout: float | None) -> Any:
-        """The next event, or None (nothing came, or a copy or a stale message came)."""
-        try:
-            event = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
-        except queue.Empty:
+        """The next event, or None (nothing came, or a copy, a stale message or one held
+        for a newer attempt came)."""
+        event = self._ahead.popleft() if self._releasable() else self._next(timeout)
+        if event is None:
             return None
         if isinstance(event, (Sequenced, Disconnected)):
-            for hook in self._arrivals:
-                hook(event)
             if (event.requeue, event.attempt) < self._current():
                 return None  # from an attempt that failed or a run SLURM requeued
+            if (event.requeue, event.attempt) > self._current():
+                self._ahead.append(event)  # the next attempt's, before it is followed
+                return None
         if isinstance(event, Sequenced):
             key = (event.rank, event.requeue, event.attempt)
             if event.seq < self._next_seq.get(key, 0):
@@ -64,6 +71,22 @@ class Pump:
             self._next_seq[key] = event.seq + 1
             return event.message
         return event
+
+    def _next(self, timeout: float | None) -> Any:
+        """The next event that came (the backend's hooks see a rank's message first)."""
+        try:
+            event = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
+        except queue.Empty:
+            return None
+        if isinstance(event, (Sequenced, Disconnected)):
+            for hook in self._arrivals:
+                hook(event)
+        return event
+
+    def _releasable(self) -> bool:
+        """A held message's attempt is followed now."""
+        return bool(self._ahead) and (
+            self._ahead[0].requeue, self._ahead[0].attempt) <= self._current()
 
     def dispatch(self, event: Any) -> None:
         for handler in self._handlers.get(type(event), ()):
@@ -93,4 +116,4 @@ class Pump:
 
     def drain(self) -> None:
         """Dispatch every event already queued."""
-        self.run(self._events.empty)
+        self.run(lambda: self._events.empty() and not self._releasable())
