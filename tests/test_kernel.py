@@ -8,9 +8,13 @@ one per module.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -297,3 +301,41 @@ def test_kernel_that_imported_torch_can_launch(fresh_kernel):
         total.tolist()
     """).assert_ok()
     assert run.result() == "[0.0, 3.0, 6.0, 9.0]"
+
+
+KILLED_AS_IT_STARTS = """
+import nbddp
+nbddp.standby(False)
+print("ready", flush=True)
+nbddp.launch(print, nprocs=2)
+"""
+
+
+def test_a_kernel_killed_as_it_makes_a_run_dir_leaves_nothing(tmp_path):
+    """Killed the moment a group's run dir appears (before, the kernel made the dir, then
+    started torchrun, whose lifeline removes it when the kernel dies: a kernel killed
+    between left it), the kernel leaves no folder and no process behind."""
+    temp = Path(tempfile.mkdtemp(prefix="nbk-", dir="/tmp"))  # (short: the socket's path)
+    shm = tmp_path / "shm"
+    env = {**os.environ, "TMPDIR": str(temp)}
+    if os.path.isdir("/dev/shm"):
+        shm = Path(tempfile.mkdtemp(prefix="pytest-nbddp-killed-", dir="/dev/shm"))
+        env["NBDDP_SHM_DIR"] = str(shm)
+    made = [temp / "nbddp-*", shm / "nbddp-*"]
+    before = descendants()
+    kernel = subprocess.Popen([sys.executable, "-c", KILLED_AS_IT_STARTS], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert kernel.stdout is not None and kernel.stdout.readline() == "ready\n"
+        while not glob.glob(str(made[0])):
+            assert kernel.poll() is None, "the launch ended before its run dir was seen"
+            time.sleep(0.0002)
+        kernel.kill()
+        kernel.wait()
+        wait_until(lambda: not (descendants() - before), timeout=15)
+        wait_until(lambda: not any(glob.glob(str(pattern)) for pattern in made), timeout=15)
+    finally:
+        kernel.kill()
+        kernel.wait()
+        for folder in (temp, shm):
+            shutil.rmtree(folder, ignore_errors=True)

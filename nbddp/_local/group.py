@@ -6,6 +6,7 @@ import atexit
 import threading
 from pathlib import Path
 
+from .._errors import NbddpError
 from .._run.group import RanksGone
 from .._run.shape import GroupShape
 from .._run.stack_view import render
@@ -43,6 +44,25 @@ def _end_local_groups() -> None:
         group.retire(clean=False)
 
 
+def _start_torchrun(shape: GroupShape) -> tuple[RunDir, LocalLauncher]:
+    """A new run dir, made once its torchrun runs (and waits): a kernel that dies at any
+    moment leaves it to torchrun to remove. A name someone took meanwhile (64 random
+    bits: never, but for one who could read them) is given up for another."""
+    for _ in range(3):
+        run_dir = RunDir.reserve()
+        launcher = LocalLauncher(run_dir, shape)
+        try:
+            run_dir.make()
+        except FileExistsError:
+            launcher.abandon()
+            continue
+        except BaseException:
+            launcher.stop()
+            raise
+        return run_dir, launcher
+    raise NbddpError("nbddp could not make a private run dir: each new name was taken")
+
+
 class LocalGroup(WaitingGroup):
     """torchrun on this machine, started now for ``shape``; its ranks wait for Start.
     The payload goes into shared memory where it fits, into a room allocated ahead."""
@@ -51,18 +71,19 @@ class LocalGroup(WaitingGroup):
     sees_processes = True  # its ranks are this machine's processes
 
     def __init__(self, shape: GroupShape) -> None:
-        super().__init__(shape, RunDir.create())
+        run_dir, self._torchrun = _start_torchrun(shape)
+        super().__init__(shape, run_dir)
         with _LOCAL_GROUPS_LOCK:
             _LOCAL_GROUPS.add(self)
         self._rooms: dict[str, Room] = {}
         self._rooms_closed = False
         self._watch = ProcessWatch()  # (under the lock: used by hand-overs, closed with us)
         try:
+            self._watch.follow(TORCHRUN, self._torchrun.process.pid)
             key = new_key()
             self.run_dir.write_private(self.run_dir.key, key)
             self._server = ChannelServer(self.run_dir.socket, key, self._deliver)
-            self._torchrun = LocalLauncher(self.run_dir, shape)
-            self._watch.follow(TORCHRUN, self._torchrun.process.pid)
+            self._torchrun.go(self.run_dir)
             self._follow_launcher(self._torchrun)
         except BaseException:
             self.stop()

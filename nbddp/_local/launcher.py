@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Hashable, Iterable
+from pathlib import Path
+from typing import IO
 
 from .._run.config import torchrun_environment
 from .._run.shape import GroupShape
-from .._wire.rundir import RunDir
+from .._wire.rundir import LIFELINE_ABANDON, LIFELINE_GO, RunDir
 
 _PF_EXITING = 0x4  # a process's flags (/proc/PID/stat) while it exits
 _SIGKILL = 1 << (signal.SIGKILL - 1)  # in a pending-signals mask
@@ -42,26 +45,44 @@ def torchrun_command(run_dir: RunDir, shape: GroupShape, lifeline: int) -> list[
 
 
 class LocalLauncher:
-    """The running torchrun process, and the means to stop it and its ranks."""
+    """The running torchrun process, and the means to stop it and its ranks.
+
+    It starts before its run dir is made (``RunDir.reserve``), and waits until ``go``:
+    a kernel that dies in between leaves nothing behind (see ``nbddp._torchrun``).
+    """
 
     def __init__(self, run_dir: RunDir, shape: GroupShape) -> None:
         read_end, self._lifeline = os.pipe()
-        log = os.open(run_dir.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             self.process = subprocess.Popen(
                 torchrun_command(run_dir, shape, read_end),
                 env={**shape.env, **torchrun_environment(shape.max_restarts)},
-                cwd=shape.cwd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                pass_fds=(read_end,), start_new_session=True,
+                cwd=shape.cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, pass_fds=(read_end,), start_new_session=True,
             )
         except BaseException:
             os.close(self._lifeline)
             raise
         finally:
             os.close(read_end)
-            os.close(log)
+        self._early: threading.Thread | None = None
         self._ranks: dict[int, str] = {}  # pid -> start time, to recognise the process
         self._stopping = threading.Lock()
+
+    def go(self, run_dir: RunDir) -> None:
+        """The run dir is made: torchrun starts. What it said before (a Python that
+        cannot start it, say) is kept in the run dir's log, ahead of what follows."""
+        os.write(self._lifeline, LIFELINE_GO)
+        self._early = threading.Thread(target=_keep_output, daemon=True,
+                                       args=(self.process.stdout, run_dir.launcher_log),
+                                       name="nbddp-launcher-output")
+        self._early.start()
+
+    def abandon(self) -> None:
+        """The run dir's name was taken: torchrun ends without removing anything."""
+        with contextlib.suppress(OSError):
+            os.write(self._lifeline, LIFELINE_ABANDON)
+        self.stop()
 
     def add_rank(self, pid: int) -> None:
         start = _start_time(pid)
@@ -105,8 +126,11 @@ class LocalLauncher:
         return False
 
     def wait(self) -> int:
-        """Block until torchrun exits; its exit code."""
-        return self.process.wait()
+        """Block until torchrun exits; its exit code (its last words are in its log)."""
+        code = self.process.wait()
+        if self._early is not None:
+            self._early.join(timeout=5)
+        return code
 
     def stop(self, clean: bool = False) -> None:
         """SIGTERM torchrun and every rank, SIGKILL what is left after half a second.
@@ -121,6 +145,17 @@ class LocalLauncher:
             if self._lifeline >= 0:  # torchrun is gone; nothing needs the pipe any more
                 os.close(self._lifeline)
                 self._lifeline = -1
+            if self._early is None and self.process.stdout is not None:
+                self.process.stdout.close()  # (never read: torchrun never started)
+
+
+def _keep_output(output: IO[bytes] | None, log: Path) -> None:
+    """Append what torchrun writes to ``output`` (until it sends its output to the log
+    itself, or ends) to ``log``."""
+    if output is None:
+        return
+    with output, open(log, "ab") as kept:
+        shutil.copyfileobj(output, kept)
 
 
 def _read_proc(pid: int, name: str) -> str:

@@ -8,8 +8,12 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
   the kernel to parse;
 - torchrun's own logs go inside the run dir (``--log-dir``), not into a temp dir;
 - the kernel holds the write end of a pipe (the lifeline); if the kernel dies the pipe
-  closes and this process stops torchrun, so no rank outlives the notebook. A SLURM job
-  has no lifeline (``-``): it outlives a kernel restart, and can be re-attached;
+  closes and this process stops torchrun, so no rank outlives the notebook. It starts
+  this process before it makes the run dir, then says so on the lifeline
+  (``LIFELINE_GO``): until then torchrun waits, and if the kernel dies first, this
+  process removes what it had made, which nothing else would (its output goes to the
+  kernel until then, and to the run dir's log after). A SLURM job has no lifeline
+  (``-``): it outlives a kernel restart, and can be re-attached;
 - with ``--node-data`` (after the lifeline; a SLURM session's), it makes this node's
   private folders for the data files the kernel sends (in shared memory, and on local
   disk for those that do not fit there), names them to the ranks, and removes them when
@@ -30,7 +34,13 @@ import time
 from pathlib import Path
 
 from .._wire.dataplane import shm_root
-from .._wire.rundir import NODE_DISK_ENV, NODE_FOLDER, NODE_SHM_ENV, RunDir
+from .._wire.rundir import (
+    LIFELINE_GO,
+    NODE_DISK_ENV,
+    NODE_FOLDER,
+    NODE_SHM_ENV,
+    RunDir,
+)
 
 _GRACE_SECONDS = 5.0
 
@@ -91,9 +101,31 @@ def _private_folder(parent: Path) -> Path:
     return parent / name
 
 
+def _wait_for_run_dir(fd: int, run_dir: RunDir) -> bool:
+    """Wait for the kernel's word that it made the run dir; True if it did. A kernel
+    that died before (the pipe closed) may have made part of it: that goes."""
+    word = os.read(fd, 1)
+    if word == LIFELINE_GO:
+        _output_to(run_dir.launcher_log)
+        return True
+    if not word:
+        run_dir.remove()
+    return False  # (LIFELINE_ABANDON: the name was someone else's)
+
+
+def _output_to(log: Path) -> None:
+    """This process's output (and its ranks', who inherit it) into ``log``."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    os.close(fd)
+
+
 def main(argv: list[str]) -> int:
-    run_dir, lost = RunDir.existing(Path(argv[0])), threading.Event()
+    run_dir, lost = RunDir.named(Path(argv[0])), threading.Event()
     if argv[1] != "-":
+        if not _wait_for_run_dir(int(argv[1]), run_dir):
+            return 0
         threading.Thread(target=_watch_lifeline, args=(int(argv[1]), run_dir, lost),
                          daemon=True).start()
     node_data = argv[2:3] == ["--node-data"]

@@ -17,6 +17,7 @@ sbatch text all take them from this module.
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import socket
 import tempfile
@@ -95,12 +96,18 @@ def _stacks_name(rank: int) -> str:
     return f"stacks-{rank}.txt"
 
 
+LIFELINE_GO = b"g"
+"""What the kernel writes on a local torchrun's lifeline once it made the run dir: until
+then torchrun waits, and if the kernel dies first, removes what it made of it."""
+LIFELINE_ABANDON = b"x"
+"""... or once it found the run dir's name taken: torchrun ends, removing nothing."""
+
 _FAILURES = "failures-{}.json"  # one per torchrun: its host and PID
 _TORCHRUN_LOGS = "torchelastic-{}"
 
 
 class RunDir:
-    """Paths of one rank group's files; a run dir made by ``create`` is private to the user."""
+    """Paths of one rank group's files; a run dir made by ``make`` is private to the user."""
 
     def __init__(self, path: Path, shared: bool = False, twin: Path | None = None) -> None:
         self.path = path
@@ -120,28 +127,32 @@ class RunDir:
         self.launcher_log = path / LAUNCHER_LOG
 
     @classmethod
-    def create(cls) -> RunDir:
-        """A new private run dir, and its twin in shared memory where there is one."""
-        path = Path(tempfile.mkdtemp(prefix="nbddp-"))  # mode 0700
+    def reserve(cls) -> RunDir:
+        """A new run dir's name, nobody else's (64 random bits), with nothing made yet:
+        its torchrun starts first, so that whatever the kernel then makes has someone
+        to remove it if the kernel dies (``make``; the lifeline's words below)."""
+        name = f"nbddp-{secrets.token_hex(8)}"
+        path = Path(tempfile.gettempdir()) / name
         if len(str(path / SOCKET)) > _MAX_SOCKET_PATH:
-            path.rmdir()
-            path = Path(tempfile.mkdtemp(prefix="nbddp-", dir="/tmp"))
-        root = shm_root()
-        twin = None if root is None else root / path.name
-        if twin is not None:
-            try:
-                twin.mkdir(mode=0o700)
-            except OSError:
-                twin = None
-        return cls(path, twin=twin)
+            path = Path("/tmp") / name
+        return cls.named(path)
 
     @classmethod
-    def existing(cls, path: Path) -> RunDir:
-        """A local run dir made by ``create`` (in a process started with the same
-        environment: its twin is found the same way)."""
+    def named(cls, path: Path) -> RunDir:
+        """The local run dir at ``path``, and where its twin is, if there is shared
+        memory (in a process started with the same environment: found the same way)."""
         root = shm_root()
-        twin = None if root is None else root / path.name
-        return cls(path, twin=twin if twin is not None and twin.is_dir() else None)
+        return cls(path, twin=None if root is None else root / path.name)
+
+    def make(self) -> None:
+        """Make the run dir, private to the user (0700), and its twin where it can be
+        made; ``FileExistsError`` if the name is taken."""
+        os.mkdir(self.path, 0o700)
+        if self.twin is not None:
+            try:
+                self.twin.mkdir(mode=0o700)
+            except OSError:
+                self.twin = None
 
     @classmethod
     def of_job(cls, path: Path) -> RunDir:
