@@ -83,7 +83,7 @@ class LocalGroup(WaitingGroup):
             key = new_key()
             self.run_dir.write_private(self.run_dir.key, key)
             self._server = ChannelServer(self.run_dir.socket, key, self._deliver)
-            self._torchrun.go(self.run_dir)
+            self._torchrun.go()
             self._follow_launcher(self._torchrun)
         except BaseException:
             self.stop()

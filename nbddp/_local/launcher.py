@@ -17,7 +17,6 @@ import subprocess
 import threading
 import time
 from collections.abc import Hashable, Iterable
-from pathlib import Path
 from typing import IO
 
 from .._run.config import torchrun_environment
@@ -65,16 +64,19 @@ class LocalLauncher:
             raise
         finally:
             os.close(read_end)
+        self._run_dir = run_dir
         self._early: threading.Thread | None = None
         self._ranks: dict[int, str] = {}  # pid -> start time, to recognise the process
         self._stopping = threading.Lock()
 
-    def go(self, run_dir: RunDir) -> None:
+    def go(self) -> None:
         """The run dir is made: torchrun starts. What it said before (a Python that
         cannot start it, say) is kept in the run dir's log, ahead of what follows."""
         os.write(self._lifeline, LIFELINE_GO)
+        assert self.process.stdout is not None  # (a pipe: see __init__)
         self._early = threading.Thread(target=_keep_output, daemon=True,
-                                       args=(self.process.stdout, run_dir.launcher_log),
+                                       args=(self.process.stdout,
+                                             self._run_dir.append_to_launcher_log()),
                                        name="nbddp-launcher-output")
         self._early.start()
 
@@ -149,11 +151,9 @@ class LocalLauncher:
                 self.process.stdout.close()  # (never read: torchrun never started)
 
 
-def _keep_output(output: IO[bytes] | None, log: Path) -> None:
+def _keep_output(output: IO[bytes], log: int) -> None:
     """Append what torchrun writes to ``output`` (until it sends its output to the log
-    itself, or ends) to ``log``."""
-    if output is None:
-        return
+    itself, or ends) to the log open at ``log``."""
     with output, open(log, "ab") as kept:
         shutil.copyfileobj(output, kept)
 

@@ -106,16 +106,15 @@ def _wait_for_run_dir(fd: int, run_dir: RunDir) -> bool:
     that died before (the pipe closed) may have made part of it: that goes."""
     word = os.read(fd, 1)
     if word == LIFELINE_GO:
-        _output_to(run_dir.launcher_log)
+        _output_to(run_dir.append_to_launcher_log())
         return True
     if not word:
         run_dir.remove()
     return False  # (LIFELINE_ABANDON: the name was someone else's)
 
 
-def _output_to(log: Path) -> None:
-    """This process's output (and its ranks', who inherit it) into ``log``."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+def _output_to(fd: int) -> None:
+    """This process's output (and its ranks', who inherit it) into ``fd``."""
     for stream in (1, 2):
         os.dup2(fd, stream)
     os.close(fd)
@@ -124,9 +123,10 @@ def _output_to(log: Path) -> None:
 def main(argv: list[str]) -> int:
     run_dir, lost = RunDir.named(Path(argv[0])), threading.Event()
     if argv[1] != "-":
-        if not _wait_for_run_dir(int(argv[1]), run_dir):
+        lifeline = int(argv[1])
+        if not _wait_for_run_dir(lifeline, run_dir):
             return 0
-        threading.Thread(target=_watch_lifeline, args=(int(argv[1]), run_dir, lost),
+        threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir, lost),
                          daemon=True).start()
     node_data = argv[2:3] == ["--node-data"]
     args = argv[2 + node_data:]

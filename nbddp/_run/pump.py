@@ -59,9 +59,10 @@ class Pump:
         if event is None:
             return None
         if isinstance(event, (Sequenced, Disconnected)):
-            if (event.requeue, event.attempt) < self._current():
+            sent_by, following = (event.requeue, event.attempt), self._current()
+            if sent_by < following:
                 return None  # from an attempt that failed or a run SLURM requeued
-            if (event.requeue, event.attempt) > self._current():
+            if sent_by > following:
                 self._ahead.append(event)  # the next attempt's, before it is followed
                 return None
         if isinstance(event, Sequenced):

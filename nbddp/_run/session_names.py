@@ -34,4 +34,4 @@ class SessionNames:
             self._warned.update(new)
             warnings.warn(f"{', '.join(new)} changed in the notebook, but the session's ranks "
                           "read them when they started: restart the session "
-                          "(%ddp_session restart) for the new values", stacklevel=4)
+                          "(%ddp_session restart) for the new values", stacklevel=3)

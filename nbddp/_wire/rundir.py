@@ -183,6 +183,11 @@ class RunDir:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
 
+    def append_to_launcher_log(self) -> int:
+        """The launcher's log, opened to append (made private if new): the kernel keeps
+        what torchrun said before it could open it itself, and torchrun the rest."""
+        return os.open(self.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
     def replace_private(self, path: Path, data: bytes) -> None:
         """Write ``path`` anew (0600), in one step for its readers."""
         fresh = path.with_name(f".{path.name}.{os.getpid()}")
