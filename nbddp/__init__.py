@@ -19,7 +19,7 @@ from ._rank.restarts import restart_count
 from ._version import __version__ as __version__
 
 if TYPE_CHECKING:
-    from ._backends import Slurm, StandbyState, standby
+    from ._backends import Ray, Slurm, StandbyState, standby
     from ._export.script import export
     from ._launch import attach, last_job, launch
     from ._run.job import Job
@@ -29,6 +29,7 @@ __all__ = [
     "Job",
     "NbddpError",
     "PayloadError",
+    "Ray",
     "Session",
     "SessionStatus",
     "Slurm",
@@ -48,7 +49,7 @@ __all__ = [
 
 _ON_FIRST_USE = {
     "Job": "._run.job", "Session": "._session", "SessionStatus": "._session",
-    "Slurm": "._backends", "StandbyState": "._backends",
+    "Ray": "._backends", "Slurm": "._backends", "StandbyState": "._backends",
     "attach": "._launch", "export": "._export.script", "last_job": "._launch",
     "launch": "._launch", "standby": "._backends",
 }

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
-from ._backends import Slurm, attach_run, run_backend
+from ._backends import Ray, Slurm, attach_run, run_backend
 from ._run.config import DEFAULT_STALL_AFTER, RunOptions
 from ._run.job import Job
 from ._wire.payload import Payload
@@ -37,6 +37,7 @@ def launch(
     stall_after: float | None = ...,
     pdb: bool = ...,
     slurm: bool | Slurm = ...,
+    ray: bool | Ray = ...,
 ) -> Job[R]: ...
 @overload
 def launch(
@@ -57,6 +58,7 @@ def launch(
     stall_after: float | None = ...,
     pdb: bool = ...,
     slurm: bool | Slurm = ...,
+    ray: bool | Ray = ...,
 ) -> list[R]: ...
 @overload
 def launch(
@@ -77,6 +79,7 @@ def launch(
     stall_after: float | None = ...,
     pdb: bool = ...,
     slurm: bool | Slurm = ...,
+    ray: bool | Ray = ...,
 ) -> R: ...
 
 
@@ -98,6 +101,7 @@ def launch(
     stall_after: float | None = DEFAULT_STALL_AFTER,
     pdb: bool = False,
     slurm: bool | Slurm = False,
+    ray: bool | Ray = False,
 ) -> R | list[R] | Job[R]:
     """Run ``fn(*args, **kwargs)`` on every rank of a fresh DDP process group.
 
@@ -124,6 +128,8 @@ def launch(
     ``slurm=Slurm(nodes=2, ...)`` (or ``True``) submits the run as a SLURM batch job
     instead, with ``nprocs``/``gpus`` ranks per node, and follows it in the same way:
     queue state, then output, metrics and result. Interrupting stops it (``scancel``).
+    ``ray=Ray(nodes=2, ...)`` (or ``True``) runs it on a Ray cluster's nodes, ``nprocs``
+    ranks per node: placed, run and stopped as a session of one run.
 
     Raises ``WorkerError`` when a rank fails, ``TimeoutError`` after ``timeout``
     seconds, ``PayloadError`` when something cannot be sent; nothing is left running.
@@ -132,7 +138,7 @@ def launch(
     options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, timeout=timeout, init=init,
                          all_ranks=all_ranks, env=env, output=output,
                          max_restarts=max_restarts, stall_after=stall_after, pdb=pdb)
-    ranks = run_backend(options, slurm)  # (``backend`` is the process group's)
+    ranks = run_backend(options, slurm, ray)  # (``backend`` is the process group's)
     payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(ranks.kernels_copies())
     job: Job[R] = Job.started_held(lambda: ranks.start_run(payload))
     return _follow(job, wait)

@@ -22,7 +22,7 @@ from IPython.core.magic import (
 )
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ._backends import Slurm
+from ._backends import Ray, Slurm
 from ._errors import NbddpError
 from ._export.script import export
 from ._launch import launch
@@ -31,7 +31,7 @@ from ._rank.cell import Cell, CellResult
 from ._rank.debugger import debug_last_failure
 from ._run.config import RunOptions
 from ._run.devices import GpusNotVisible
-from ._run.flags import argparse_arguments, flag_values
+from ._run.flags import argparse_arguments, defaults, flag_values
 from ._run.job import Job
 from ._run.rank_choice import parse_ranks
 from ._session import Session
@@ -98,8 +98,49 @@ def _job_flags(args: Any) -> bool:
     return _job_shape_flags(args) or bool(args.requeue or args.signal_before is not None)
 
 
+_RAY_FLAGS = (
+    argument("--ray", action="store_true",
+             help="run the ranks on a Ray cluster's nodes (one placement group; --nodes N, "
+                  "--nprocs or --gpus ranks per node); the kernel must run inside the cluster"),
+    *_flags(Ray),
+)
+
+
+def _ray_options(args: Any, gpus: int | None, grace: float | None = None) -> Ray:
+    """The ``--ray`` flags as ``Ray`` options (``--nodes`` is the SLURM job's flag too)."""
+    return Ray(nodes=args.nodes, gpus_per_node=gpus or 0, grace=grace,
+               **_values(Ray, args))
+
+
+def _ray_flags(args: Any) -> bool:
+    """Whether a flag that describes a Ray placement was given (``--ray`` aside)."""
+    given = _values(Ray, args)
+    return any(given[name] != default for name, default in defaults(Ray).items()
+               if name in given)
+
+
+def _check_ray(args: Any) -> None:
+    """``--ray``'s flags, and those that go with it."""
+    if not args.ray:
+        if _ray_flags(args):
+            raise UsageError("--address and --cpus-per-node describe a Ray placement: add "
+                             "--ray")
+        return
+    if args.slurm or getattr(args, "export", None):
+        raise UsageError("--ray runs the ranks on a Ray cluster: no --slurm or --export")
+    slurm_only = (args.time or args.partition or args.sbatch or args.cpus_per_task
+                  or args.requeue or args.signal_before is not None)
+    if slurm_only:
+        raise UsageError("--time, --partition, --sbatch, --cpus-per-task, --requeue and "
+                         "--signal-before describe a SLURM job; with --ray, --nodes and "
+                         "--cpus-per-node say what each node holds")
+
+
 def _check_combination(args: Any) -> None:
-    """Flags that mean something only beside others: the SLURM job's."""
+    """Flags that mean something only beside others: the SLURM job's, Ray's."""
+    _check_ray(args)
+    if args.ray:
+        return
     if _job_shape_flags(args) and not (args.export or args.slurm):
         raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
                          "add --slurm to submit the cell, or --export PATH to write it")
@@ -127,7 +168,8 @@ def _chosen_ranks(text: str, session: Session | None) -> tuple[int, ...] | None:
         raise UsageError(str(exc)) from None
 
 
-def _session_conflicts(run: dict[str, Any], slurm: bool, session: Session) -> list[str]:
+def _session_conflicts(run: dict[str, Any], slurm: bool, session: Session,
+                       ray: bool = False) -> list[str]:
     """The ``%%ddp`` options that ask for ranks other than the open session's."""
     config = session.config
     wanted = {
@@ -136,6 +178,7 @@ def _session_conflicts(run: dict[str, Any], slurm: bool, session: Session) -> li
         "--backend": run["backend"] is not None and run["backend"] != config.backend,
         "--no-init": not run["init"] and config.init,
         "--slurm": slurm,
+        "--ray": ray,
         "--max-restarts": run["max_restarts"] != 0,
     }
     return [option for option, conflicts in wanted.items() if conflicts]
@@ -183,6 +226,7 @@ class DDPMagics(Magics):
                       "queue state, output, metrics, result; interrupting the cell runs "
                       "scancel"),
         *_flags(Slurm),
+        *_RAY_FLAGS,
     )
     @output_can_be_silenced  # a trailing ';' hides the result, as in any cell
     @line_cell_magic
@@ -209,7 +253,7 @@ class DDPMagics(Magics):
         _check_combination(args)
         session = self._open_session
         if session is not None and not args.export:
-            conflicts = _session_conflicts(run, args.slurm, session)
+            conflicts = _session_conflicts(run, args.slurm, session, args.ray)
             if conflicts:
                 raise UsageError(
                     f"{', '.join(conflicts)} would need other ranks than the open session's "
@@ -237,6 +281,9 @@ class DDPMagics(Magics):
     def _launch(self, code: Cell, args: Any, run: dict[str, Any]) -> CellResult:
         __tracebackhide__ = True
         try:
+            if args.ray:
+                run = {**run, "gpus": _per_node(run["gpus"])}
+                return launch(code, **run, ray=_ray_options(args, run["gpus"]))
             slurm = args.slurm and Slurm(**_values(Slurm, args))
             if args.slurm:
                 run = {**run, "gpus": _per_node(run["gpus"])}
@@ -272,8 +319,8 @@ class DDPMagics(Magics):
                    "ranks reload your edited modules before each cell; default: as the "
                    "notebook's %%%%autoreload 2)")
     @argument("job", nargs="?", metavar="JOBID|on|off",
-              help="with attach: the session's SLURM job (default: your one running "
-                   "session job); with auto or autoreload: on or off")
+              help="with attach: the session's SLURM job or Ray session id (default: "
+                   "your one running session); with auto or autoreload: on or off")
     @_arguments(
         *_flags(RunOptions, session=True),
         argument("--slurm", action="store_true",
@@ -281,10 +328,11 @@ class DDPMagics(Magics):
                       "the session: --nprocs or --gpus ranks per node; the cell shows the "
                       "queue wait and returns when every rank is ready"),
         argument("--grace", type=float, metavar="SECONDS",
-                 help="with --slurm: how long the ranks wait for a kernel to attach after "
-                      "this one has gone (default: as long as the job runs; 0: they end "
-                      "with the kernel)"),
+                 help="with --slurm or --ray: how long the ranks wait for a kernel to "
+                      "attach after this one has gone (default with --slurm: as long as "
+                      "the job runs; with --ray: they end with the kernel)"),
         *_flags(Slurm),
+        *_RAY_FLAGS,
     )
     @line_magic
     def ddp_session(self, line: str) -> Any:
@@ -295,12 +343,15 @@ class DDPMagics(Magics):
         (other names come from the notebook, as always). ``%ddp_session start --slurm
         --nodes 2`` starts them on a cluster's nodes, as one SLURM job, which outlives the
         kernel: ``%ddp_session attach [JOBID]`` in a new kernel reconnects to its ranks.
+        ``%ddp_session start --ray --nodes 2`` starts them on a Ray cluster's nodes (with
+        ``--grace SECONDS`` they outlive the kernel that long, for ``attach``).
         ``%ddp_session stop`` ends the session (and its job), ``restart`` starts fresh
         ranks, and ``%ddp_session`` says what runs (its value is a ``SessionStatus``).
         """
         args = parse_argstring(self.ddp_session, line)
-        if args.action != "start" and (args.slurm or _job_flags(args) or args.grace is not None):
-            raise UsageError("--slurm, --grace and the SLURM job's options are for "
+        if args.action != "start" and (args.slurm or args.ray or _job_flags(args)
+                                       or args.grace is not None or _ray_flags(args)):
+            raise UsageError("--slurm, --ray, --grace and the cluster's options are for "
                              "%ddp_session start")
         if args.action == "auto":
             return self._auto(args.job)
@@ -409,11 +460,15 @@ def _running_cell_number(shell: Any) -> int:
 
 
 def _start_session(args: Any) -> Session:
-    if (_job_flags(args) or args.grace is not None) and not args.slurm:
+    _check_ray(args)
+    if (_job_flags(args) or args.grace is not None) and not (args.slurm or args.ray):
         raise UsageError("--nodes, --time, --partition, --sbatch and --grace describe a "
                          "SLURM job: add --slurm to start the session's ranks as one")
     run = _values(RunOptions, args, session=True)
     try:
+        if args.ray:
+            run = {**run, "gpus": _per_node(run["gpus"])}
+            return Session(**run, ray=_ray_options(args, run["gpus"], args.grace))
         if args.slurm:
             run = {**run, "gpus": _per_node(run["gpus"])}
             return Session(**run, slurm=Slurm(**_values(Slurm, args)), grace=args.grace)

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TextIO, TypeVar
 
-from ._backends import Slurm, attached_session, session_backend
+from ._backends import Ray, Slurm, attached_session, session_backend
 from ._errors import NbddpError
 from ._notebook.ipython_autoreload import notebook_autoreloads
 from ._run.backend import Backend
@@ -63,26 +63,32 @@ class Session:
     seconds (None, the default: as long as the job runs; 0: they end with the kernel),
     and ``Session.attach(job_id)`` in a new kernel reconnects to them, state and all.
     ``close()`` cancels the job.
+
+    ``ray=nbddp.Ray(nodes=2, ...)`` starts them on a Ray cluster's nodes, ``nprocs`` per
+    node, as one placement group; with ``Ray(grace=...)`` they outlive the kernel that
+    long, and ``Session.attach()`` reconnects a new kernel.
     """
 
     def __init__(self, nprocs: int | None = None, *, gpus: int | Sequence[int] | None = None,
                  backend: str | None = None, init: bool = True, timeout: float | None = None,
                  env: Mapping[str, str] | None = None,
                  output: Literal["rank0", "all", "none"] = "rank0",
-                 slurm: bool | Slurm = False, grace: float | None = None) -> None:
+                 slurm: bool | Slurm = False, grace: float | None = None,
+                 ray: bool | Ray = False) -> None:
         options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
                              timeout=timeout, env=env, output=output)
-        self._begin(session_backend(options, slurm, grace))
+        self._begin(session_backend(options, slurm, grace, ray))
         self._group, hold = held_while(self._new_group)  # a press: stops them once they exist
         self._wait_ready(hold)
         self._where.started(self._group)
 
     @classmethod
     def attach(cls, job_id: str | int | None = None) -> Session:
-        """The session whose SLURM job ``job_id`` holds the ranks, e.g. after a kernel
-        restart: its ranks reconnect to this kernel, with their state. Without
-        ``job_id``, this account's one running session job (several are listed in the
-        error). Only the user who started the session can attach: the key is theirs."""
+        """The session whose SLURM job ``job_id`` (or Ray session, ``ray-...``) holds the
+        ranks, e.g. after a kernel restart: its ranks reconnect to this kernel, with their
+        state. Without ``job_id``, this account's one running session (several are
+        listed in the error). Only the user who started the session can attach: the key
+        is theirs."""
         where, group, names = attached_session(job_id)
         session = cls.__new__(cls)
         session._begin(where)

@@ -14,7 +14,7 @@ if [ "${1:-}" = "--fast" ]; then
   "$PY" -m ruff check nbddp tests benchmarks examples
   exec "$PY" -m pytest tests -m fast "$@"
 fi
-bash scripts/install.sh dev,frameworks
+bash scripts/install.sh dev,frameworks,ray
 # The real-browser test needs Debian's chromium (apt-get, as root) and JupyterLab;
 # NBDDP_BROWSER_TESTS=0 skips installing them (the test then skips itself).
 if [ "${NBDDP_BROWSER_TESTS:-1}" = 1 ]; then bash scripts/install-browser.sh; fi

@@ -90,7 +90,8 @@ WAITING_LANE = {
     "test_slurm_submit.py", "test_slurm_cluster.py", "test_requeue.py", "test_export.py",
     "test_docs.py", "test_session.py", "test_security.py", "test_stacks.py",
     "test_rank_view.py", "test_kernel.py", "test_pdb.py", "test_metrics.py",
-    "test_models_back.py", "test_slurm_session.py",
+    "test_models_back.py", "test_slurm_session.py", "test_ray_session.py",
+    "test_ray_lifecycle.py",
     "cluster_session.ipynb",  # (a notebook: its SLURM jobs queue beside no other test's)
 }
 """Modules whose tests spend much of their time waiting (on SLURM's scheduler, a timeout,
@@ -159,6 +160,13 @@ def cmdline(pid: int) -> str:
         return "?"
 
 
+def rays_own(pid: int) -> bool:
+    """A process a Ray test cluster keeps for itself (an idle worker of its pool), which
+    it starts whenever it likes: not one nbddp started (its agents and their torchruns
+    are checked as any other process)."""
+    return cmdline(pid).startswith("ray::IDLE")
+
+
 LEFTOVER_GRACE = 30.0
 
 
@@ -173,8 +181,8 @@ def no_leftovers():
     yield
 
     def leftovers() -> tuple[set, set, set]:
-        return (descendants() - before_procs, run_dirs() - before_dirs,
-                socket_fds() - before_socks)
+        return ({pid for pid in descendants() - before_procs if not rays_own(pid)},
+                run_dirs() - before_dirs, socket_fds() - before_socks)
 
     deadline = time.monotonic() + LEFTOVER_GRACE
     found = leftovers()

@@ -12,7 +12,10 @@ the line right above a fence make the page check more than that:
   block before it printed, so shown output cannot go stale;
 - ``<!-- slurm -->`` above a ```python block: it submits to SLURM, and runs against the
   test cluster (``scripts/slurm-up.sh``, always up in CI); without one it is skipped, and
-  so is the rest of the page.
+  so is the rest of the page;
+- ``<!-- ray -->`` above a ```python block: it runs on a Ray cluster, a two-node one that
+  the test starts on this machine for the page (``RAY_ADDRESS`` names it to the kernel);
+  without ray installed it is skipped, and so is the rest of the page.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ LANGUAGES = {"python", "text", "bash", "console", "toml", "yaml"}
 BLOCK_TIMEOUT = 60.0
 
 _FENCE = re.compile(
-    r"^(?:<!--\s*(?P<kind>raises|output|slurm)\s*:?\s*(?P<arg>[\w.]*)\s*-->\n)?"
+    r"^(?:<!--\s*(?P<kind>raises|output|slurm|ray)\s*:?\s*(?P<arg>[\w.]*)\s*-->\n)?"
     r"```(?P<lang>[\w-]*)[^\n]*\n(?P<body>.*?)^```[ \t]*$",
     re.M | re.S,
 )
@@ -45,6 +48,7 @@ class Block:
     raises: str | None = None
     is_output: bool = False
     needs_slurm: bool = False
+    needs_ray: bool = False
 
 
 def blocks(page: Path) -> list[Block]:
@@ -55,7 +59,8 @@ def blocks(page: Path) -> list[Block]:
         kind, lang = match["kind"], match["lang"]
         found.append(Block(lang, match["body"], text.count("\n", 0, match.start("lang")) + 1,
                            raises=match["arg"] if kind == "raises" else None,
-                           is_output=kind == "output", needs_slurm=kind == "slurm"))
+                           is_output=kind == "output", needs_slurm=kind == "slurm",
+                           needs_ray=kind == "ray"))
     return found
 
 
@@ -73,9 +78,11 @@ def _runnable_pages() -> list[Path]:
 
 
 def _page_params() -> list:
-    """Each runnable page; one that submits to SLURM carries the ``slurm`` mark."""
-    return [pytest.param(page, id=page.stem, marks=[pytest.mark.slurm]
-                         if any(b.needs_slurm for b in blocks(page)) else [])
+    """Each runnable page; one that submits to SLURM carries the ``slurm`` mark, one that
+    runs on Ray the ``ray`` mark."""
+    return [pytest.param(page, id=page.stem, marks=[
+                *([pytest.mark.slurm] if any(b.needs_slurm for b in blocks(page)) else []),
+                *([pytest.mark.ray] if any(b.needs_ray for b in blocks(page)) else [])])
             for page in _runnable_pages()]
 
 
@@ -96,10 +103,10 @@ def test_every_fence_is_understood():
             assert block.lang in LANGUAGES, f"{where}: fence language {block.lang!r}"
             assert block.raises is None or block.lang == "python", where
             assert not block.is_output or block.lang == "text", where
-            assert not block.needs_slurm or block.lang == "python", where
+            assert not (block.needs_slurm or block.needs_ray) or block.lang == "python", where
         for number, line in enumerate(text.splitlines(), 1):
             assert not re.match(r"\s+```", line), f"{page.name}:{number}: indented fence"
-            if re.search(r"<!--\s*(raises|output|slurm)\b", line):
+            if re.search(r"<!--\s*(raises|output|slurm|ray)\b", line):
                 following = text.splitlines()[number] if number < len(text.splitlines()) else ""
                 assert following.startswith("```"), \
                     f"{page.name}:{number}: a check comment must sit right above its fence"
@@ -116,10 +123,13 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
     kernel = Kernel(work)
+    clusters: list = []  # a Ray cluster the page runs on, once started
     try:
-        _run_page(kernel, page)
+        _run_page(kernel, page, clusters)
     finally:
         kernel.shutdown()
+        for cluster in clusters:
+            cluster.stop()
     # Nothing nbddp made for a run is left, whatever the page did.
     wait_until(lambda: not list(private_tmp.glob("nbddp-*")), timeout=10)
 
@@ -134,8 +144,22 @@ def _slurm_ready(kernel: Kernel) -> str | None:
     return reason
 
 
-def _run_page(kernel: Kernel, page: Path) -> None:
-    previous, slurm_checked = None, False
+def _ray_ready(kernel: Kernel, clusters: list) -> str | None:
+    """Start a two-node Ray cluster for the page, and name it to the kernel; why none
+    can be started, or None."""
+    from .ray_cluster import RayCluster, unavailable
+
+    reason = unavailable()
+    if reason is None:
+        cluster = RayCluster()
+        clusters.append(cluster)
+        cluster.start(nodes=2)
+        kernel.run(f"import os; os.environ['RAY_ADDRESS'] = {cluster.address!r}").assert_ok()
+    return reason
+
+
+def _run_page(kernel: Kernel, page: Path, clusters: list) -> None:
+    previous, slurm_checked, ray_checked = None, False, False
     for block in blocks(page):
         where = f"{page.relative_to(DOCS.parent)}:{block.line}"
         if block.needs_slurm and not slurm_checked:
@@ -143,6 +167,11 @@ def _run_page(kernel: Kernel, page: Path) -> None:
             reason = _slurm_ready(kernel)
             if reason:
                 pytest.skip(f"{where} and after need SLURM: {reason}")
+        if block.needs_ray and not ray_checked:
+            ray_checked = True
+            reason = _ray_ready(kernel, clusters)
+            if reason:
+                pytest.skip(f"{where} and after need Ray: {reason}")
         if block.lang == "python":
             run = kernel.run(block.body, timeout=BLOCK_TIMEOUT)
             if block.raises:

@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "nbddp"
 FLOOR = {"_errors", "_version"}
 """Leaf modules every package may use: the exceptions a user catches, and the version."""
 FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_backends", "_worker", "_torchrun"}
-BACKENDS = {"_local", "_slurm"}
+BACKENDS = {"_local", "_slurm", "_ray"}
 """The backends: packages that place and start rank groups (see ``_run.backend``)."""
 CHOOSER = "_backends"
 """The one front-door module that names the backends."""
@@ -30,6 +30,7 @@ ALLOWED = {
     "_run": {"_panel", "_wire"},
     "_local": {"_run", "_panel", "_wire"},
     "_slurm": {"_run", "_panel", "_wire"},
+    "_ray": {"_run", "_wire"},
     "_export": {"_slurm", "_rank", "_run", "_wire"},
     "integrations": {"_rank", "_wire"},
     "_notebook": set(),

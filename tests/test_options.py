@@ -21,6 +21,7 @@ from IPython.core.magic_arguments import parse_argstring
 from nbddp._export.script import export
 from nbddp._launch import launch
 from nbddp._magic import DDPMagics, _usage_error, _values
+from nbddp._ray.options import Ray
 from nbddp._run.config import RunConfig, RunOptions
 from nbddp._run.devices import GpusNotVisible
 from nbddp._run.flags import decided, defaults, flagged
@@ -29,9 +30,9 @@ from nbddp._slurm.options import Slurm, SlurmOptions
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
-MAGIC_ONLY = {"help", "out", "export", "slurm", "ranks", "auto_cell"}
+MAGIC_ONLY = {"help", "out", "export", "slurm", "ray", "ranks", "auto_cell"}
 """``%%ddp``'s own flags, which are no option of a run: help, names to bring back,
-exporting instead of running, submitting to SLURM."""
+exporting instead of running, submitting to SLURM, running on Ray."""
 EXPORT_RENAMED = {"gpus": (SlurmOptions, "gpus_per_node")}
 """export's ``gpus`` counts GPUs per node (0: none), as a SLURM job's shape does."""
 
@@ -51,7 +52,7 @@ def _dests(parser: Any) -> set[str]:
 
 
 def test_launch_takes_every_run_option_with_its_default():
-    taken = _parameters(launch, {"fn", "args", "kwargs", "wait", "slurm"})
+    taken = _parameters(launch, {"fn", "args", "kwargs", "wait", "slurm", "ray"})
     assert taken == dict(defaults(RunOptions))
 
 
@@ -65,9 +66,11 @@ def test_launch_overloads_have_the_implementations_parameters():
 
 
 def test_session_takes_run_options_with_their_defaults():
-    started = _parameters(Session.__init__, {"self", "slurm", "grace"})
+    started = _parameters(Session.__init__, {"self", "slurm", "grace", "ray"})
     assert started.items() <= dict(defaults(RunOptions)).items()
-    assert _parameters(launch, set())["slurm"] == _parameters(Session.__init__, set())["slurm"]
+    for cluster in ("slurm", "ray"):
+        assert _parameters(launch, set())[cluster] == \
+            _parameters(Session.__init__, set())[cluster]
     per_run = _parameters(Session.submit, {"self", "fn", "args", "kwargs", "stdout",
                                            "timeout", "output",  # None: the session's
                                            "ranks"})  # (a session's alone)
@@ -95,14 +98,14 @@ def test_slurm_and_the_sbatch_options_agree_on_defaults():
 
 
 def test_every_option_says_whether_a_magic_takes_it():
-    for options in (RunOptions, Slurm):
+    for options in (RunOptions, Slurm, Ray):
         undecided = [field.name for field in dataclasses.fields(options) if not decided(field)]
         assert undecided == [], f"{options.__name__}: flag(...) or no_flag(why) for these"
 
 
 def test_ddp_has_a_flag_for_every_option_a_cell_can_take_and_no_other():
     parser = DDPMagics.ddp.parser
-    wanted = {field.name for options in (RunOptions, Slurm)
+    wanted = {field.name for options in (RunOptions, Slurm, Ray)
               for field, _ in flagged(options)}
     assert _dests(parser) == wanted | MAGIC_ONLY
     assert {"gpus", "nprocs", "backend", "timeout", "init", "max_restarts", "stall_after",
@@ -112,8 +115,8 @@ def test_ddp_has_a_flag_for_every_option_a_cell_can_take_and_no_other():
 
 def test_ddp_session_has_a_flag_for_every_option_a_session_starts_with():
     parser = DDPMagics.ddp_session.parser
-    job = {field.name for field, _ in flagged(Slurm)}
-    options = _dests(parser) - {"help", "action", "job", "slurm", "grace"} - job
+    job = {field.name for options in (Slurm, Ray) for field, _ in flagged(options)}
+    options = _dests(parser) - {"help", "action", "job", "slurm", "ray", "grace"} - job
     assert options == {field.name for field, _ in flagged(RunOptions, session=True)}
     assert options == {"gpus", "nprocs", "backend", "timeout", "init"}
     assert options <= set(_parameters(Session.__init__, {"self"}))

@@ -11,9 +11,10 @@ import nbddp
 
 
 def test_all_is_pinned():
-    assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "Session", "SessionStatus",
-                             "Slurm", "StandbyState", "WorkerError", "attach", "export",
-                             "last_job", "launch", "log", "progress", "requeue",
+    assert nbddp.__all__ == ["Job", "NbddpError", "PayloadError", "Ray", "Session",
+                             "SessionStatus", "Slurm", "StandbyState", "WorkerError",
+                             "attach", "export", "last_job", "launch", "log", "progress",
+                             "requeue",
                              "restart_count", "standby", "stop_requested"]
     for name in nbddp.__all__:
         assert getattr(nbddp, name).__module__.startswith("nbddp.")
@@ -34,6 +35,17 @@ def test_importing_nbddp_does_not_import_torch_or_configure_logging():
     assert out.strip() == "False []"
 
 
+@pytest.mark.fast
+def test_ray_is_imported_only_when_a_ray_run_starts():
+    """``nbddp.Ray`` and a local session's front door never load ray (an optional extra:
+    ``nbddp[ray]``); only a run or session on Ray does."""
+    code = ("import sys, nbddp, nbddp._session, nbddp._magic; options = nbddp.Ray(nodes=2); "
+            "print('ray' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"
+
+
 def test_worker_error_pickles_and_keeps_its_details():
     import pickle
 
@@ -44,7 +56,8 @@ def test_worker_error_pickles_and_keeps_its_details():
     assert str(copy) == str(error)
 
 
-KERNEL_SIDE = ("nbddp._run", "nbddp._panel", "nbddp._local", "nbddp._slurm", "nbddp._export",
+KERNEL_SIDE = ("nbddp._run", "nbddp._panel", "nbddp._local", "nbddp._slurm", "nbddp._ray",
+               "nbddp._export",
                "nbddp._launch", "nbddp._session", "nbddp._magic",
                "nbddp._wire.cell_names", "nbddp._wire.history")
 """The kernel's packages and modules, and the two of ``_wire`` only the kernel needs

@@ -574,7 +574,7 @@ def test_the_python_api_runs_on_the_nodes(slurm_env, jobs, monkeypatch, capsys):
 def test_options_a_session_job_cannot_take_are_refused(slurm_env):
     with pytest.raises(ValueError, match="does not take requeue"):
         nbddp.Session(nprocs=1, slurm=nbddp.Slurm(requeue=True))
-    with pytest.raises(ValueError, match="grace is for a session on SLURM"):
+    with pytest.raises(ValueError, match="grace is for a session on a cluster"):
         nbddp.Session(nprocs=1, grace=60)
 
 

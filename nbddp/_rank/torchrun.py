@@ -14,7 +14,9 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
   process removes what it had made, which nothing else would (its output goes to the
   kernel until then, and to the run dir's log after). A SLURM job has no lifeline
   (``-``): it outlives a kernel restart, and can be re-attached;
-- with ``--node-data`` (after the lifeline; a SLURM session's), it makes this node's
+- with ``--report FD`` (after ``--node-data``; a Ray agent's), it goes on in a child of
+  its own and says its exit code on that pipe (see ``_leave_the_parent``);
+- with ``--node-data`` (after the lifeline; a cluster session's), it makes this node's
   private folders for the data files the kernel sends (in shared memory, and on local
   disk for those that do not fit there), names them to the ranks, and removes them when
   torchrun ends, however its ranks ended.
@@ -75,7 +77,12 @@ def _write_failures(run_dir: RunDir, error) -> None:
 
 def _node_folders() -> list[Path]:
     """This node's private (0700) folders for data files, named to the ranks: one in
-    shared memory where there is one, one on local disk (``$TMPDIR``)."""
+    shared memory where there is one, one on local disk (``$TMPDIR``). Where the node's
+    agent made them (a Ray session's), they are those (and this process removes them
+    too, should the agent have died first)."""
+    made = [os.environ.get(NODE_SHM_ENV), os.environ.get(NODE_DISK_ENV)]
+    if made[1]:
+        return [Path(folder) for folder in made if folder]
     folders = []
     shm = shm_root()
     if shm is not None:
@@ -120,16 +127,58 @@ def _output_to(fd: int) -> None:
     os.close(fd)
 
 
+def _signals_as_usual() -> None:
+    """Take signals as a process started from a shell does: whoever started this one may
+    have blocked or ignored some (a Ray worker's threads block them, and a child keeps
+    its parent's mask), and torchrun's stop (SIGTERM) and a rank's interrupt (SIGINT,
+    passed on to every rank torchrun starts) must arrive."""
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def main(argv: list[str]) -> int:
-    run_dir, lost = RunDir.named(Path(argv[0])), threading.Event()
-    if argv[1] != "-":
-        lifeline = int(argv[1])
+    _signals_as_usual()
+    run_dir = RunDir.named(Path(argv[0]))
+    node_data, report, args = _own_options(argv[2:])
+    if report is not None:
+        _leave_the_parent()
+    code = -1
+    try:
+        code = _run(run_dir, argv[1], node_data, args)
+    finally:
+        if report is not None:
+            with contextlib.suppress(OSError):
+                os.write(report, str(code).encode())
+    return code
+
+
+def _own_options(argv: list[str]) -> tuple[bool, int | None, list[str]]:
+    """nbddp's options before torchrun's: ``--node-data``, ``--report FD``."""
+    node_data = argv[:1] == ["--node-data"]
+    argv = argv[node_data:]
+    if argv[:1] == ["--report"]:
+        return node_data, int(argv[1]), argv[2:]
+    return node_data, None, argv
+
+
+def _leave_the_parent() -> None:
+    """Go on in a child of this process, which ends at once: whoever started torchrun
+    then has no child to kill when it dies (Ray kills an actor's children with
+    SIGKILL), and torchrun, told by its lifeline, stops its ranks and removes its files
+    itself. It says how it ended on ``--report``'s pipe."""
+    if os.fork() != 0:
+        os._exit(0)
+
+
+def _run(run_dir: RunDir, lifeline_arg: str, node_data: bool, args: list[str]) -> int:
+    lost = threading.Event()
+    if lifeline_arg != "-":
+        lifeline = int(lifeline_arg)
         if not _wait_for_run_dir(lifeline, run_dir):
             return 0
         threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir, lost),
                          daemon=True).start()
-    node_data = argv[2:3] == ["--node-data"]
-    args = argv[2 + node_data:]
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -147,4 +196,3 @@ def main(argv: list[str]) -> int:
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
     return 0
-

@@ -1,6 +1,7 @@
 """The entry point torchrun runs on every rank.
 
-``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox | --remote [--grace S]]``
+``python -m nbddp._worker RUN_DIR [--prepare gloo] [--mailbox | --remote [--grace S]]
+[--relay-output]``
 
 Bootstrap order matters. Output goes to a log file first, so even a crash is recorded.
 Then the rank connects to the kernel, says hello, and prepares while the kernel may not
@@ -14,7 +15,9 @@ goes back to waiting, until the kernel closes the link. A SLURM job's rank
 goes (see ``_rank.link``); a SLURM session's rank (``--remote``) waits for each Start on
 the kernel's TCP channel, as a local one does on its socket, and outlives its kernel for
 ``--grace`` seconds (by default, as long as the job runs) for another to attach (see
-``_rank.attachable``). This module imports nothing of the kernel side.
+``_rank.attachable``); a Ray session's rank does the same, and as its node shares no
+filesystem with the kernel, sends its output over the channel (``--relay-output``, see
+``_rank.output_relay``). This module imports nothing of the kernel side.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .._wire.messages import Assigned, Hello, Ready, Requeueing, Result, StopRequested
-from .._wire.rundir import RunDir
+from .._wire.rundir import NODE_NAME_ENV, RunDir
 from .._wire.stacks import answer_stacks
 from .attachable import AttachableLink
 from .debugger import install as install_pdb
 from .link import KernelLink
 from .loop import Rank, failure, prepare
+from .output_relay import OutputRelay
 from .requeue import watch_for_stop
 
 _PR_SET_PDEATHSIG = 1
@@ -85,9 +89,10 @@ def _die_with_launcher() -> None:
 
 
 def hello(rank: int) -> Hello:
-    """What this rank says first: who it is, and where it runs (SLURM's node name: the
-    test cluster's virtual nodes share one host)."""
-    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    """What this rank says first: who it is, and where it runs (the node's name as its
+    Ray agent or SLURM gives it: the test clusters' virtual nodes share one host)."""
+    node = (os.environ.get(NODE_NAME_ENV) or os.environ.get("SLURMD_NODENAME")
+            or socket.gethostname())
     return Hello(rank, os.getpid(), node, int(os.environ.get("LOCAL_RANK", "0")))
 
 
@@ -99,22 +104,26 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
-def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None) -> int:
-    """Prepare, then run each Start until there is no more; the exit code."""
+def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None,
+           relay: OutputRelay | None = None) -> int:
+    """Prepare, then run each Start until there is no more; the exit code. ``relay``:
+    the output goes to the kernel over the link (it cannot read the node's files)."""
     try:
         prepared = prepare(backend)
     except BaseException as exc:  # noqa: BLE001 - the kernel hears of it as a failure
         link.send(failure(rank, exc))
         return 1
     link.send(Ready(rank))
-    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared, _output_mover(run_dir),
-              link.in_run)
+    me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared,
+              relay.move if relay is not None else _output_mover(run_dir), link.in_run)
     if isinstance(link, AttachableLink):  # what a kernel that attaches is told (the
         link.greeting = lambda: [hello(rank), *(  # names before Ready, which
             [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
             Ready(rank)]  # is what it waits for)
     while (start := link.wait_start()) is not None:  # (it marks the rank busy)
         report = me.run(start, link.send)
+        if relay is not None:
+            relay.flush()  # (the run's last lines before its end)
         link.send(report.message, report.data)
         link.run_over()
         me.interrupts.forget()  # (after that: a later SIGINT finds the rank at rest)
@@ -141,6 +150,7 @@ def main(argv: list[str]) -> None:
     link_kind.add_argument("--mailbox", action="store_true")
     link_kind.add_argument("--remote", action="store_true")
     parser.add_argument("--grace", type=float)
+    parser.add_argument("--relay-output", action="store_true")
     args = parser.parse_args(argv)
     rank = int(os.environ["RANK"])
     run_dir = RunDir(args.run_dir, shared=args.mailbox or args.remote)
@@ -153,7 +163,9 @@ def main(argv: list[str]) -> None:
         link.greeting = lambda: [hello(rank)]
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
     install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
-    code = _serve(link, run_dir, rank, args.prepare)
+    relay = OutputRelay(rank, run_dir.rank_log(rank), link.send) if args.relay_output \
+        else None
+    code = _serve(link, run_dir, rank, args.prepare, relay)
     link.close()
     _exit(code)
 

@@ -31,6 +31,7 @@ from .._wire.messages import (
     Failure,
     Interrupt,
     KeepPayload,
+    OutputBytes,
     PayloadKept,
     RankOptions,
     Result,
@@ -213,7 +214,19 @@ class RemoteSessionGroup(WaitingGroup):
             return True
         if isinstance(message, Result) and message.file:
             self._received.append(Path(message.file))  # (removed if nobody reads it)
+        if isinstance(message, OutputBytes):
+            self._write_output(message)
+            return True
         return super()._took(message)
+
+    def _write_output(self, output: OutputBytes) -> None:
+        """(Under the lock) A rank's output, sent from a node whose files the kernel
+        cannot read: into the rank's log in the run's records, where it is read."""
+        if self.records is None:
+            return
+        with contextlib.suppress(OSError), \
+                open(self.records.rank_log(output.rank), "ab") as log:
+            log.write(output.data)
 
     def stop(self, clean: bool = False) -> None:
         """Stop the ranks (``clean``: let them end by themselves first: the ranks at rest

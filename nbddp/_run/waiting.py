@@ -117,6 +117,11 @@ class WaitingGroup(RankGroup):
         with self._lock:
             return {rank: hello.pid for rank, hello in self._hellos.items()}
 
+    def rank_nodes(self) -> dict[int, str]:
+        """Each rank's node, as it named it (once it has said hello)."""
+        with self._lock:
+            return {rank: hello.node for rank, hello in self._hellos.items()}
+
     def _deliver(self, message: Any) -> None:
         """Keep track of the ranks (the channel's threads call this), then queue it."""
         inner = message.message if isinstance(message, Sequenced) else message

@@ -83,8 +83,8 @@ class Slurm:
     """
 
     nodes: int = field(default=1, metadata=flag(
-        "with --slurm or --export: machines for the job (ranks per node: --nprocs or --gpus; "
-        "default one)", type=int, metavar="N"))
+        "with --slurm, --ray or --export: machines for the job (ranks per node: --nprocs or "
+        "--gpus; default one)", type=int, metavar="N"))
     """Machines; one torchrun per machine, joined by c10d rendezvous."""
     time: str | None = field(default=None, metadata=flag(
         "with --slurm or --export: the job's time limit, e.g. 01:00:00"))

@@ -9,8 +9,8 @@ that a message names; to and from another machine, the file goes along with the 
 (``_wire.transfer``).
 
     rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StepTimes, StopRequested,
-                     DebugPrompt, DebugDone, Assigned, Stacks, Collectives, PayloadKept, and
-                     a report:
+                     DebugPrompt, DebugDone, Assigned, Stacks, Collectives, PayloadKept,
+                     OutputBytes, and a report:
                      Result, Failure or Requeueing (each Sequenced)
     kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks,
                      ShowCollectives
@@ -103,6 +103,16 @@ class PayloadKept:
 
     rank: int
     file: str
+
+
+@dataclass(frozen=True)
+class OutputBytes:
+    """What a rank wrote to its output since its last ``OutputBytes``, from a node that
+    shares no filesystem with the kernel (a Ray node): the kernel appends it to the
+    rank's log in the run's records, where the notebook reads it as any rank's log."""
+
+    rank: int
+    data: bytes
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,8 @@ SBATCH = "job.sbatch"
 """A SLURM job's batch script."""
 SESSION = "session.json"
 """A SLURM session's job id and shape, for a kernel that attaches to it."""
+RAY_SESSION = "ray-session.json"
+"""A Ray session's placement group, agents and shape, for a kernel that attaches to it."""
 NODE_EPILOG = "node-epilog"
 """A SLURM session's task epilog: SLURM runs it on each node however the node's torchrun
 ended (a SIGKILL too), and it removes that node's data folders."""
@@ -54,6 +56,9 @@ NODE_SHM_ENV = "NBDDP_NODE_SHM"
 """Names the node's data folder in shared memory to its ranks (set by nbddp's torchrun)."""
 NODE_DISK_ENV = "NBDDP_NODE_DISK"
 """Names the node's data folder on local disk, for files that do not fit in memory."""
+NODE_NAME_ENV = "NBDDP_NODE_NAME"
+"""Names a node to its ranks, who say it in their hello (set by a Ray session's agent:
+Ray's test nodes share one host name, so the name carries Ray's node id)."""
 LAUNCHER_LOG = "torchrun.log"
 """torchrun's own output (a batch job's too); kept with the run's records."""
 METRICS = "metrics.jsonl"
@@ -123,6 +128,7 @@ class RunDir:
         self.job = path / JOB
         self.sbatch = path / SBATCH
         self.session = path / SESSION
+        self.ray_session = path / RAY_SESSION
         self.node_epilog = path / NODE_EPILOG
         self.launcher_log = path / LAUNCHER_LOG
 

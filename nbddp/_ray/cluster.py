@@ -1,0 +1,68 @@
+"""The kernel's connection to a Ray cluster: made once, never a cluster of its own.
+
+``import nbddp`` never imports ray: this module does, when a Ray run or session starts.
+``ray.init()`` with no cluster would start one inside the kernel; nbddp asks for a
+running cluster instead (``RAY_ADDRESS``, or the one started on this machine by ``ray
+start``), and says how to start one when there is none. A kernel already connected
+(the user's own ``ray.init``) is used as it is. ``ray.init`` points ``breakpoint()``
+at Ray's debugger (``PYTHONBREAKPOINT``): nbddp puts the notebook's own setting back,
+so that every rank's ``breakpoint()`` still opens in the notebook.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+from .._errors import NbddpError
+
+NAMESPACE = "nbddp"
+"""The Ray namespace of every session's placement group and agents (named there, so a
+kernel that attaches finds them; a namespace is no security boundary, see the docs)."""
+
+
+def ray_module() -> ModuleType:
+    """``ray``, imported now; a clear error where it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise NbddpError("ray is not installed in this kernel's environment: "
+                         "pip install 'nbddp[ray]'") from None
+    return ray
+
+
+def connect(address: str | None) -> ModuleType:
+    """``ray``, connected to the cluster at ``address`` (None: ``RAY_ADDRESS``, then the
+    cluster running on this machine)."""
+    ray = ray_module()
+    if ray.is_initialized():
+        return ray
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    if target.startswith("ray://"):
+        raise NbddpError(f"RAY_ADDRESS={target} is a Ray Client address: nbddp needs the "
+                         "kernel inside the cluster (give the GCS address, host:port)")
+    breakpoint_hook = os.environ.get("PYTHONBREAKPOINT")
+    try:
+        ray.init(address=target, namespace=NAMESPACE, log_to_driver=False,
+                 logging_level="WARNING", configure_logging=False)
+    except ConnectionError as exc:
+        raise NbddpError(
+            f"no Ray cluster reachable at {target!r} ({exc}); start one (`ray start "
+            "--head` on this machine, or run the notebook on a cluster's head node) or "
+            "give its address: nbddp.Ray(address='HOST:6379')") from None
+    finally:  # (ray.init points breakpoint() at Ray's debugger: the notebook's is kept)
+        _restore("PYTHONBREAKPOINT", breakpoint_hook)
+    return ray
+
+
+def _restore(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def kernel_address(ray: ModuleType) -> str:
+    """The address the cluster's nodes reach this kernel at: its node's, as Ray sees it
+    (``NBDDP_KERNEL_HOST`` overrides)."""
+    return os.environ.get("NBDDP_KERNEL_HOST") or ray.util.get_node_ip_address()

@@ -1,0 +1,151 @@
+"""A real two-node Ray cluster on this machine, for one test module.
+
+Two ``ray start`` processes on ports of their own (1 CPU each, no dashboard, a temp dir
+of their own), the second joining the first: two Ray nodes that share this machine's
+address and host name (nbddp keys per-node state by Ray's node id). pytest is a child
+subreaper, so every process the nodes start stays its descendant: each node's processes
+are known by PID, a node is removed by killing its raylet's PID, and the cluster is
+stopped by PID (never ``ray stop``, which stops every Ray on the machine by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .conftest import cmdline, descendants
+
+RAY = shutil.which("ray")
+
+
+def unavailable() -> str | None:
+    """Why no Ray cluster can be started here, or None."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return "ray is not installed (pip install 'nbddp[ray]')"
+    if RAY is None:
+        return "the ray command is not on PATH"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+class RayCluster:
+    """A head node and workers, started with ``ray start`` (see the module's docstring)."""
+
+    def __init__(self) -> None:
+        self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))  # (short: sockets)
+        self.port = _free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.nodes: list[set[int]] = []
+        """Each node's processes (its raylet and Ray's agents beside it)."""
+        self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+
+    def start(self, nodes: int = 2) -> RayCluster:
+        self._start_node(["--head", f"--port={self.port}", "--include-dashboard=false"])
+        for _ in range(nodes - 1):
+            self.add_node()
+        return self
+
+    def add_node(self) -> None:
+        self._start_node([f"--address={self.address}"])
+
+    def _start_node(self, where: list[str]) -> None:
+        before = descendants()
+        index = len(self.nodes)
+        done = subprocess.run(
+            [RAY, "start", *where, "--num-cpus=1", "--disable-usage-stats",
+             f"--temp-dir={self.temp_dir}", f"--resources={json.dumps({f'node{index}': 1})}"],
+            env=self.env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"ray start failed: {done.stdout}\n{done.stderr}"
+        self.nodes.append(descendants() - before)
+
+    def raylet(self, index: int) -> int:
+        """The PID of node ``index``'s raylet."""
+        found = [pid for pid in self.nodes[index] if "raylet/raylet" in cmdline(pid)]
+        assert found, f"no raylet among node {index}'s processes"
+        return found[0]
+
+    def kill_node(self, index: int) -> None:
+        """Node ``index`` goes, as a machine that is lost: its raylet killed."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.raylet(index), signal.SIGKILL)
+
+    def state(self) -> dict:
+        """What the cluster holds of nbddp: live actors of the nbddp namespace, placement
+        groups not removed (asked by a driver of its own, in a process of its own)."""
+        script = f"""
+import json, ray
+ray.init(address={self.address!r}, logging_level="ERROR", log_to_driver=False)
+actors = [a for a in ray._private.state.actors().values()
+          if a.get("State") != "DEAD" and a.get("Name", "").startswith("nbddp-")]
+groups = [g for g in ray.util.placement_group_table().values()
+          if g.get("state") != "REMOVED" and g.get("name", "").startswith("nbddp-")]
+print(json.dumps({{"actors": [a["Name"] for a in actors],
+                   "placement_groups": [g["name"] for g in groups]}}))
+"""
+        done = subprocess.run([sys.executable, "-c", script], env=self.env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def remove_sessions(self) -> None:
+        """Remove every nbddp placement group (and so its agents): what a failed test
+        left, gone before the next."""
+        script = f"""
+import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray._raylet import PlacementGroupID
+ray.init(address={self.address!r}, logging_level="ERROR", log_to_driver=False)
+for key, group in ray.util.placement_group_table().items():
+    if group.get("state") != "REMOVED" and group.get("name", "").startswith("nbddp-"):
+        remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(key))))
+"""
+        subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True,
+                       text=True, timeout=120)
+
+    def wait_empty(self, timeout: float = 60.0) -> dict:
+        """Wait until no nbddp actor or placement group is left; what is left."""
+        deadline = time.monotonic() + timeout
+        state = self.state()
+        while (state["actors"] or state["placement_groups"]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+            state = self.state()
+        return state
+
+    def stop(self) -> None:
+        """Every process of the cluster, by PID (and whatever they started since)."""
+        pids = set().union(*self.nodes) if self.nodes else set()
+        for pid in list(pids):
+            pids |= descendants(pid)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+                time.sleep(0.1)
+                descendants()  # (reaps the zombies adopted by pytest)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2] not in "ZX"

@@ -1,0 +1,180 @@
+"""A Ray session's life and its failures on a real two-node Ray cluster, through real
+kernels: a launch, a rank killed, an agent killed, a node lost, a kernel that dies with
+and without ``grace``. Each test has the cluster to itself (its own session needs both
+nodes' CPUs), and checks that nothing of it is left: no actor, placement group, process
+or file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from .conftest import wait_until
+from .kernel_driver import Kernel
+from .test_ray_session import START, cell, setup_cell
+from .test_ray_session import ray_cluster as ray_cluster  # noqa: F401 - this module's own
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+
+def test_a_launch_runs_on_both_nodes_and_leaves_nothing(ray_cluster, tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        run = kernel.run("""
+def total(n):
+    import torch, torch.distributed as dist
+    x = torch.tensor([float(n + dist.get_rank())])
+    dist.all_reduce(x)
+    return x.item(), os.environ["NBDDP_NODE_NAME"]
+nbddp.launch(total, nprocs=1, args=(10,), ray=nbddp.Ray(nodes=2), all_ranks=True)
+""", timeout=180).assert_ok()
+        values = eval(run.result())  # noqa: S307 - our own repr
+        assert [value for value, _ in values] == [21.0, 21.0]
+        assert values[0][1] != values[1][1], "one rank on each node"
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+    finally:
+        kernel.shutdown()
+
+
+def test_a_rank_killed_restarts_the_session_and_says_so(ray_cluster, tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        kernel.run(START, timeout=180).assert_ok()
+        cell(kernel, "lost = 1").assert_ok()
+        pids = eval(kernel.run("_status = %ddp_session\n_status.pids")  # noqa: S307
+                    .assert_ok().result())
+        run = kernel.submit("%%ddp\nimport time\nprint('sleeping', flush=True)\n"
+                            "time.sleep(30)")
+        run.wait_for_output("sleeping")
+        os.kill(pids[1], signal.SIGKILL)
+        run.finish(timeout=120)
+        assert run.error() is not None, run.describe()
+        assert "rank 1" in run.describe()
+        assert "variables defined in earlier cells are gone" in run.describe()
+        after = cell(kernel, "'lost' in globals()").assert_ok()
+        assert after.result() == "False"
+        kernel.run("%ddp_session stop").assert_ok()
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+    finally:
+        kernel.shutdown()
+
+
+def test_an_agent_killed_mid_cell_names_the_node_and_the_cause(ray_cluster, tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        start = kernel.run(START, timeout=180).assert_ok()
+        session = re.search(r"Ray session (ray-[0-9a-f]+)", start.stream_text()).group(1)
+        run = kernel.submit("%%ddp\nimport time\nprint('sleeping', flush=True)\n"
+                            "time.sleep(60)")
+        run.wait_for_output("sleeping")
+        killer = (f"import ray\nray.init(address={ray_cluster.address!r}, "
+                  "log_to_driver=False)\n"
+                  f"ray.kill(ray.get_actor('nbddp-{session}-agent-1', namespace='nbddp'))")
+        subprocess.run([sys.executable, "-c", killer], check=True, timeout=120,
+                       env=ray_cluster.env, capture_output=True)
+        began = time.monotonic()
+        run.finish(timeout=120)
+        assert time.monotonic() - began < 30
+        assert run.error() is not None, run.describe()
+        text = run.describe()
+        assert "agent of Ray node" in text or "rank 1" in text, text
+        kernel.run("%ddp_session stop").assert_ok()
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+    finally:
+        kernel.shutdown()
+
+
+def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        kernel.run(START, timeout=180).assert_ok()
+        assert ray_cluster.state()["placement_groups"]
+    finally:
+        kernel.end("killed")
+        kernel.shutdown()
+    assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
+def test_a_session_with_grace_is_attached_again_with_its_state(ray_cluster, tmp_path):
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = Kernel(tmp_path / "first")
+    try:
+        first.run(setup_cell(ray_cluster)).assert_ok()
+        first.run(f"{START} --grace 120", timeout=180).assert_ok()
+        cell(first, "import torch.distributed as dist\nweights = [1, 2, 3]").assert_ok()
+    finally:
+        first.end("killed")
+        first.shutdown()
+    second = Kernel(tmp_path / "second")
+    try:
+        second.run(setup_cell(ray_cluster)).assert_ok()
+        attached = second.run("%ddp_session attach", timeout=120).assert_ok()
+        assert "attached to Ray session" in attached.stream_text()
+        assert cell(second, "sum(weights) * dist.get_world_size()").assert_ok().result() \
+            == "12"
+        second.run("%ddp_session stop").assert_ok()
+        wait_until(lambda: ray_cluster.state() == {"actors": [], "placement_groups": []},
+                   timeout=60, interval=0.5)
+    finally:
+        second.shutdown()
+        ray_cluster.remove_sessions()  # (what a failure above left: not the next test's)
+
+
+def test_a_placement_ray_cannot_make_says_so_and_ctrl_c_leaves_nothing(ray_cluster,
+                                                                      tmp_path):
+    """Three nodes asked of a two-node cluster: the session says what it waits for (an
+    autoscaler could add the node), and Ctrl-C stops the wait, leaving nothing."""
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        run = kernel.submit("%ddp_session start --ray --nodes 3 --nprocs 1")
+        run.wait_for_output("waiting for Ray to place 3 bundles", timeout=60)
+        assert "2 nodes alive" in run.stream_text(), run.describe()
+        kernel.km.interrupt_kernel()
+        run.finish(timeout=120)
+        assert run.error() is not None and run.error()["ename"] == "KeyboardInterrupt", \
+            run.describe()
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+        kernel.run(START, timeout=180).assert_ok()  # (the cluster is whole for the next)
+        kernel.run("%ddp_session stop").assert_ok()
+    finally:
+        kernel.shutdown()
+
+
+def test_a_node_lost_mid_cell_ends_the_cell_naming_the_node(ray_cluster, tmp_path):
+    """The second node's raylet dies while a cell runs, as a machine that is lost: the
+    cell ends within seconds, the error says which node and that the state is gone, and
+    nothing of the session is left on either node. (Last in the module: the cluster is
+    one node short after it.)"""
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        kernel.run(START, timeout=180).assert_ok()
+        cell(kernel, "kept = 1").assert_ok()
+        run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\n"
+                            "time.sleep(120)")
+        run.wait_for_output("working")
+        ray_cluster.kill_node(1)
+        began = time.monotonic()
+        run.finish(timeout=120)
+        took = time.monotonic() - began
+        text = run.describe()
+        assert run.error() is not None, text
+        assert took < 30, f"the cell took {took:.0f} s to end:\n{text}"
+        assert "variables defined in earlier cells are gone" in text, text
+        kernel.run("%ddp_session stop", timeout=120).assert_ok()
+    finally:
+        kernel.shutdown()
+        ray_cluster.remove_sessions()

@@ -1,0 +1,149 @@
+"""Sessions and launches on a real two-node Ray cluster, through a real kernel.
+
+``%ddp_session start --ray --nodes 2`` asks Ray for one placement group (a bundle on
+each node), starts an agent in each bundle, and each agent's torchrun; cells then run
+on both nodes' ranks as in any session. The cluster's two nodes share this machine:
+they are told apart by Ray's node id, which names each rank's node. Every test checks
+what a user would: the cell's value or error, the ranks' state, and that nothing of the
+session is left (no actor, placement group, process or file) once it is stopped.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .kernel_driver import Kernel
+from .ray_cluster import RayCluster, unavailable
+from .test_pdb import answer
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+START = "%ddp_session start --ray --nodes 2 --nprocs 1"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = RayCluster()
+    try:
+        yield cluster.start(nodes=2)
+    finally:
+        cluster.stop()
+
+
+def setup_cell(cluster: RayCluster) -> str:
+    return (f"import os\nos.environ['RAY_ADDRESS'] = {cluster.address!r}\n"
+            "import nbddp\n%load_ext nbddp")
+
+
+@pytest.fixture(scope="module")
+def ray_session(ray_cluster, tmp_path_factory):
+    """One kernel with a two-node Ray session open, for the tests that keep it whole."""
+    kernel = Kernel(tmp_path_factory.mktemp("ray-session"))
+    try:
+        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        kernel.run(START, timeout=180).assert_ok()
+        yield kernel
+        kernel.run("%ddp_session stop").assert_ok()
+    finally:
+        kernel.shutdown()
+    assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
+def cell(kernel: Kernel, body: str, options: str = "", timeout: float = 90):
+    return kernel.run(f"%%ddp {options}\n{body}", timeout=timeout)
+
+
+def node_of_rank(kernel: Kernel) -> dict[int, str]:
+    run = kernel.run("_status = %ddp_session\n_status.hosts").assert_ok()
+    return eval(run.result())  # noqa: S307 - our own repr
+
+
+def test_cells_keep_state_on_both_nodes(ray_session):
+    hosts = node_of_rank(ray_session)
+    assert sorted(hosts) == [0, 1]
+    assert hosts[0] != hosts[1], "each rank on a node of its own"
+    cell(ray_session, "import torch, torch.distributed as dist\n"
+                      "total = torch.ones(3) * (dist.get_rank() + 1)\n"
+                      "dist.all_reduce(total)").assert_ok()
+    run = cell(ray_session, "print('rank 0 says', total.tolist())\ntotal.sum().item()")
+    run.assert_ok()
+    assert "rank 0 says [3.0, 3.0, 3.0]" in run.stream_text()
+    assert run.result() == "9.0"
+    status = ray_session.run("%ddp_session").assert_ok()
+    assert "Ray session ray-" in status.result()
+
+
+def test_notebook_names_ship_by_value(ray_session):
+    ray_session.run("scale = 7\ndef double(x):\n    return 2 * x").assert_ok()
+    run = cell(ray_session, "double(scale) + dist.get_world_size()").assert_ok()
+    assert run.result() == "16"
+
+
+def test_a_failing_rank_on_the_second_node_keeps_the_state(ray_session):
+    run = cell(ray_session, "kept = 41\n"
+                            "if dist.get_rank() == 1:\n    raise ValueError('bad batch')")
+    error = run.error()
+    assert error is not None and error["ename"] == "WorkerError", run.describe()
+    assert "rank 1" in error["evalue"] and "bad batch" in run.describe()
+    assert "back at rest, with their state" in run.describe()
+    assert cell(ray_session, "kept + 1").assert_ok().result() == "42"
+
+
+def test_an_interrupt_stops_the_cell_and_keeps_the_state(ray_session):
+    cell(ray_session, "kept_too = 'still here'").assert_ok()
+    run = ray_session.submit("%%ddp\nimport time\nprint('working', flush=True)\n"
+                             "while True:\n    time.sleep(0.01)")
+    run.wait_for_output("working")
+    ray_session.km.interrupt_kernel()
+    run.finish(timeout=60)
+    assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
+    assert "back at rest, with their state" in run.error_text(), run.describe()
+    assert cell(ray_session, "kept_too").assert_ok().result() == "'still here'"
+
+
+def test_a_cell_timeout_says_where_each_rank_is_and_keeps_the_state(ray_session):
+    run = cell(ray_session, "import time\n"
+                            "def wait_here():\n    time.sleep(60)\n"
+                            "wait_here()", options="--timeout 5", timeout=120)
+    error = run.error()
+    assert error is not None and error["ename"] == "TimeoutError", run.describe()
+    text = run.error_text()
+    assert "rank 1: in wait_here" in text, text
+    assert "back at rest, with their state" in text, text
+
+
+def test_pdb_on_the_second_nodes_rank_is_answered_in_the_notebook(ray_session):
+    second = node_of_rank(ray_session)[1]
+    run = ray_session.submit(f"""%%ddp
+import os, torch.distributed as dist
+x = 40 + dist.get_rank()
+if os.environ["NBDDP_NODE_NAME"] == {second!r}:
+    breakpoint()
+dist.barrier()
+x + 2
+""")
+    answer(run, "[rank 1] (Pdb) ", "p os.environ['NBDDP_NODE_NAME'], x")
+    answer(run, "[rank 1] (Pdb) ", "c")
+    run.finish(timeout=60).assert_ok()
+    assert f"({second!r}, 41)" in run.stream_text(), run.describe()
+    assert run.result() == "42"  # rank 0's value
+
+
+def test_a_gib_argument_and_result_cross_once_per_node(ray_session):
+    ray_session.run("import torch\n"
+                    "big = torch.arange(2**27, dtype=torch.float64)  # 1 GiB").assert_ok()
+    run = ray_session.run("def checked(t):\n"
+                          "    import torch.distributed as dist\n"
+                          "    return float(t[-1]) + dist.get_rank()\n"
+                          "_session = get_ipython().magics_manager.registry['DDPMagics']"
+                          ".session\n"
+                          "_session.run_all(checked, big)", timeout=300).assert_ok()
+    assert run.result() == f"[{2.0**27 - 1}, {2.0**27}]"
+    back = ray_session.run("got = _session.run(lambda: torch.full((2**27,), 3.0,\n"
+                           "                                      dtype=torch.float64))\n"
+                           "(got.numel(), float(got.sum()))", timeout=300).assert_ok()
+    assert back.result() == f"({2**27}, {3.0 * 2**27})"
+    ray_session.run("del big, got").assert_ok()
