@@ -86,8 +86,10 @@ def test_an_agent_killed_mid_cell_names_the_node_and_the_cause(ray_cluster, tmp_
         run.finish(timeout=120)
         assert time.monotonic() - began < 30
         assert run.error() is not None, run.describe()
-        text = run.describe()
-        assert "agent of Ray node" in text or "rank 1" in text, text
+        text = run.error_text()
+        assert re.search(r"the nbddp agent of Ray node \S+ died \(killed with ray.kill",
+                         text), run.describe()
+        assert "variables defined in earlier cells are gone" in text, text
         kernel.run("%ddp_session stop").assert_ok()
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
     finally:
@@ -173,6 +175,7 @@ def test_a_node_lost_mid_cell_ends_the_cell_naming_the_node(ray_cluster, tmp_pat
         text = run.describe()
         assert run.error() is not None, text
         assert took < 30, f"the cell took {took:.0f} s to end:\n{text}"
+        assert re.search(r"Ray node \S+ was lost \(its raylet is gone\)", text), text
         assert "variables defined in earlier cells are gone" in text, text
         kernel.run("%ddp_session stop", timeout=120).assert_ok()
     finally:

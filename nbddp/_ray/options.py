@@ -88,11 +88,7 @@ def ray_run(options: RunOptions, ray: bool | Ray) -> tuple[RunConfig, Ray, int]:
     chosen = Ray() if ray is True else ray
     if not isinstance(chosen, Ray):
         raise TypeError(f"ray must be True or nbddp.Ray(...), got {ray!r}")
-    nprocs, gpus = options.nprocs, options.gpus
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise ValueError(f"with ray, gpus is a count of GPUs per node, got {gpus!r}")
-    if nprocs is not None and gpus is not None and nprocs != gpus:
-        raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
+    per_node, gpus = options.per_node("ray")
     if gpus and chosen.gpus_per_node and gpus != chosen.gpus_per_node:
         raise ValueError(f"gpus={gpus} disagrees with Ray(gpus_per_node="
                          f"{chosen.gpus_per_node})")
@@ -101,5 +97,4 @@ def ray_run(options: RunOptions, ray: bool | Ray) -> tuple[RunConfig, Ray, int]:
     if options.max_restarts:
         raise ValueError("a Ray run takes no max_restarts: its ranks keep a session's "
                          "state, which a restart would lose")
-    per_node = nprocs or gpus or 1
     return options.config(per_node * chosen.nodes), chosen, per_node

@@ -219,9 +219,9 @@ class RayPlacement:
         if _placement_removed(self.placement_group):
             return ("the session's Ray placement group was removed from outside "
                     f"(remove_placement_group), which ended the agent of node {name}")
-        first = str(error).strip().splitlines()
+        logger.info("nbddp: the agent of Ray node %s is gone: %s", name, error)
         return (f"the nbddp agent of Ray node {name} died (killed with ray.kill, or its "
-                f"process ended){': ' + first[0] if first else ''}")
+                "process ended)")
 
 
 _ACTOR: Any = None

@@ -150,6 +150,19 @@ class RunOptions:
         check_ranks_fit(nprocs, self.backend, available)
         return self.config(nprocs)
 
+    def per_node(self, cluster: str) -> tuple[int, int]:
+        """On a cluster (``cluster``: ``slurm``, ``ray``), ``nprocs`` or ``gpus`` count
+        ranks per node (``gpus``: the nodes' GPUs, not this machine's): the ranks per
+        node (one if neither is given) and the GPUs per node (0: none asked)."""
+        nprocs, gpus = self.nprocs, self.gpus
+        if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int)
+                                 or gpus < 1):
+            raise ValueError(f"with {cluster}, gpus is a count of GPUs per node, got "
+                             f"{gpus!r}")
+        if nprocs is not None and gpus is not None and nprocs != gpus:
+            raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
+        return nprocs or gpus or 1, gpus or 0
+
     def config(self, nprocs: int, **resolved: Any) -> RunConfig:
         """These options as a run's ``RunConfig`` of ``nprocs`` ranks in all, with what was
         resolved (``cuda_visible_devices``, a cluster job's ``max_restarts``)."""

@@ -148,16 +148,11 @@ def cluster_run(options: RunOptions, slurm: bool | Slurm) -> tuple[RunConfig, Sl
     slurm = Slurm() if slurm is True else slurm
     if not isinstance(slurm, Slurm):
         raise TypeError(f"slurm must be True or nbddp.Slurm(...), got {slurm!r}")
-    nprocs, gpus = options.nprocs, options.gpus
-    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1):
-        raise ValueError(f"with slurm, gpus is a count of GPUs per node, got {gpus!r}")
-    if nprocs is not None and gpus is not None and nprocs != gpus:
-        raise ValueError(f"nprocs={nprocs} disagrees with gpus={gpus} (ranks per node)")
-    per_node = nprocs or gpus or 1
+    per_node, gpus = options.per_node("slurm")
     restarts = options.max_restarts
     if slurm.max_restarts and restarts and slurm.max_restarts != restarts:
         raise ValueError(f"max_restarts={restarts} disagrees with Slurm(max_restarts="
                          f"{slurm.max_restarts}); give one or the other")
     restarts = slurm.max_restarts or restarts
     config = options.config(per_node * slurm.nodes, max_restarts=restarts)
-    return config, dataclasses.replace(slurm, max_restarts=restarts).options(per_node, gpus or 0)
+    return config, dataclasses.replace(slurm, max_restarts=restarts).options(per_node, gpus)

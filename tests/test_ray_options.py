@@ -1,0 +1,80 @@
+"""What a Ray run or session is asked, checked before anything starts: ``nbddp.Ray``,
+the ranks per node, and the magics' ``--ray`` flags. Pure logic: no cluster, no ray
+import (``import nbddp`` never imports ray)."""
+
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+import nbddp
+from nbddp._backends import session_backend
+from nbddp._magic import _check_combination, _ray_options
+from nbddp._ray.options import ray_run
+from nbddp._run.config import RunOptions
+
+pytestmark = pytest.mark.fast
+
+
+@pytest.mark.parametrize("bad", [{"nodes": 0}, {"nodes": True}, {"gpus_per_node": -1},
+                                 {"cpus_per_node": 0}, {"grace": -1}, {"grace": "10"}])
+def test_bad_ray_options_are_refused_by_name(bad):
+    name = next(iter(bad))
+    with pytest.raises((ValueError, TypeError), match=f"Ray\\({name}="):
+        nbddp.Ray(**bad)
+
+
+def test_a_ray_client_address_is_refused_with_the_reason():
+    with pytest.raises(ValueError, match="Ray Client address: nbddp needs the kernel inside"):
+        nbddp.Ray(address="ray://head:10001")
+
+
+def test_nprocs_and_gpus_count_ranks_per_node():
+    config, ray, per_node = ray_run(RunOptions(nprocs=3), nbddp.Ray(nodes=2))
+    assert (config.nprocs, per_node, ray.gpus_per_node) == (6, 3, 0)
+    config, ray, per_node = ray_run(RunOptions(gpus=2), True)
+    assert (config.nprocs, per_node, ray.gpus_per_node, ray.bundle()) == \
+        (4, 2, 2, {"CPU": 1, "GPU": 2})
+
+
+@pytest.mark.parametrize("options, ray, message", [
+    (RunOptions(nprocs=2, gpus=3), True, "nprocs=2 disagrees with gpus=3"),
+    (RunOptions(gpus=2), nbddp.Ray(gpus_per_node=4), "gpus=2 disagrees with Ray"),
+    (RunOptions(max_restarts=1), True, "takes no max_restarts"),
+    (RunOptions(), "yes", "ray must be True or nbddp.Ray"),
+])
+def test_a_shape_that_cannot_be_is_refused(options, ray, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        ray_run(options, ray)
+
+
+def test_grace_is_given_once():
+    with pytest.raises(ValueError, match="disagrees with Ray\\(grace=5\\)"):
+        session_backend(RunOptions(), grace=10, ray=nbddp.Ray(grace=5))
+    with pytest.raises(ValueError, match="one cluster: give slurm= or ray="):
+        session_backend(RunOptions(), slurm=True, ray=True)
+
+
+def _parsed(line: str):
+    from IPython.core.magic_arguments import parse_argstring
+
+    from nbddp._magic import DDPMagics
+
+    return parse_argstring(DDPMagics.ddp, line)
+
+
+def test_the_magic_flags_make_the_options():
+    args = _parsed("--ray --nodes 3 --address 10.0.0.1:6379 --cpus-per-node 4")
+    _check_combination(args)
+    assert _ray_options(args, gpus=1) == nbddp.Ray(nodes=3, gpus_per_node=1, cpus_per_node=4,
+                                                   address="10.0.0.1:6379")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("--address 10.0.0.1:6379", "describe a Ray placement: add --ray"),
+    ("--ray --slurm", "no --slurm or --export"),
+    ("--ray --time 00:10:00", "describe a SLURM job"),
+])
+def test_flags_that_do_not_go_together_are_refused(line, message):
+    with pytest.raises(UsageError, match=message):
+        _check_combination(_parsed(line))
