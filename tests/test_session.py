@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import time
 from collections.abc import Iterator
@@ -342,8 +343,12 @@ def test_a_rank_killed_while_idle_means_fresh_ranks_for_the_next_cell(fresh_sess
         run = cell(fresh_session, "import os\n('lost' in dir(), os.getpid())").assert_ok()
         lost, pid = eval(run.result())  # noqa: S307 - our own repr
         assert not lost and pid not in idle
-        assert (f"nbddp: session: rank {victim} had stopped while idle; the session was "
-                "restarted: variables defined in earlier cells are gone") in run.stream_text()
+        # Unseen, the victim's death races torchrun stopping the other rank: the kernel
+        # may hear of either first, and says the one it heard of.
+        named = rf"rank {victim}" if seen else r"rank [01]"
+        assert re.search(rf"nbddp: session: {named} had stopped while idle; the session "
+                         "was restarted: variables defined in earlier cells are gone",
+                         run.stream_text()), run.describe()
         assert not _alive(idle)
         assert set(session_pids(fresh_session).values()) < descendants(fresh_session.pid)
     status = fresh_session.run("_status = %ddp_session\n_status.restarts").assert_ok()
