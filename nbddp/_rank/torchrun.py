@@ -57,6 +57,10 @@ def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event) -> None:
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
     time.sleep(_GRACE_SECONDS)
     run_dir.remove()
+    for name in (NODE_SHM_ENV, NODE_DISK_ENV):  # (torchrun's own clean-up did not come:
+        folder = os.environ.get(name)  # the node's data folders go here, then)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
     os.kill(os.getpid(), signal.SIGKILL)  # ranks die with us (PR_SET_PDEATHSIG)
 
 
