@@ -7,27 +7,43 @@ or file.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from .conftest import wait_until
-from .kernel_driver import Kernel
+from .kernel_driver import Execution, Kernel
+from .ray_cluster import RayCluster
 from .test_ray_session import START, cell, setup_cell
 from .test_ray_session import ray_cluster as ray_cluster  # noqa: F401 - this module's own
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_a_launch_runs_on_both_nodes_and_leaves_nothing(ray_cluster, tmp_path):
-    kernel = Kernel(tmp_path)
+@contextlib.contextmanager
+def ray_kernel(cluster: RayCluster, path: Path, start: str | None = START
+               ) -> Iterator[tuple[Kernel, Execution | None]]:
+    """A kernel pointed at ``cluster`` with nbddp loaded, shut down at the end; with a
+    session started by ``start`` (and that cell's execution), unless None."""
+    kernel = Kernel(path)
     try:
-        kernel.run(setup_cell(ray_cluster)).assert_ok()
+        kernel.run(setup_cell(cluster)).assert_ok()
+        started = kernel.run(start, timeout=180).assert_ok() if start else None
+        yield kernel, started
+    finally:
+        kernel.shutdown()
+
+
+def test_a_launch_runs_on_both_nodes_and_leaves_nothing(ray_cluster, tmp_path):
+    with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
         run = kernel.run("""
 def total(n):
     import torch, torch.distributed as dist
@@ -40,15 +56,10 @@ nbddp.launch(total, nprocs=1, args=(10,), ray=nbddp.Ray(nodes=2), all_ranks=True
         assert [value for value, _ in values] == [21.0, 21.0]
         assert values[0][1] != values[1][1], "one rank on each node"
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
-    finally:
-        kernel.shutdown()
 
 
 def test_a_rank_killed_restarts_the_session_and_says_so(ray_cluster, tmp_path):
-    kernel = Kernel(tmp_path)
-    try:
-        kernel.run(setup_cell(ray_cluster)).assert_ok()
-        kernel.run(START, timeout=180).assert_ok()
+    with ray_kernel(ray_cluster, tmp_path) as (kernel, _):
         cell(kernel, "lost = 1").assert_ok()
         pids = eval(kernel.run("_status = %ddp_session\n_status.pids")  # noqa: S307
                     .assert_ok().result())
@@ -64,15 +75,10 @@ def test_a_rank_killed_restarts_the_session_and_says_so(ray_cluster, tmp_path):
         assert after.result() == "False"
         kernel.run("%ddp_session stop").assert_ok()
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
-    finally:
-        kernel.shutdown()
 
 
 def test_an_agent_killed_mid_cell_names_the_node_and_the_cause(ray_cluster, tmp_path):
-    kernel = Kernel(tmp_path)
-    try:
-        kernel.run(setup_cell(ray_cluster)).assert_ok()
-        start = kernel.run(START, timeout=180).assert_ok()
+    with ray_kernel(ray_cluster, tmp_path) as (kernel, start):
         session = re.search(r"Ray session (ray-[0-9a-f]+)", start.stream_text()).group(1)
         run = kernel.submit("%%ddp\nimport time\nprint('sleeping', flush=True)\n"
                             "time.sleep(60)")
@@ -92,8 +98,6 @@ def test_an_agent_killed_mid_cell_names_the_node_and_the_cause(ray_cluster, tmp_
         assert "variables defined in earlier cells are gone" in text, text
         kernel.run("%ddp_session stop").assert_ok()
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
-    finally:
-        kernel.shutdown()
 
 
 def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
@@ -138,9 +142,7 @@ def test_a_placement_ray_cannot_make_says_so_and_ctrl_c_leaves_nothing(ray_clust
                                                                       tmp_path):
     """Three nodes asked of a two-node cluster: the session says what it waits for (an
     autoscaler could add the node), and Ctrl-C stops the wait, leaving nothing."""
-    kernel = Kernel(tmp_path)
-    try:
-        kernel.run(setup_cell(ray_cluster)).assert_ok()
+    with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
         run = kernel.submit("%ddp_session start --ray --nodes 3 --nprocs 1")
         run.wait_for_output("waiting for Ray to place 3 bundles", timeout=60)
         assert "2 nodes alive" in run.stream_text(), run.describe()
@@ -151,8 +153,6 @@ def test_a_placement_ray_cannot_make_says_so_and_ctrl_c_leaves_nothing(ray_clust
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
         kernel.run(START, timeout=180).assert_ok()  # (the cluster is whole for the next)
         kernel.run("%ddp_session stop").assert_ok()
-    finally:
-        kernel.shutdown()
 
 
 def test_a_node_lost_mid_cell_ends_the_cell_naming_the_node(ray_cluster, tmp_path):
@@ -160,24 +160,21 @@ def test_a_node_lost_mid_cell_ends_the_cell_naming_the_node(ray_cluster, tmp_pat
     cell ends within seconds, the error says which node and that the state is gone, and
     nothing of the session is left on either node. (Last in the module: the cluster is
     one node short after it.)"""
-    kernel = Kernel(tmp_path)
     try:
-        kernel.run(setup_cell(ray_cluster)).assert_ok()
-        kernel.run(START, timeout=180).assert_ok()
-        cell(kernel, "kept = 1").assert_ok()
-        run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\n"
-                            "time.sleep(120)")
-        run.wait_for_output("working")
-        ray_cluster.kill_node(1)
-        began = time.monotonic()
-        run.finish(timeout=120)
-        took = time.monotonic() - began
-        text = run.describe()
-        assert run.error() is not None, text
-        assert took < 30, f"the cell took {took:.0f} s to end:\n{text}"
-        assert re.search(r"Ray node \S+ was lost \(its raylet is gone\)", text), text
-        assert "variables defined in earlier cells are gone" in text, text
-        kernel.run("%ddp_session stop", timeout=120).assert_ok()
+        with ray_kernel(ray_cluster, tmp_path) as (kernel, _):
+            cell(kernel, "kept = 1").assert_ok()
+            run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\n"
+                                "time.sleep(120)")
+            run.wait_for_output("working")
+            ray_cluster.kill_node(1)
+            began = time.monotonic()
+            run.finish(timeout=120)
+            took = time.monotonic() - began
+            text = run.describe()
+            assert run.error() is not None, text
+            assert took < 30, f"the cell took {took:.0f} s to end:\n{text}"
+            assert re.search(r"Ray node \S+ was lost \(its raylet is gone\)", text), text
+            assert "variables defined in earlier cells are gone" in text, text
+            kernel.run("%ddp_session stop", timeout=120).assert_ok()
     finally:
-        kernel.shutdown()
         ray_cluster.remove_sessions()

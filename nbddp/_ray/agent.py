@@ -55,16 +55,13 @@ class NodeAgent:
         self._lock = threading.Lock()
         self._ended = threading.Event()
         self._stopping = False
+        self._last_words = ""  # the end of torchrun's log, kept as its folder goes
+        self._node = _this_node()
 
     def where(self) -> dict[str, Any]:
         """This node as Ray and the ranks know it: its id, address, host name, the name
         its ranks give it, and the GPUs Ray assigned to the bundle."""
-        import ray
-
-        node_id = ray.get_runtime_context().get_node_id()
-        host = socket.gethostname()
-        return {"node_id": node_id, "ip": ray.util.get_node_ip_address(), "host": host,
-                "name": f"{host}:{node_id[:8]}", "gpus": [str(g) for g in ray.get_gpu_ids()]}
+        return self._node
 
     def free_port(self) -> int:
         """A port free on this node now, for the c10d rendezvous (the first node's)."""
@@ -84,7 +81,7 @@ class NodeAgent:
             run_dir.write_private(run_dir.key, key)
             run_dir.write_private(run_dir.address, address)
             self._folders = _node_folders()
-            where = self.where()
+            where = self._node
             ranks_env = {**_node_environment(), **env, NODE_NAME_ENV: where["name"],
                          NODE_SHM_ENV: str(self._folders[0]),
                          NODE_DISK_ENV: str(self._folders[-1])}
@@ -131,7 +128,7 @@ class NodeAgent:
         """Block until the node's torchrun has ended: its exit code and the end of its
         log (why it ended)."""
         self._ended.wait()
-        return self.code, self._tail
+        return self.code, self._last_words
 
     def attach(self, address: bytes) -> None:
         """A new kernel listens at ``address``: the ranks, who wait for one, connect."""
@@ -139,13 +136,12 @@ class NodeAgent:
             self.run_dir.replace_private(self.run_dir.address, address)
 
     def tail(self, lines: int = 30) -> str:
-        """The end of torchrun's log on this node."""
-        if self.run_dir is None:
-            return ""
-        with contextlib.suppress(OSError):
-            text = self.run_dir.launcher_log.read_text(errors="replace")
-            return "\n".join(text.splitlines()[-lines:])
-        return getattr(self, "_tail", "")
+        """The end of torchrun's log on this node (once its folder went: as it was)."""
+        if self.run_dir is not None:
+            with contextlib.suppress(OSError):
+                text = self.run_dir.launcher_log.read_text(errors="replace")
+                return "\n".join(text.splitlines()[-lines:])
+        return self._last_words
 
     def stop(self) -> None:
         """Stop torchrun and its ranks (SIGTERM, then SIGKILL), and remove the node's
@@ -161,7 +157,7 @@ class NodeAgent:
 
     def _clean_up(self) -> None:
         with self._lock:
-            self._tail = self.tail()
+            self._last_words = self.tail()
             if self._lifeline >= 0:
                 os.close(self._lifeline)
                 self._lifeline = -1
@@ -170,7 +166,16 @@ class NodeAgent:
             for folder in self._folders:
                 shutil.rmtree(folder, ignore_errors=True)
 
-    _tail = ""
+
+def _this_node() -> dict[str, Any]:
+    """The agent's node: Ray's id for it, its address and host name, the name its ranks
+    give it (the id tells apart nodes that share a host name), the GPUs Ray assigned."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    host = socket.gethostname()
+    return {"node_id": node_id, "ip": ray.util.get_node_ip_address(), "host": host,
+            "name": f"{host}:{node_id[:8]}", "gpus": [str(g) for g in ray.get_gpu_ids()]}
 
 
 def _node_environment() -> dict[str, str]:

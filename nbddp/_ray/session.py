@@ -36,7 +36,7 @@ from .._wire.channel import new_key
 from .._wire.rundir import RunDir, read_own_key
 from .cluster import connect, kernel_address
 from .options import Ray
-from .placement import RayPlacement
+from .placement import NodeInfo, RayPlacement
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,8 @@ class RaySessionGroup(RemoteSessionGroup):
         self.where = f"Ray session {session_id}"
         self._stop_placing = threading.Event()
         self._placing: threading.Thread | None = None
+        self.placement_error: str | None = None
+        """Why Ray could not place the group, or start its agents, if so."""
 
     @property
     def outlives_kernel(self) -> bool:
@@ -130,16 +132,15 @@ class RaySessionGroup(RemoteSessionGroup):
         group, saying why."""
         placement = self.placement
         assert placement is not None
-        asked = time.monotonic()
+        asked, said = time.monotonic(), False
         try:
             while not placement.wait_placed(_PLACE_POLL):
                 if self._stop_placing.is_set():
                     return
-                if asked and time.monotonic() - asked > _SAY_AFTER:
-                    asked = 0.0  # (said once)
+                if not said and time.monotonic() - asked > _SAY_AFTER:
+                    said = True
                     print(f"nbddp: {placement.describe_wait()}", flush=True)
-            nodes = placement.start_agents()
-            self.where = f"Ray session {self.session_id} on {', '.join(n.name for n in nodes)}"
+            self._placed_on(placement.start_agents())
             if self._stop_placing.is_set():
                 return
             placement.start_torchrun(
@@ -154,14 +155,15 @@ class RaySessionGroup(RemoteSessionGroup):
                 return
             self._follow_launcher(placement)
 
+    def _placed_on(self, nodes: list[NodeInfo]) -> None:
+        self.where = f"Ray session {self.session_id} on {', '.join(n.name for n in nodes)}"
+
     def _placement_failed(self, why: str) -> None:
         self.placement_error = why
         with self._lock:
             self.broken = True
             self._lose(f"the Ray placement failed ({why})")
         self._changed()
-
-    placement_error: str | None = None
 
     def launcher_tail(self, lines: int = 30) -> str:
         """What the agents' torchruns said last (or why the placement failed)."""
@@ -192,8 +194,7 @@ class RaySessionGroup(RemoteSessionGroup):
                     record.session_id)
         try:
             group.placement = RayPlacement.found(ray, record.session_id, record.options)
-            group.where = (f"Ray session {record.session_id} on "
-                           f"{', '.join(n.name for n in group.placement.nodes)}")
+            group._placed_on(group.placement.nodes)
             group._listen(kernel_address(ray))
             group.placement.attach(group.run_dir.address.read_bytes())
             group._follow_launcher(group.placement)

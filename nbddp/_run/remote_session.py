@@ -23,6 +23,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from .._errors import NbddpError
 from .._wire import dataplane
 from .._wire.channel import ChannelServer, tcp_address
 from .._wire.dataplane import Packed, shm_root
@@ -85,8 +86,14 @@ class RemoteSessionGroup(WaitingGroup):
         return False
 
     def _listen(self, host: str) -> None:
-        """The channel, on ``host``'s address, named in the run dir beside the key."""
-        address = tcp_address(host)
+        """The channel, on ``host``'s address, named in the run dir beside the key; a
+        session cannot run without an address the nodes reach."""
+        try:
+            address = tcp_address(host)
+        except ConnectionError as exc:
+            raise NbddpError(f"{exc}; a session's ranks must reach the kernel: set "
+                             "NBDDP_KERNEL_HOST to this machine's address on the cluster's "
+                             "network") from None
         self._server = ChannelServer((address, 0), read_own_key(self.run_dir.path),
                                      self._deliver, inbox=place_in(shm_root(),
                                                                    self.run_dir.path))

@@ -164,15 +164,6 @@ class SlurmSessionGroup(RemoteSessionGroup):
             raise
         return group
 
-    def _listen(self, host: str) -> None:
-        """The channel; a session cannot run without an address the nodes reach."""
-        try:
-            super()._listen(host)
-        except ConnectionError as exc:
-            raise NbddpError(f"{exc}; a session's ranks must reach the kernel: set "
-                             "NBDDP_KERNEL_HOST to this machine's address on the cluster's "
-                             "network") from None
-
     def _follow(self, job_id: str) -> None:
         self.slurm_job_id, self.where = job_id, f"SLURM job {job_id}"
         self._follower = SlurmLauncher(job_id, self._job_changed)
