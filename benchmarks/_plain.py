@@ -1,6 +1,7 @@
 """Plain-torchrun entry: ``torchrun ... _plain.py OUT_JSON WORKLOAD [INT_ARGS...]``.
 
-Does what an nbddp rank does around the user's function: init the gloo process group,
+Does what an nbddp rank does around the user's function: init the process group (gloo,
+or NCCL on the rank's GPU where ``BENCH_BACKEND=nccl``),
 call it, destroy the group, and leave with ``os._exit`` (gloo can abort in C++ static
 destructors at a normal exit, failing the run). Rank 0 writes the value to OUT_JSON.
 """
@@ -19,7 +20,12 @@ import torch.distributed as dist
 def main(argv: list[str]) -> None:
     """Run one workload from ``_workloads`` on this rank."""
     out, name, *args = argv
-    dist.init_process_group("gloo")
+    backend = os.environ.get("BENCH_BACKEND", "gloo")  # nccl: bench_gpu.py's GPU ranks
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # as an nbddp GPU rank does
+    dist.init_process_group(backend)
     value = getattr(_workloads, name)(*map(int, args))
     rank = dist.get_rank()
     dist.destroy_process_group()

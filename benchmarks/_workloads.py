@@ -220,3 +220,42 @@ def print_timestamps(count: int, interval_ms: int) -> dict[str, int]:
             if done.item():
                 break
     return {"busy_steps": i}
+
+
+def allreduce_once_cuda() -> float:
+    """``allreduce_once`` on the rank's GPU (NCCL)."""
+    value = torch.ones(1, device="cuda")
+    dist.all_reduce(value)
+    return float(value.item())
+
+
+def train_conv(steps: int, warmup: int) -> dict[str, float]:
+    """Train a small convolutional net with DDP on the rank's GPU, on seeded synthetic
+    32x32 images; return timed steps/s (the GPU synchronised before each clock read)."""
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    net = nn.Sequential(
+        nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(128, 256, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(), nn.Linear(256, CLASSES)).to(device)
+    model = DistributedDataParallel(net, device_ids=[device.index])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+    gen = torch.Generator(device=device).manual_seed(1234 + dist.get_rank())
+    xs = torch.randn(BATCHES, 128, 3, 32, 32, generator=gen, device=device)
+    ys = torch.randint(0, CLASSES, (BATCHES, 128), generator=gen, device=device)
+
+    def step(i: int) -> None:
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(xs[i % BATCHES]), ys[i % BATCHES]).backward()
+        optimizer.step()
+
+    for i in range(warmup):
+        step(i)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    torch.cuda.synchronize()
+    return {"steps_per_s": steps / (time.perf_counter() - start)}

@@ -30,11 +30,19 @@ def test_default_is_one_nccl_rank_per_gpu_and_tensors_come_back_on_cpu():
     assert all(r[2].device.type == "cpu" and r[2].item() == GPUS for r in results)
 
 
-@needs_gpu
-def test_a_kernel_that_initialised_cuda_can_still_launch():
+@pytest.fixture(scope="module")
+def cuda_here():
+    """CUDA initialised in this (the kernel's) process, before the leftover check looks:
+    the CUDA driver keeps a socket of its own open from then on."""
     import torch
 
-    torch.ones(1, device="cuda")  # CUDA is initialised in this (the kernel's) process
+    torch.ones(1, device="cuda")
+
+
+@needs_gpu
+def test_a_kernel_that_initialised_cuda_can_still_launch(cuda_here):
+    import torch
+
     assert torch.cuda.is_initialized()
     assert nbddp.launch(device_and_backend, gpus=1)[1] == "nccl"
 
@@ -88,12 +96,25 @@ def test_standby_ranks_hold_no_gpu_and_a_warm_nccl_launch_works():
         state = wait_until(lambda: (s if (s := nbddp.standby()).status == "ready" else None),
                            timeout=120)
         assert len(state.pids) == 2  # torchrun and the rank
-        assert not cuda_device_holders(state.pids), "an idle standby rank opened a GPU"
+        torchrun, rank = state.pids
+        # (torchrun itself asks CUDA whether there are GPUs, as plain torchrun does: its
+        # launch config's NUMA default. That opens the device, with no context or memory.)
+        assert not cuda_device_holders([rank]), "an idle standby rank opened a GPU"
+        assert not gpu_processes() & set(state.pids), "an idle standby group holds GPU memory"
         job = nbddp.launch(device_and_backend, gpus=1, wait=False)
         device, backend, tensor = job.result()
         assert job.warm and (device, backend, tensor.item()) == (0, "nccl", 1.0)
     finally:
         nbddp.standby(False)
+
+
+def gpu_processes() -> set[int]:
+    """The processes holding GPU memory (``nvidia-smi``'s compute processes)."""
+    import subprocess
+
+    listed = subprocess.run(["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"],
+                            capture_output=True, text=True, check=True).stdout
+    return {int(pid) for pid in listed.split()}
 
 
 def holds_gpu_memory(flag: str, mb: int):
@@ -148,3 +169,72 @@ def test_each_rank_reports_its_own_gpus_memory_not_the_first_gpus(tmp_path):
     finally:
         flag.touch()
     job.result(timeout=60)
+
+
+@needs_gpu
+def test_a_cuda_tensor_from_the_notebook_arrives_on_the_ranks_gpu_and_comes_back_on_the_cpu(
+        cuda_here):
+    """What a cell captures on the kernel's GPU lands on each rank's own device (views of
+    one storage still share it there); what comes back is on the CPU, as every result."""
+    import torch
+
+    x = torch.arange(6.0, device="cuda").reshape(2, 3)
+    model = torch.nn.Linear(3, 2).cuda()
+
+    def on_rank(x, row, model):
+        param = next(model.parameters())
+        return (str(x.device), x.untyped_storage().data_ptr() == row.untyped_storage().data_ptr(),
+                type(param).__name__, str(param.device), model(x).shape, x * 2)
+
+    device, shared, kind, param_device, shape, doubled = nbddp.launch(
+        on_rank, gpus=1, args=(x, x[1], model))
+    assert (device, shared, kind, param_device) == ("cuda:0", True, "Parameter", "cuda:0")
+    assert tuple(shape) == (2, 2)
+    assert doubled.device.type == "cpu" and torch.equal(doubled, x.cpu() * 2)
+
+
+@needs_gpu
+def test_an_fsdp2_model_on_nccl_comes_back_whole():
+    def train():
+        import torch
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 4)).cuda()
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.randn(8, 16, device="cuda")).sum().backward()
+        opt.step()
+        return model, type(model[0].weight).__name__
+
+    model, on_rank = nbddp.launch(train, gpus=1)
+    import torch
+
+    assert on_rank == "DTensor"  # sharded on the rank
+    weights = [p for p in model.parameters()]
+    assert [tuple(p.shape) for p in weights] == [(32, 16), (32,), (4, 32), (4,)]
+    assert all(type(p.data) is torch.Tensor and p.device.type == "cpu" for p in weights)
+    assert model(torch.randn(2, 16)).shape == (2, 4)
+
+
+@needs_two
+def test_a_rank_failing_in_a_nccl_collective_frees_its_peer_quickly():
+    def fails():
+        import torch
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            raise RuntimeError("rank 1 gives up")
+        t = torch.ones(1, device="cuda")
+        dist.all_reduce(t)  # waits for rank 1, which never comes
+        return t
+
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(nbddp.WorkerError, match="rank 1 gives up"):
+        nbddp.launch(fails, gpus=2)
+    assert time.monotonic() - start < 60

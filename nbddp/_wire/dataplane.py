@@ -281,7 +281,8 @@ def _tensor(storage: Any, dtype: Any, size: Sequence[int], stride: Sequence[int]
             offset: int, requires_grad: bool) -> Any:
     import torch
 
-    tensor = torch.empty((0,), dtype=dtype).set_(storage, offset, size, stride)
+    tensor = torch.empty((0,), dtype=dtype, device=storage.device).set_(
+        storage, offset, size, stride)
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
 
 
@@ -301,12 +302,40 @@ def _identity(value: Any) -> Any:
 
 def _plain(tensor: Any) -> bool:
     """A dense CPU tensor whose bytes are all there is to it."""
+    return tensor.device.type == "cpu" and _dense(tensor)
+
+
+def _dense(tensor: Any) -> bool:
+    """A dense tensor (on any device) whose bytes are all there is to it."""
     import torch
 
     return (type(tensor) is torch.Tensor  # a Parameter pickles its .data, which is plain
-            and tensor.layout == torch.strided and tensor.device.type == "cpu"
+            and tensor.layout == torch.strided
             and not tensor.is_quantized and not tensor.is_conj() and not tensor.is_neg()
             and not (tensor.requires_grad and tensor.grad_fn is not None))
+
+
+class _OnRankDevice:
+    """A CUDA storage's bytes, to be loaded onto the receiving rank's own GPU (once,
+    however many tensors share it: pickle keeps one copy of this object)."""
+
+    def __init__(self, box: _StorageBox) -> None:
+        self.box = box
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return storage_on_rank_device, (self.box,)
+
+
+def storage_on_rank_device(storage: Any) -> Any:
+    """``storage`` (on the CPU) moved to this rank's GPU, ``cuda:LOCAL_RANK``, the one
+    the rank's process group uses; left on the CPU where this process has no such GPU
+    (a CPU rank, or the kernel loading what it sent)."""
+    import torch
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "-1"))
+    if not torch.cuda.is_available() or not 0 <= local_rank < torch.cuda.device_count():
+        return storage
+    return storage.to(device=f"cuda:{local_rank}")
 
 
 class _Pickler(cloudpickle.Pickler):
@@ -318,7 +347,7 @@ class _Pickler(cloudpickle.Pickler):
         super().__init__(stream, protocol=5, buffer_callback=keep)
         self._to_cpu = to_cpu
         self._kept = kept
-        self.storages: dict[tuple[int, int], Any] = {}
+        self.storages: dict[tuple[Any, ...], Any] = {}
         """Each storage pickled: its ``_StorageBox``, or its kept copy."""
         self.code_files: set[str] = set()
 
@@ -330,6 +359,8 @@ class _Pickler(cloudpickle.Pickler):
         if torch is not None and isinstance(obj, torch.Tensor):
             if self._to_cpu and obj.device.type not in ("cpu", "meta"):
                 return _identity, (obj.cpu(),)
+            if obj.device.type == "cuda" and _dense(obj):
+                return _tensor, self._cuda_tensor_args(obj) + (obj.requires_grad,)
             if _plain(obj):
                 return _tensor, self._tensor_args(obj) + (obj.requires_grad,)
             if type(obj) is torch.nn.Parameter and _plain(obj.detach()):
@@ -341,6 +372,17 @@ class _Pickler(cloudpickle.Pickler):
         """How ``_tensor`` rebuilds ``tensor``: its storage, dtype, size, stride, offset."""
         return (self._box(tensor, tensor.untyped_storage()), tensor.dtype,
                 tuple(tensor.size()), tensor.stride(), tensor.storage_offset())
+
+    def _cuda_tensor_args(self, tensor: Any) -> tuple[Any, ...]:
+        """How ``_tensor`` rebuilds a CUDA ``tensor`` on the receiving rank's own GPU: its
+        storage's bytes cross like a CPU tensor's (copied to the CPU once, however many
+        tensors share it), and are moved to that rank's device as they are loaded."""
+        storage = tensor.untyped_storage()
+        key = ("cuda", storage.device.index, storage.data_ptr(), storage.nbytes())
+        if key not in self.storages:
+            self.storages[key] = _OnRankDevice(_StorageBox(storage.cpu()))
+        return (self.storages[key], tensor.dtype, tuple(tensor.size()), tensor.stride(),
+                tensor.storage_offset())
 
     def _box(self, tensor: Any, storage: Any) -> Any:
         """How ``storage`` (``tensor``'s) is pickled: by its kept copy where there is
