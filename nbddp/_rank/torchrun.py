@@ -45,15 +45,20 @@ from .._wire.rundir import (
 )
 
 _GRACE_SECONDS = 5.0
+_AGENT_CLEAN_UP_WAIT = 60.0  # after the report: how long the agent may take to clean up
 
 
-def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event) -> None:
-    """Block until the kernel's end of the pipe closes, then stop everything."""
+def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event,
+                    ended: threading.Event) -> None:
+    """Block until the kernel's end of the pipe closes, then stop everything (once
+    torchrun has ``ended``: only the run dir is left to remove)."""
     while os.read(fd, 4096):
         pass
-    lost.set()
-    print("nbddp: the notebook kernel went away; stopping torchrun", file=sys.stderr)
     run_dir.remove()  # first: a torchrun still starting dies of the SIGTERM at once
+    lost.set()
+    if ended.is_set():
+        return
+    print("nbddp: the notebook kernel went away; stopping torchrun", file=sys.stderr)
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
     time.sleep(_GRACE_SECONDS)
     run_dir.remove()
@@ -147,14 +152,27 @@ def main(argv: list[str]) -> int:
     node_data, report, args = _own_options(argv[2:])
     if report is not None:
         _leave_the_parent()
+    lost, ended = threading.Event(), threading.Event()
     code = -1
     try:
-        code = _run(run_dir, argv[1], node_data, args)
+        code = _run(run_dir, argv[1], node_data, args, lost, ended)
     finally:
+        ended.set()
         if report is not None:
-            with contextlib.suppress(OSError):
-                os.write(report, str(code).encode())
+            _report(report, code, lost if argv[1] != "-" else None)
     return code
+
+
+def _report(fd: int, code: int, lost: threading.Event | None) -> None:
+    """Say ``code`` to the agent, then stay until it lets go of the lifeline, which it
+    does once it has read torchrun's log and removed the run dir. An agent killed first
+    (its kernel's job ended just as the ranks left: they saw the kernel go) closes the
+    lifeline too, and the watcher removes the run dir then: nobody else would."""
+    with contextlib.suppress(OSError):
+        os.write(fd, str(code).encode())
+        os.close(fd)
+    if lost is not None:
+        lost.wait(_AGENT_CLEAN_UP_WAIT)
 
 
 def _own_options(argv: list[str]) -> tuple[bool, int | None, list[str]]:
@@ -175,13 +193,14 @@ def _leave_the_parent() -> None:
         os._exit(0)
 
 
-def _run(run_dir: RunDir, lifeline_arg: str, node_data: bool, args: list[str]) -> int:
-    lost = threading.Event()
+def _run(run_dir: RunDir, lifeline_arg: str, node_data: bool, args: list[str],
+         lost: threading.Event, ended: threading.Event) -> int:
     if lifeline_arg != "-":
         lifeline = int(lifeline_arg)
         if not _wait_for_run_dir(lifeline, run_dir):
+            lost.set()
             return 0
-        threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir, lost),
+        threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir, lost, ended),
                          daemon=True).start()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
