@@ -14,8 +14,10 @@ to the kernel going idle (what a person waits for):
 3. how long a metric logged on a rank takes to reach the kernel: rank 0 logs its clock
    every 0.25 s, and a thread in the kernel notes when each step shows up in the run's
    live history (target: at most 0.2 s median; Ray Train polls every 2 s);
-4. a 1 GiB tensor as an argument of a session run on both nodes: bytes from the
-   kernel per second (target: at least 1 GB/s), and the same tensor as a result.
+4. tensors of 16 MiB, 256 MiB and 1 GiB as an argument of a session run on both nodes,
+   through Ray's object store (the default) and over nbddp's channel
+   (``NBDDP_SESSION_DATA=channel``), alternated: bytes from the kernel per second
+   (target: at least 1 GB/s for 1 GiB), and a 1 GiB tensor as a result.
 
 Needs ``pip install 'nbddp[ray]' 'ray[train]'`` (Ray Train for the peer).
 Run: ``python benchmarks/bench_ray.py [--repeats N] [--json PATH]``.
@@ -173,11 +175,8 @@ def main() -> None:
                                           opts.cells, warm_up=5)
             print("metric latency", flush=True)
             result["metric_latency_s"] = metric_latencies(client, steps=40)
-            print("1 GiB argument and result", flush=True)
-            result["data_s"] = time_cells(client, {
-                "1 GiB argument": "_session.run(lambda t: t.numel(), _big)",
-                "1 GiB result": "_back = _session.run(lambda: torch.ones(2**28))"},
-                3, warm_up=0, timeout=600) if _make_big(client) else {}
+            print("arguments by both routes, and a 1 GiB result", flush=True)
+            result["data_s"] = data_routes(client)
             run_cell(client, "%ddp_session stop", 120)
         finally:
             client.stop_channels()
@@ -187,9 +186,25 @@ def main() -> None:
     write_json(opts.json, result)
 
 
-def _make_big(client: Any) -> bool:
-    run_cell(client, "_big = torch.ones(2**28)  # 1 GiB of float32")
-    return True
+ROUTES = {"object store": "object_store", "channel": "channel"}
+SIZES_MIB = (16, 256, 1024)
+
+
+def data_routes(client: Any) -> dict[str, list[float]]:
+    """An argument of each size by each route (``NBDDP_SESSION_DATA``, read per run),
+    alternated, and a 1 GiB result."""
+    cells = {}
+    for mib in SIZES_MIB:
+        run_cell(client, f"_x{mib} = torch.ones({mib} * 2**18)  # {mib} MiB of float32")
+        for name, route in ROUTES.items():
+            cells[f"{mib} MiB argument, {name}"] = (
+                f"os.environ['NBDDP_SESSION_DATA'] = {route!r}\n"
+                f"_session.run(lambda t: t.numel(), _x{mib})")
+    cells["1 GiB result"] = "_back = _session.run(lambda: torch.ones(2**28))"
+    run_cell(client, "import os")
+    timed = time_cells(client, cells, 3, warm_up=0, timeout=600)
+    run_cell(client, "os.environ.pop('NBDDP_SESSION_DATA', None); del _back")
+    return timed
 
 
 def metric_latencies(client: Any, steps: int) -> list[float]:
@@ -225,11 +240,16 @@ def report(r: dict) -> None:
           f"ms): {'met' if cell <= CELL_TARGET else 'MISSED'}")
     print(f"metric latency: {metric * 1000:.0f} ms (target <= {METRIC_TARGET * 1000:.0f} "
           f"ms): {'met' if metric <= METRIC_TARGET else 'MISSED'}")
-    if "1 GiB argument" in med:
-        rate = GIB / med["1 GiB argument"]
-        print(f"1 GiB argument: {rate / 1e9:.2f} GB/s from the kernel (target >= "
-              f"{DATA_TARGET / 1e9:.0f} GB/s): {'met' if rate >= DATA_TARGET else 'MISSED'}")
-        print(f"1 GiB result: {GIB / med['1 GiB result'] / 1e9:.2f} GB/s to the kernel")
+    for mib in SIZES_MIB:
+        rates = {name: mib * 2**20 / med[f"{mib} MiB argument, {name}"] / 1e9
+                 for name in ROUTES}
+        print(f"{mib} MiB argument, GB/s: " + ", ".join(
+            f"{name} {rate:.2f}" for name, rate in rates.items()))
+    rate = GIB / med["1 GiB argument, object store"]
+    print(f"1 GiB argument (the default route): {rate / 1e9:.2f} GB/s from the kernel "
+          f"(target >= {DATA_TARGET / 1e9:.0f} GB/s): "
+          f"{'met' if rate >= DATA_TARGET else 'MISSED'}")
+    print(f"1 GiB result: {GIB / med['1 GiB result'] / 1e9:.2f} GB/s to the kernel")
     r["medians_s"] = med
     r["launch_ratio"] = ratio
 

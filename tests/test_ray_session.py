@@ -132,18 +132,43 @@ x + 2
     assert run.result() == "42"  # rank 0's value
 
 
+MAPPED_FROM = """
+def mapped_from(t):
+    import os
+    address = t.data_ptr()
+    for line in open("/proc/self/maps"):
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split("-"))
+        if start <= address < end:
+            path = parts[5].strip() if len(parts) > 5 else ""
+            return os.path.basename(os.path.dirname(path))[:11], os.path.basename(path)[:8]
+"""
+
+
 def test_a_gib_argument_and_result_cross_once_per_node(ray_session):
+    """The argument goes through Ray's object store: each node's agent writes it into the
+    node's shared memory, where the node's ranks map it."""
     ray_session.run("import torch\n"
                     "big = torch.arange(2**27, dtype=torch.float64)  # 1 GiB").assert_ok()
+    ray_session.run(MAPPED_FROM).assert_ok()
     run = ray_session.run("def checked(t):\n"
                           "    import torch.distributed as dist\n"
-                          "    return float(t[-1]) + dist.get_rank()\n"
+                          "    return float(t[-1]) + dist.get_rank(), mapped_from(t)\n"
                           "_session = get_ipython().magics_manager.registry['DDPMagics']"
                           ".session\n"
                           "_session.run_all(checked, big)", timeout=300).assert_ok()
-    assert run.result() == f"[{2.0**27 - 1}, {2.0**27}]"
+    mapped = ("nbddp-node-", "payload-")
+    assert eval(run.result()) == [(2.0**27 - 1, mapped), (2.0**27, mapped)]  # noqa: S307
     back = ray_session.run("got = _session.run(lambda: torch.full((2**27,), 3.0,\n"
                            "                                      dtype=torch.float64))\n"
                            "(got.numel(), float(got.sum()))", timeout=300).assert_ok()
     assert back.result() == f"({2**27}, {3.0 * 2**27})"
+    channel = ray_session.run("os.environ['NBDDP_SESSION_DATA'] = 'channel'\n"
+                              "try:\n"
+                              "    _on = _session.run_all(checked, big[:2**24])\n"
+                              "finally:\n"
+                              "    del os.environ['NBDDP_SESSION_DATA']\n"
+                              "[where[1][1].startswith('payload-') for where in _on]",
+                              timeout=300).assert_ok()
+    assert channel.result() == "[False, False]"  # (over the channel: received files)
     ray_session.run("del big, got").assert_ok()

@@ -35,6 +35,7 @@ from typing import Any
 
 from .._wire.dataplane import shm_root
 from .._wire.rundir import LIFELINE_GO, NODE_DISK_ENV, NODE_NAME_ENV, NODE_SHM_ENV, RunDir
+from .object_store import write_on_node
 
 _TERM_WAIT = 5.0  # torchrun stops its ranks on SIGTERM; SIGKILL after this
 
@@ -123,6 +124,11 @@ class NodeAgent:
         self._ended.set()
         if self.outlives_kernel and not self._stopping:
             _remove_own_placement_group()
+
+    def keep(self, stored: tuple[bytes, list[Any]]) -> str:
+        """A payload the kernel put into Ray's object store (Ray fetched it to this node
+        for the call), written into the node's shared memory for its ranks; the file."""
+        return write_on_node(stored, self._folders)
 
     def wait(self) -> tuple[int, str]:
         """Block until the node's torchrun has ended: its exit code and the end of its

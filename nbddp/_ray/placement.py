@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 _STOP_WAIT = 20.0  # the agents' own stop: SIGTERM, then SIGKILL after 5 s
 _CALL_WAIT = 30.0  # a call to an agent that should answer at once
 _POLL = 0.5
+_KEEP_WAIT = 3600.0  # a payload fetched from another node's object store: GBs, over TCP
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,12 @@ class RayPlacement:
             key, address, [*torchrun_args, "--rdzv-conf", f"is_host={int(index == 0)}"],
             worker_args, env, cwd) for index, agent in enumerate(self.agents)],
             timeout=_CALL_WAIT)
+
+    def keep_payload(self, node: str, ref: Any) -> str:
+        """Have ``node``'s agent write the payload in the object store (``ref``) into the
+        node's shared memory: the file's path there."""
+        index = next(i for i, info in enumerate(self.nodes) if info.name == node)
+        return self.ray.get(self.agents[index].keep.remote(ref), timeout=_KEEP_WAIT)
 
     def tails(self, lines: int = 30) -> str:
         """The end of each node's torchrun log, as its agent says it."""

@@ -7,8 +7,8 @@ on each node, and has each start its torchrun, handing it the key and the kernel
 address (see ``_ray.agent``). A session that replaces lost ranks starts one the same
 way, and its next cell's ranks get their Start when they say hello. From there the
 ranks are a remote session's (``_run.remote_session``): cells, payloads once per node
-(over the channel: the nodes share no filesystem with the kernel), interrupts and
-stacks by message.
+(through Ray's object store, ``_ray.object_store``: the nodes share no filesystem with
+the kernel), results over the channel, interrupts and stacks by message.
 
 With ``grace``, the placement group and agents are detached from the kernel's Ray job
 and the ranks wait that long for a new kernel: at its exit the kernel only detaches, and
@@ -30,11 +30,13 @@ from typing import Any
 from .._errors import NbddpError
 from .._run.config import Output
 from .._run.records import Records, folders, records_root
-from .._run.remote_session import RemoteSessionGroup
+from .._run.remote_session import PayloadDelivery, RemoteSessionGroup
 from .._run.shape import GroupShape
 from .._wire.channel import new_key
+from .._wire.dataplane import Packed
 from .._wire.rundir import RunDir, read_own_key
 from .cluster import connect, kernel_address
+from .object_store import OBJECT_STORE, ObjectStoreDelivery
 from .options import Ray
 from .placement import NodeInfo, RayPlacement
 
@@ -72,7 +74,8 @@ class RaySessionGroup(RemoteSessionGroup):
     """A session's ranks on a Ray cluster: ``start`` them, or attach to running ones."""
 
     launcher_name = "the Ray agents"
-    data_route = "channel"
+    data_route = OBJECT_STORE
+    shares_filesystem = False
 
     def __init__(self, shape: GroupShape, options: Ray, per_node: int, run_dir: RunDir,
                  session_id: str, env: dict[str, str] | None = None) -> None:
@@ -164,6 +167,19 @@ class RaySessionGroup(RemoteSessionGroup):
             self.broken = True
             self._lose(f"the Ray placement failed ({why})")
         self._changed()
+
+    def _payload_delivery(self, payload: Packed) -> PayloadDelivery:
+        """Through Ray's object store, each node's agent writing it into its node's
+        shared memory (``NBDDP_SESSION_DATA=channel``: over nbddp's channel)."""
+        assert self.placement is not None
+        return ObjectStoreDelivery(payload, self.run_dir, self.placement.ray,
+                                   self.data_route, self._keep_on)
+
+    def _keep_on(self, rank: int, ref: Any) -> str:
+        assert self.placement is not None
+        with self._lock:
+            node = self._hellos[rank].node
+        return self.placement.keep_payload(node, ref)
 
     def launcher_tail(self, lines: int = 30) -> str:
         """What the agents' torchruns said last (or why the placement failed)."""

@@ -67,6 +67,9 @@ class RemoteSessionGroup(WaitingGroup):
 
     data_route = "filesystem"
     """How a payload too large for its Start reaches the nodes (``PayloadDelivery``)."""
+    shares_filesystem = True
+    """The nodes and the kernel share a filesystem (the session's folder): results'
+    data files can come back through it, unless the payload came over the channel."""
 
     def __init__(self, shape: GroupShape, run_dir: RunDir, nodes: int) -> None:
         super().__init__(shape, run_dir)
@@ -114,9 +117,14 @@ class RemoteSessionGroup(WaitingGroup):
         inline = self._with_payload_inside(start, payload)
         if inline is not None:
             self._delivery = None
-            return inline
-        self._delivery = PayloadDelivery(payload, self.run_dir, self.data_route)
-        return dataclasses.replace(start, remote=self._delivery.outgoing is not None)
+            return dataclasses.replace(inline, remote=not self.shares_filesystem)
+        self._delivery = self._payload_delivery(payload)
+        return dataclasses.replace(start, remote=not self.shares_filesystem
+                                   or self._delivery.outgoing is not None)
+
+    def _payload_delivery(self, payload: Packed) -> PayloadDelivery:
+        """How this run's payload reaches each node."""
+        return PayloadDelivery(payload, self.run_dir, self.data_route)
 
     def _send_start(self, rank: int) -> None:
         assert self._server is not None and self._start is not None
@@ -277,15 +285,22 @@ class PayloadDelivery:
         self.shared: Path | None = None
         """The copy in the session's folder, once written."""
         run_dir.payload.unlink(missing_ok=True)  # (an earlier run's)
-        if os.environ.get(DATA_ROUTE_ENV, route) != "channel":
-            with contextlib.suppress(OSError):  # (no room: over the channel, then)
-                self.write_shared()
-        self.outgoing: Outgoing | None = Outgoing(payload) if self.shared is None else None
+        self.outgoing: Outgoing | None = None
         self.copies: dict[str, str] = {}
         """Where each node keeps it, once it does."""
         self.cancelled = False
         """The run ended before every node had it: no more Starts go out."""
         self._sent_to: set[int] = set()
+        self._prepare(os.environ.get(DATA_ROUTE_ENV, route))
+
+    def _prepare(self, route: str) -> None:
+        """Get the payload ready to go ``route``'s way."""
+        assert self.payload is not None
+        if route == "filesystem":
+            with contextlib.suppress(OSError):  # (no room: over the channel, then)
+                self.write_shared()
+        if self.shared is None:
+            self.outgoing = Outgoing(self.payload)
 
     def send_to(self, server: ChannelServer, rank: int) -> None:
         """Have ``rank`` (a node's local rank 0) keep it, once, in the background."""
