@@ -232,7 +232,7 @@ def report(r: dict) -> None:
           f"node), {r['cpus']} CPUs, load {r['loadavg_1min']['start']:.2f} -> "
           f"{r['loadavg_1min']['end']:.2f}; medians")
     for name, value in med.items():
-        print(f"  {name:26}{value * 1000:10.1f} ms")
+        print(f"  {name:34}{value * 1000:10.1f} ms")
     print(f"launch, nbddp / Ray Train: {ratio:.3f} (target <= {LAUNCH_RATIO_TARGET}): "
           f"{'met' if ratio <= LAUNCH_RATIO_TARGET else 'MISSED'}")
     cell = med["%%ddp noop"]
@@ -245,7 +245,7 @@ def report(r: dict) -> None:
                  for name in ROUTES}
         print(f"{mib} MiB argument, GB/s: " + ", ".join(
             f"{name} {rate:.2f}" for name, rate in rates.items()))
-    rate = GIB / med["1 GiB argument, object store"]
+    rate = GIB / med["1024 MiB argument, object store"]
     print(f"1 GiB argument (the default route): {rate / 1e9:.2f} GB/s from the kernel "
           f"(target >= {DATA_TARGET / 1e9:.0f} GB/s): "
           f"{'met' if rate >= DATA_TARGET else 'MISSED'}")

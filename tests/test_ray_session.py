@@ -172,3 +172,17 @@ def test_a_gib_argument_and_result_cross_once_per_node(ray_session):
                               timeout=300).assert_ok()
     assert channel.result() == "[False, False]"  # (over the channel: received files)
     ray_session.run("del big, got").assert_ok()
+
+
+def test_the_per_rank_view_names_each_ranks_node(ray_session):
+    """The panel's per-rank line: each rank on its own node, named as Ray's node id tells
+    them apart (the test cluster's two nodes share one host name)."""
+    hosts = node_of_rank(ray_session)
+    run = ray_session.run("""
+import time
+_session = get_ipython().magics_manager.registry['DDPMagics'].session
+_job = _session.submit(lambda: time.sleep(3), all_ranks=True, output="none")
+_job.result()
+{rank: info["host"] for rank, info in _job.ranks.items()}
+""", timeout=120).assert_ok()
+    assert eval(run.result()) == hosts  # noqa: S307 - our own repr

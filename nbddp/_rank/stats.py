@@ -15,6 +15,7 @@ import socket
 import sys
 
 from .._wire.messages import RankStats
+from .._wire.rundir import NODE_NAME_ENV
 
 _MB = 2**20
 _device: int | None = None  # the GPU this rank's main thread chose (use_device)
@@ -22,8 +23,11 @@ _device: int | None = None  # the GPU this rank's main thread chose (use_device)
 
 @functools.cache
 def _host_and_page() -> tuple[str, int]:
-    """Asked once, on the first sample (not when ``nbddp`` is imported)."""
-    return socket.gethostname(), os.sysconf("SC_PAGE_SIZE")
+    """Asked once, on the first sample (not when ``nbddp`` is imported). The host is
+    the node's name where its launcher gave one (a Ray node's: nodes that share a host
+    name are told apart), as the rank's hello names it."""
+    host = os.environ.get(NODE_NAME_ENV) or socket.gethostname()
+    return host, os.sysconf("SC_PAGE_SIZE")
 
 
 def rss_mb() -> float | None:
