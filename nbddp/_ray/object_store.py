@@ -13,7 +13,8 @@ it is readable there by the cluster's other jobs only through its ``ObjectRef``,
 nbddp hands to its own agents alone. The run's key never goes there (``_ray.agent``).
 Objects are freed once every node has its copy (the reference is dropped).
 
-The route is chosen by size (``object_store_fits``): see docs/ray.md for the figures.
+It is the route for every payload that needs a data file (measured against the
+channel's by size: docs/ray.md); ``NBDDP_SESSION_DATA=channel`` selects the channel.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def as_object(payload: Packed) -> tuple[bytes, list[Any]]:
     buffer as a NumPy view (which Ray's serializer writes out of band)."""
     import numpy as np
 
-    return payload.data, [np.frombuffer(buffer, dtype=np.uint8) for buffer in
-                          (b.raw() if hasattr(b, "raw") else b for b in payload.buffers)]
+    return payload.data, [np.frombuffer(raw, dtype=np.uint8)
+                          for raw in dataplane.raw_buffers(payload)]
 
 
 def write_on_node(stored: tuple[bytes, list[Any]], folders: list[Path]) -> str:

@@ -110,8 +110,7 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
 def layout(packed: Packed) -> tuple[int, list[tuple[int, memoryview]]]:
     """How ``packed`` lies in its file: the file's size, and each part's offset and bytes
     (the header with the pickle first, then each buffer, page-aligned; zeros between)."""
-    raws = [memoryview(b).cast("B") if not isinstance(b, pickle.PickleBuffer)
-            else b.raw() for b in packed.buffers]
+    raws = raw_buffers(packed)
     start = _HEAD.size + _SPAN.size * len(raws) + len(packed.data)
     spans = []
     for raw in raws:
@@ -123,6 +122,12 @@ def layout(packed: Packed) -> tuple[int, list[tuple[int, memoryview]]]:
     parts = [(0, memoryview(header + packed.data))]
     parts += [(offset, raw) for raw, (offset, _) in zip(raws, spans, strict=True)]
     return start, parts
+
+
+def raw_buffers(packed: Packed) -> list[memoryview]:
+    """Each of ``packed``'s buffers as flat bytes, without a copy."""
+    return [memoryview(b).cast("B") if not isinstance(b, pickle.PickleBuffer)
+            else b.raw() for b in packed.buffers]
 
 
 def write(path: Path, packed: Packed, room: Path | None = None) -> None:
