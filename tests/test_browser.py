@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import descendants
+from .conftest import descendants, rays_own
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -54,7 +54,7 @@ pytestmark = [
                        "(install with: bash scripts/install-browser.sh)"),
 ]
 
-CELL = """\
+TRAIN = """\
 import nbddp, time
 def train(steps):
     import torch.distributed as dist
@@ -62,13 +62,21 @@ def train(steps):
         nbddp.log(step=step, loss=1.0 / (step + 1) + dist.get_rank())
         time.sleep(0.05)
     return "done"
-nbddp.launch(train, nprocs=2, args=(40,))"""
+"""
+LOCAL = TRAIN + "nbddp.launch(train, nprocs=2, args=(40,))"
+"""Two ranks on this machine."""
 
 
-def _notebook() -> dict:
+def on_ray(address: str) -> str:
+    """The same run on a two-node Ray cluster: one rank on each node."""
+    return (f"import os\nos.environ['RAY_ADDRESS'] = {address!r}\n" + TRAIN
+            + "nbddp.launch(train, nprocs=1, args=(40,), ray=nbddp.Ray(nodes=2))")
+
+
+def _notebook(source: str) -> dict:
     return {
         "cells": [{"cell_type": "code", "execution_count": None, "id": "nbddp-browser",
-                   "metadata": {}, "outputs": [], "source": CELL}],
+                   "metadata": {}, "outputs": [], "source": source}],
         "metadata": {
             "kernelspec": {"display_name": "Python 3 (ipykernel)", "language": "python",
                            "name": "python3"},
@@ -193,7 +201,8 @@ def jupyter_lab(tmp_path):
         # Kernels live in sessions of their own: give them a moment to exit, then let
         # the leftover check report (and stop) anything still running.
         deadline = time.monotonic() + 30
-        while descendants() - before and time.monotonic() < deadline:
+        while ({pid for pid in descendants() - before if not rays_own(pid)}
+               and time.monotonic() < deadline):
             time.sleep(0.1)
 
 
@@ -255,10 +264,12 @@ def _screenshot(target, tmp_path: Path, name: str = "panel.png") -> Path:
 # --- the test ---------------------------------------------------------------------------
 
 
-def test_live_panel_in_jupyterlab(jupyter_lab, browser, tmp_path):
+def run_in_jupyterlab(jupyter_lab, browser, tmp_path, source: str):
+    """Open a notebook of one cell, ``source``, in JupyterLab, run it with Shift+Enter and
+    wait until its panel says the run finished: the cell and its panel."""
     from playwright.sync_api import expect
 
-    (jupyter_lab.root / "train.ipynb").write_text(json.dumps(_notebook()))
+    (jupyter_lab.root / "train.ipynb").write_text(json.dumps(_notebook(source)))
     page = browser.pages[0] if browser.pages else browser.new_page()
     sockets = KernelSockets(page)
     page.goto(f"{jupyter_lab.base}/lab/tree/train.ipynb?token={jupyter_lab.token}")
@@ -306,6 +317,14 @@ def test_live_panel_in_jupyterlab(jupyter_lab, browser, tmp_path):
         outputs = cell.locator(".jp-OutputArea").inner_text()
         fail(f"the panel did not show 'nbddp: finished' within {RUN_TIMEOUT} s: {exc}\n"
              f"cell output:\n{outputs}")
+    return cell, panel
+
+
+def check_panel(cell, panel, tmp_path) -> str:
+    """What a person checks in the finished panel of ``TRAIN``'s run on two ranks: the
+    bar, the rank-averaged metrics, the chart and the cell's value; the panel's text."""
+    from playwright.sync_api import expect
+
     shot = _screenshot(cell, tmp_path)
     text = panel.inner_text()
 
@@ -348,3 +367,33 @@ def test_live_panel_in_jupyterlab(jupyter_lab, browser, tmp_path):
     # Rank 0's return value is the cell's result.
     expect(cell.locator(".jp-OutputArea-executeResult")).to_contain_text("'done'")
     assert shot.stat().st_size > 0
+    return text
+
+
+def test_live_panel_in_jupyterlab(jupyter_lab, browser, tmp_path):
+    text = check_panel(*run_in_jupyterlab(jupyter_lab, browser, tmp_path, LOCAL), tmp_path)
+    assert " (on " not in text, "ranks on one machine: no node named"
+
+
+@pytest.fixture
+def ray_address():
+    from .ray_cluster import RayCluster, unavailable
+
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = RayCluster()
+    try:
+        yield cluster.start(nodes=2).address
+        assert cluster.wait_empty() == {"actors": [], "placement_groups": []}
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.ray
+def test_live_panel_of_a_ray_run_in_jupyterlab(ray_address, jupyter_lab, browser, tmp_path):
+    """The same panel for a run on two Ray nodes, and each rank's line names its node."""
+    cell, panel = run_in_jupyterlab(jupyter_lab, browser, tmp_path, on_ray(ray_address))
+    text = check_panel(cell, panel, tmp_path)
+    nodes = dict(re.findall(r"([01]) finished \(on ([^,)]+)", text))
+    assert sorted(nodes) == ["0", "1"] and nodes["0"] != nodes["1"], text

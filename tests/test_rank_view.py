@@ -176,6 +176,8 @@ def test_behind_means_more_than_two_seconds_of_steps_behind_the_leader():
     ranks = view.ranks(["running", "running", "running"])
     assert [ranks[r]["behind"] for r in range(3)] == [False, False, True]
     assert view.summary(ranks[2]) == "step 15, 10 steps/s, 1.5 GB, behind"
+    assert view.summary(ranks[2], with_host=True) == \
+        "on node, step 15, 10 steps/s, 1.5 GB, behind"  # ranks on several nodes
 
 
 def test_quiet_counts_from_the_last_step_or_output():

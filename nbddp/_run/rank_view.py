@@ -113,9 +113,10 @@ class RankView:
         return view
 
     @staticmethod
-    def summary(info: dict[str, Any]) -> str:
-        """A few words for the panel: ``step 12, 3.1 steps/s, 1.2 GB``."""
-        parts = []
+    def summary(info: dict[str, Any], with_host: bool = False) -> str:
+        """A few words for the panel: ``step 12, 3.1 steps/s, 1.2 GB``; ``with_host``
+        (ranks on several nodes) starts with the rank's node: ``on node-a, step 12``."""
+        parts = [f"on {info['host']}"] if with_host and info["host"] else []
         if info["step"] is not None:
             parts.append(f"step {info['step']}")
         if info["steps_per_s"]:

@@ -339,7 +339,9 @@ class Supervisor:
         """The panel's rank states, notes and stragglers; say when the run looks stalled."""
         states = self.state.ranks = self.rank_states()
         ranks = self.view.ranks(states)
-        self.state.rank_notes = {r: self.view.summary(info) for r, info in ranks.items()}
+        several_nodes = len({info["host"] for info in ranks.values() if info["host"]}) > 1
+        self.state.rank_notes = {r: self.view.summary(info, several_nodes)
+                                 for r, info in ranks.items()}
         self.state.behind = {r for r, info in ranks.items() if info["behind"]}
         self._update_split()
         limit, quiet = self.config.stall_after, self.view.quiet_for()
