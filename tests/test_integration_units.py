@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -21,9 +22,14 @@ def test_only_the_trainings_own_numbers_are_charted():
 
 
 def test_lightning_sends_what_its_loggers_get():
-    pytest.importorskip("lightning")
-    from nbddp.integrations.lightning import _as_logged, callbacks_in_a_run
+    from nbddp.integrations._lightning_common import _as_logged
 
     metrics = {"loss": 1, "loss_step": 1, "loss_epoch": 2, "val_loss": 3}
     assert _as_logged(metrics) == {"loss_step": 1, "loss_epoch": 2, "val_loss": 3}
-    assert callbacks_in_a_run() == []  # outside an nbddp run: no callback
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_outside_a_run_the_entry_point_adds_no_callback(package):
+    pytest.importorskip(package)
+    integration = importlib.import_module(f"nbddp.integrations.{package}")
+    assert integration.callbacks_in_a_run() == []

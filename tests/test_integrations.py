@@ -1,7 +1,8 @@
 """Framework integrations through a real kernel: the recipes of ``docs/frameworks.md``
-(a Hugging Face Trainer, Accelerate, a Lightning Trainer, Lightning Fabric, FSDP2, each
-training a tiny model built from a config in code, nothing downloaded) run in one
-notebook with its widget state kept; what each framework logs arrives in the job's
+(a Hugging Face Trainer, Accelerate, a Lightning Trainer, one of the older
+``pytorch_lightning`` package, Lightning Fabric, FSDP2, each training a tiny model
+built from a config in code, nothing downloaded) run in one notebook with its widget
+state kept; what each framework logs arrives in the job's
 history and in the panel's stored state, and the progress bar follows its step count.
 
 This test runs that page (``tests/test_docs.py`` leaves it to this one), so the recipes
@@ -29,6 +30,7 @@ RECIPES = {  # a word only that recipe's block has
     "hf": "from transformers import",
     "accelerate": "Accelerator(",
     "lightning": "L.Trainer(",
+    "pytorch_lightning": "pl.Trainer(",
     "fabric": "L.Fabric(",
     "fsdp2": "fully_shard(model",
 }
@@ -40,7 +42,7 @@ def executed(tmp_path_factory):
     """The page's python blocks in one notebook, each recipe followed by a cell that
     prints its job's history; run with the widget state kept. As on every docs page, a
     ```text block marked <!-- output --> must appear in what the block before printed."""
-    for name in ("transformers", "accelerate", "lightning"):
+    for name in ("transformers", "accelerate", "lightning", "pytorch_lightning"):
         pytest.importorskip(name)
     nb = nbformat.v4.new_notebook()
     where: dict[str, int] = {}
@@ -123,6 +125,18 @@ def test_accelerate_logs_from_its_main_process_and_is_shown_at_once(executed):
     bar, html = panel_state(executed, index)
     assert (bar["value"], bar["max"]) == (8, 8)
     assert "<b>loss</b>" in html
+
+
+def test_a_pytorch_lightning_trainer_reports_by_itself_too(executed):
+    """The older package's Trainer, through its own entry point: its metrics per step,
+    averaged over both ranks, and its steps on the bar."""
+    index, history = ran(executed, "pytorch_lightning")
+    assert [row["step"] for row in history] == list(range(1, 5)), history  # 128 / 16 / 2
+    assert all(set(row) == {"step", "ranks", "train_loss"} for row in history), history
+    assert all(row["ranks"] == 2 for row in history), history
+    bar, html = panel_state(executed, index)
+    assert (bar["value"], bar["max"]) == (4, 4)
+    assert "train_loss" in html and "epoch 0" in html
 
 
 def test_a_lightning_trainer_reports_by_itself_per_step_and_per_epoch(executed):

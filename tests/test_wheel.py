@@ -1,12 +1,13 @@
 """The wheel as a user gets it, not the editable install the README (and this suite)
 uses: every module of the package is in it, and, installed in a virtual environment of
-its own, it lets Lightning make a ``Trainer`` outside any nbddp run.
+its own, it lets Lightning make a ``Trainer`` outside any nbddp run, from either of
+its packages, ``lightning`` or the older ``pytorch_lightning``, the other not installed.
 
-The second matters beyond nbddp: the wheel declares Lightning's
-``lightning.pytorch.callbacks_factory`` entry point, which Lightning loads whenever a
-``Trainer`` is made, so a wheel without ``nbddp.integrations`` breaks every Trainer on
-the machine. The wheel is built from a copy of the tracked files (as a fresh clone
-has them, with nothing left in ``build/`` by an earlier build).
+The second matters beyond nbddp: the wheel declares each package's
+``callbacks_factory`` entry point, which its Trainer loads whenever it is made, so a
+wheel without ``nbddp.integrations``, or an entry point that imports the other package,
+breaks every Trainer on the machine. The wheel is built from a copy of the tracked
+files (as a fresh clone has them, with nothing left in ``build/`` by an earlier build).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-LIGHTNING_GROUP = "lightning.pytorch.callbacks_factory"
 TIMEOUT = 300
 
 
@@ -97,43 +97,61 @@ def _venv_with(wheel: Path, root: Path) -> Path:
     return python
 
 
-TRAINER = textwrap.dedent(f"""
-    import importlib.metadata, json
-    import lightning
-    import nbddp
-
-    ours = importlib.metadata.distribution("nbddp")
-    declared = [(ep.name, ep.value) for ep in ours.entry_points
-                if ep.group == "{LIGHTNING_GROUP}"]
-    # Lightning loads every callbacks_factory entry point here, nbddp's too.
-    trainer = lightning.Trainer(accelerator="cpu", devices=1, logger=False,
-                                enable_checkpointing=False, enable_progress_bar=False,
-                                enable_model_summary=False)
-    import nbddp.integrations.lightning
-    print(json.dumps({{
-        "module": nbddp.__file__,
-        "metadata": str(ours.locate_file("")),
-        "declared": declared,
-        "nbddp_callbacks": [type(cb).__name__ for cb in trainer.callbacks
-                            if type(cb).__module__.startswith("nbddp")],
-    }}))
-""")
+GROUPS = {"lightning": "lightning.pytorch.callbacks_factory",
+          "pytorch_lightning": "pytorch_lightning.callbacks_factory"}
+"""Each Lightning package's own entry point group, which its Trainer loads."""
+HIDDEN = {"lightning": ["pytorch_lightning", "lightning_fabric"],
+          "pytorch_lightning": ["lightning"]}
+"""What is made unimportable beside each: nbddp's entry point for one package must load
+where the other is not installed."""
 
 
-def test_installed_wheel_lets_lightning_make_a_trainer_outside_a_run(wheel, tmp_path):
-    if importlib.util.find_spec("lightning") is None:
-        pytest.skip("lightning is not installed (the frameworks extra): "
-                    "the wheel's Lightning entry point has nothing to load it")
+def trainer_script(package: str) -> str:
+    """Make ``package``'s Trainer outside any run, the other package unimportable, and
+    say what nbddp declared and what the Trainer got."""
+    return textwrap.dedent(f"""
+        import importlib.metadata, json, sys
+        for name in {HIDDEN[package]!r}:
+            sys.modules[name] = None  # as if not installed: importing it fails
+        import {package}
+        import nbddp
+
+        ours = importlib.metadata.distribution("nbddp")
+        declared = [(ep.name, ep.value) for ep in ours.entry_points
+                    if ep.group == "{GROUPS[package]}"]
+        # The Trainer loads every entry point of its group here, nbddp's too.
+        trainer = {package}.Trainer(accelerator="cpu", devices=1, logger=False,
+                                    enable_checkpointing=False, enable_progress_bar=False,
+                                    enable_model_summary=False)
+        import nbddp.integrations.{package}
+        print(json.dumps({{
+            "module": nbddp.__file__,
+            "metadata": str(ours.locate_file("")),
+            "declared": declared,
+            "nbddp_callbacks": [type(cb).__name__ for cb in trainer.callbacks
+                                if type(cb).__module__.startswith("nbddp")],
+            "other_loaded": [name for name in {HIDDEN[package]!r}
+                             if sys.modules.get(name) is not None],
+        }}))
+    """)
+
+
+@pytest.mark.parametrize("package", ["lightning", "pytorch_lightning"])
+def test_installed_wheel_lets_lightning_make_a_trainer_outside_a_run(wheel, tmp_path, package):
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(f"{package} is not installed (the frameworks extra): "
+                    "the wheel's entry point for it has nothing to load it")
     root = (tmp_path / "venv").resolve()
     python = _venv_with(wheel, root)
     workdir = tmp_path / "elsewhere"
     workdir.mkdir()
     script = workdir / "trainer_outside_a_run.py"
-    script.write_text(TRAINER)
+    script.write_text(trainer_script(package))
     done = _run([str(python), str(script)], cwd=workdir)
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert Path(seen["module"]).resolve().is_relative_to(root), seen  # not the editable one
     assert Path(seen["metadata"]).resolve().is_relative_to(root), seen
-    assert seen["declared"] == [["nbddp", "nbddp.integrations.lightning:callbacks_in_a_run"]], \
-        seen
+    assert seen["declared"] == [
+        ["nbddp", f"nbddp.integrations.{package}:callbacks_in_a_run"]], seen
     assert seen["nbddp_callbacks"] == [], seen  # outside a run, the entry point adds none
+    assert seen["other_loaded"] == [], seen
