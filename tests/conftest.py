@@ -92,6 +92,7 @@ WAITING_LANE = {
     "test_rank_view.py", "test_kernel.py", "test_pdb.py", "test_metrics.py",
     "test_models_back.py", "test_slurm_session.py", "test_ray_session.py",
     "test_ray_lifecycle.py",
+    "test_setup_hangs.py",
     "cluster_session.ipynb",  # (a notebook: its SLURM jobs queue beside no other test's)
 }
 """Modules whose tests spend much of their time waiting (on SLURM's scheduler, a timeout,

@@ -48,6 +48,7 @@ from .._wire.messages import (
 from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV, RunDir, parse_address
 from .._wire.stacks import dump_now, main_thread_id
 from .._wire.transfer import Inbox, Outgoing, copy_into, place_in
+from . import setup_check
 from .collectives import progress
 from .restarts import requeue_count, restart_count
 
@@ -249,7 +250,7 @@ class KernelLink:
         """Say where this rank is in its collectives (torch's flight recorder, or the
         process groups' own counts)."""
         with contextlib.suppress(OSError):
-            self.send(Collectives(self.rank, call, *progress()))
+            self.send(Collectives(self.rank, call, *progress(), setup=setup_check.look()))
 
     def close(self) -> None:
         for end in (self._channel, self._mailbox):

@@ -36,7 +36,7 @@ from .._wire.messages import (
     Start,
 )
 from .._wire.payload import Payload, dumps_value
-from . import debugger
+from . import debugger, setup_check
 from .autoreload import Reloader, forget_listings
 from .metrics import start_reporting, stop_reporting
 from .requeue import RequeueRequested, mark_requeue
@@ -150,6 +150,7 @@ class Rank:
         answering = start.options.answering
         try:
             self._adopt(start)
+            setup_check.remember_launch()
             if not start.options.runs_on(self.rank):
                 return Report(Result(self.rank))  # at rest, state untouched
             reporter = start_reporting(self.rank, send)

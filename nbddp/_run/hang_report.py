@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from .._wire.messages import Collectives, GroupProgress
+from .setup_report import setup_report
 
 if TYPE_CHECKING:
     from .group import RankGroup
@@ -43,12 +44,13 @@ def hang_report(answers: dict[int, Collectives], ranks: Iterable[int],
     """The report for ``ranks``, from the ``answers`` that came (a rank without one did
     not answer)."""
     now = time.time() if now is None else now
+    asked = sorted(set(ranks))
     lines = [HEADER]
     names = sorted({g.group for a in answers.values() for g in a.groups}, key=_group_order)
     for name in names:
         progress = {rank: g for rank, a in answers.items() for g in a.groups if g.group == name}
         lines += _group_lines(progress, None if len(names) == 1 else _label(progress), now)
-    for rank in sorted(set(ranks)):
+    for rank in asked:
         answer = answers.get(rank)
         if answer is None:
             lines.append(f"rank {rank}: did not answer (its link to the kernel is gone, or "
@@ -62,7 +64,11 @@ def hang_report(answers: dict[int, Collectives], ranks: Iterable[int],
                      "collective a rank waits in is read from its stack")
     if not names and len(lines) == 1:
         lines.append("no rank has a process group")
-    return "\n".join(lines)
+    setup = setup_report(answers)  # (why a rank waits in init_process_group: first)
+    if setup and all(getattr(answers.get(rank), "unavailable", "") == "no process group"
+                     for rank in asked):
+        return setup  # (no rank has a process group yet: no collectives to tell of)
+    return "\n".join([setup, *lines] if setup else lines)
 
 
 def _group_lines(progress: dict[int, GroupProgress], label: str | None,

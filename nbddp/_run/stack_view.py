@@ -129,12 +129,12 @@ def summary(rank: int, thread: Thread) -> str:
     own = [frame for frame in thread.frames if frame.kind is Kind.OWN]
     if not own:
         ours = [frame for frame in thread.frames if frame.kind is Kind.NBDDP]
-        doing = f"in nbddp's {ours[-1].function}" if ours else _doing(innermost)
+        doing = f"in nbddp's {ours[-1].function}" if ours else _doing(thread.frames)
         return f"rank {rank}: {doing}, not in the user's code"
     if own[-1] is innermost:
         return f"rank {rank}: in {innermost.function} ({innermost.place()})"
     called = thread.frames[thread.frames.index(own[-1]) + 1]
-    return f"rank {rank}: {_doing(innermost, called)} ({own[-1].place()})"
+    return f"rank {rank}: {_doing(thread.frames, called)} ({own[-1].place()})"
 
 
 def where(stacks: dict[int, str], report: str = "") -> str:
@@ -154,14 +154,30 @@ def summary_of(text: str) -> str:
     return text.split("\n", 1)[0]
 
 
-def _doing(innermost: Frame, called: Frame | None = None) -> str:
-    """``waiting in barrier`` (a collective, however deep), else the library function
-    the user's code called (``in backward (torch)``), or the innermost frame."""
-    if innermost.kind is Kind.TORCH and re.search(r"[/\\]torch[/\\]distributed[/\\]",
-                                                  innermost.file):
-        return f"waiting in {innermost.function}"
+def _doing(frames: tuple[Frame, ...], called: Frame | None = None) -> str:
+    """``waiting in barrier`` (a collective, however deep: torch.distributed's innermost
+    public function, ``init_process_group`` rather than its helpers), else the library
+    function the user's code called (``in backward (torch)``), or the innermost frame."""
+    innermost = frames[-1]
+    if _in_distributed(innermost):
+        public = [frame.function for frame in frames
+                  if _in_distributed(frame) and _public(frame.function)]
+        return f"waiting in {public[-1] if public else innermost.function}"
     frame = called or innermost
     return f"in {frame.function} ({frame.package})"
+
+
+def _in_distributed(frame: Frame) -> bool:
+    return frame.kind is Kind.TORCH and bool(
+        re.search(r"[/\\]torch[/\\]distributed[/\\]", frame.file))
+
+
+def _public(function: str) -> bool:
+    """A function a user calls, not a helper or a decorator's wrapper."""
+    return not function.startswith("_") and function not in _WRAPPERS
+
+
+_WRAPPERS = {"wrapper", "inner", "wrapped", "decorator", "fn", "func"}
 
 
 def _block(title: str, thread: Thread, full: bool) -> str:

@@ -226,9 +226,31 @@ class GroupProgress:
 
 
 @dataclass(frozen=True)
+class SetupLook:
+    """What a rank can tell about its process-group set-up (``_rank.setup_check``)."""
+
+    in_init: bool
+    """Its main thread is inside ``init_process_group``."""
+    rank: int | None = None
+    """The ``rank`` that call was given (None: left to the environment)."""
+    world_size: int | None = None
+    init_method: str | None = None
+    """The ``init_method`` it was given, where it was given one beside torchrun's agent
+    store (no rank hosts a store at that address)."""
+    torchrun_rank: int | None = None
+    """The rank and world size torchrun gave it."""
+    torchrun_world_size: int | None = None
+    changed: tuple[tuple[str, str | None, str | None], ...] = ()
+    """``(name, torchrun's value, the value now)`` for MASTER_ADDR/PORT it changed."""
+    agent_store_children: tuple[tuple[int, str], ...] = ()
+    """``(pid, command)`` of processes it started that would use torchrun's agent store."""
+
+
+@dataclass(frozen=True)
 class Collectives:
     """A rank's answer to ``ShowCollectives``: its progress in each process group, or
-    why it cannot say (``unavailable``: no process group, no flight recorder)."""
+    why it cannot say (``unavailable``: no process group, no flight recorder), and what
+    it can tell about its process-group set-up (``setup``)."""
 
     rank: int
     call: int
@@ -237,6 +259,7 @@ class Collectives:
     counted: str = ""
     """Why ``groups`` are the process groups' own counts, not the recorder's (its entries'
     operations and times then unknown; the one it waits in read from its stack)."""
+    setup: SetupLook | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""What a rank can tell about its own process-group set-up, for a hang inside it.
+
+A rank stuck in ``init_process_group`` shows only torch's helpers in its stack
+(``_new_process_group_helper``), and says nothing of the cause, which the rank itself
+can often see:
+
+- the ``rank`` and ``world_size`` the call was given, beside the ones torchrun gave the
+  rank (a library whose ``get_rank`` returns 0 everywhere makes every rank rank 0), and
+  an ``init_method`` of its own, where every rank is told to use torchrun's agent store
+  (no rank then hosts a store at that address);
+- a ``MASTER_ADDR`` or ``MASTER_PORT`` changed since the run began (ranks that meet at
+  different addresses never meet);
+- processes the rank started (a library's workers) that inherited torchrun's
+  ``TORCHELASTIC_USE_AGENT_STORE=True``: their ``init_process_group`` waits for
+  torchrun's agent store, which none of them hosts.
+
+``remember_launch`` notes torchrun's world as a run begins; ``look`` reads the rest when
+the kernel asks where the rank is (from the channel's thread, while the main thread
+waits). The kernel lines the ranks' looks up (``_run.setup_report``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from .._wire.messages import SetupLook
+
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+_WORLD = ("RANK", "WORLD_SIZE")
+_ADDRESS = ("MASTER_ADDR", "MASTER_PORT")
+_given: dict[str, str | None] = {}
+
+
+def remember_launch() -> None:
+    """Note the world and the address torchrun gave this rank, before the user's code
+    runs (and may change them)."""
+    _given.clear()
+    _given.update({name: os.environ.get(name) for name in (*_WORLD, *_ADDRESS)})
+
+
+def look() -> SetupLook | None:
+    """What this rank can say about its process-group set-up, or None if nothing: its
+    main thread is not in ``init_process_group``, nothing was changed and no process of
+    its own waits for the agent store. Never raises."""
+    try:
+        call = _init_call(sys._current_frames().get(threading.main_thread().ident or 0))
+        changed = tuple((name, _given.get(name), os.environ.get(name)) for name in _ADDRESS
+                        if name in _given and os.environ.get(name) != _given[name])
+        children = _agent_store_children()
+    except Exception:  # noqa: BLE001 - a look that fails must not stop the rank
+        return None
+    if call is None and not changed and not children:
+        return None
+    rank, world_size, init_method = call if call is not None else (None, None, None)
+    return SetupLook(in_init=call is not None, rank=rank, world_size=world_size,
+                     init_method=init_method,
+                     torchrun_rank=_number(_given.get("RANK")),
+                     torchrun_world_size=_number(_given.get("WORLD_SIZE")),
+                     changed=changed, agent_store_children=children)
+
+
+def _init_call(frame: FrameType | None) -> tuple[int | None, int | None, str | None] | None:
+    """The ``rank``, ``world_size`` and ``init_method`` the main thread's
+    ``init_process_group`` was given (None where it was left to the environment, and the
+    ``init_method`` only beside the agent store), or None if it is not in one."""
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "init_process_group" and code.co_filename.endswith(
+                "distributed_c10d.py"):
+            given = frame.f_locals
+            method = given.get("init_method")
+            own_store = isinstance(method, str) and method not in ("", "env://") and \
+                os.environ.get(AGENT_STORE_ENV) == "True"
+            return (_passed(given.get("rank")), _passed(given.get("world_size")),
+                    method if own_store else None)
+        frame = frame.f_back
+    return None
+
+
+def _passed(value: object) -> int | None:
+    """An argument's value, or None for torch's default (-1: read the environment)."""
+    return value if isinstance(value, int) and value >= 0 else None
+
+
+def _number(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
+def _agent_store_children() -> tuple[tuple[int, str], ...]:
+    """The processes this rank started (its descendants that ran a program of their own:
+    a forked child shares the rank's start-up environment, whatever it changed since)
+    whose environment tells them to use torchrun's agent store."""
+    if os.environ.get(AGENT_STORE_ENV) != "True":
+        return ()
+    own = _read(os.getpid(), "cmdline")
+    found = []
+    for pid in _descendants(os.getpid()):
+        command = _read(pid, "cmdline")
+        if command and command != own and \
+                f"{AGENT_STORE_ENV}=True".encode() in _read(pid, "environ").split(b"\0"):
+            words = command.replace(b"\0", b" ").decode(errors="replace").split()
+            found.append((pid, " ".join(words)))  # (a -c program's lines on one line)
+    return tuple(found)
+
+
+def _descendants(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            text = stat.read_text()
+            children.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(
+                int(stat.parent.name))
+    found, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _read(pid: int, name: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except OSError:
+        return b""

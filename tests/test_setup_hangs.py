@@ -1,0 +1,182 @@
+"""A hang in process-group set-up says why: real launches, each with small code that
+makes one of the mistakes seen in the wild, stopped by their timeout. What the user
+reads is the ``TimeoutError``: each rank's summary names ``init_process_group`` (not
+torch's helpers), and the set-up report names the cause nbddp can see, or what it
+looked at where it sees none. Nothing is left running, the processes a rank started
+included. Unit tests of the report first.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import nbddp
+from nbddp._run.setup_report import setup_report
+from nbddp._wire.messages import Collectives, SetupLook
+
+# --- the report, from the ranks' looks ----------------------------------------------------
+
+
+def looks(**by_rank: SetupLook | None) -> dict[int, Collectives]:
+    return {int(rank[1:]): Collectives(int(rank[1:]), 1, unavailable="no process group",
+                                       setup=look) for rank, look in by_rank.items()}
+
+
+def inside(rank: int | None, torchrun_rank: int, world_size: int | None = None,
+           **more) -> SetupLook:
+    return SetupLook(True, rank, world_size, torchrun_rank=torchrun_rank,
+                     torchrun_world_size=2, **more)
+
+
+@pytest.mark.fast
+def test_ranks_that_join_as_the_same_rank_are_named():
+    report = setup_report(looks(r0=inside(0, 0), r1=inside(0, 1)))
+    assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" in report
+    assert "ranks 0 and 1 both joined as rank 0" in report
+    assert "rank 0 called" not in report  # rank 0 is where torchrun put it
+
+
+@pytest.mark.fast
+def test_a_world_size_torchrun_did_not_start_is_named():
+    report = setup_report(looks(r0=inside(0, 0, 3), r1=inside(1, 1, 3)))
+    assert "rank 0 called init_process_group with world_size=3; torchrun started 2 " \
+        "ranks" in report
+    assert "both joined" not in report
+
+
+@pytest.mark.fast
+def test_with_no_cause_found_it_says_what_it_looked_at_and_who_is_missing():
+    report = setup_report(looks(r0=inside(0, 0), r1=None))
+    assert "rank 0 is in init_process_group with the rank and world size torchrun gave, " \
+        "MASTER_ADDR and MASTER_PORT unchanged" in report
+    assert "nbddp found no cause there" in report
+    assert "rank 1 is not in init_process_group" in report
+
+
+@pytest.mark.fast
+def test_no_rank_in_set_up_and_nothing_changed_says_nothing():
+    assert setup_report(looks(r0=None, r1=None)) == ""
+
+
+# --- real launches ------------------------------------------------------------------------
+
+TIMEOUT = 15
+
+
+def timeout_report(fn) -> str:
+    """What the user reads when ``fn``'s launch on 2 ranks hangs and times out."""
+    with pytest.raises(TimeoutError) as caught:
+        nbddp.launch(fn, 2, init=False, timeout=TIMEOUT, output="none")
+    return str(caught.value)
+
+
+def same_rank_everywhere():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=0, world_size=2)  # a get_rank() that says 0
+
+
+def three_ranks():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", world_size=3)
+
+
+def another_port():
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(free.getsockname()[1])
+    dist.init_process_group("gloo")
+
+
+WORKERS = """
+import sys, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
+                        rank=int(sys.argv[1]), world_size=2)
+"""
+
+
+def workers_of_its_own():
+    """What VISSL does: the rank starts worker processes that set up a group of their own
+    at an address of their own; they inherit torchrun's environment."""
+    import socket
+    import subprocess
+    import sys
+
+    import torch.distributed as dist
+
+    if dist.is_torchelastic_launched() and __import__("os").environ["RANK"] == "0":
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            port = str(free.getsockname()[1])
+        workers = [subprocess.Popen([sys.executable, "-c", WORKERS, str(i), port])
+                   for i in range(2)]
+        for worker in workers:
+            worker.wait()
+
+
+def one_rank_elsewhere():
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    if os.environ["RANK"] == "1":
+        time.sleep(60)  # never reaches init_process_group
+    dist.init_process_group("gloo")
+
+
+@pytest.mark.slow
+def test_two_ranks_that_join_as_rank_0_are_named_with_the_cause():
+    report = timeout_report(same_rank_everywhere)
+    assert re.search(r"rank 0: waiting in init_process_group \(test_setup_hangs.py, line \d+",
+                     report), report
+    assert "rank 1: waiting in init_process_group" in report, report
+    assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" in report
+    assert "ranks 0 and 1 both joined as rank 0" in report, report
+    assert "_new_process_group_helper (" not in report  # torch's helper is no summary
+
+
+@pytest.mark.slow
+def test_a_world_size_of_its_own_is_named():
+    report = timeout_report(three_ranks)
+    assert "rank 0 called init_process_group with world_size=3; torchrun started 2 ranks" \
+        in report, report
+    assert "rank 1 called init_process_group with world_size=3" in report, report
+
+
+@pytest.mark.slow
+def test_a_master_port_the_rank_changed_is_named():
+    report = timeout_report(another_port)
+    assert re.search(r"rank 0 changed MASTER_PORT from \d+ \(torchrun's\) to \d+: ranks that "
+                     r"meet at different addresses never meet", report), report
+    assert "rank 1 changed MASTER_PORT" in report, report
+
+
+@pytest.mark.slow
+def test_processes_a_rank_started_on_torchruns_agent_store_are_named_with_the_fix():
+    report = timeout_report(workers_of_its_own)
+    assert "rank 0: in wait (subprocess)" in report or "rank 0: in wait" in report, report
+    found = re.search(r"rank 0 started processes that inherited torchrun's "
+                      r"TORCHELASTIC_USE_AGENT_STORE=True \(pid \d+: \S*python\S* -c .*; pid "
+                      r"\d+: .*\): a process group they set up waits for torchrun's agent "
+                      r"store, which none of them hosts", report)
+    assert found, report
+    assert "os.environ.pop('TORCHELASTIC_USE_AGENT_STORE', None)" in report
+
+
+@pytest.mark.slow
+def test_where_it_finds_no_cause_it_says_what_it_looked_at():
+    report = timeout_report(one_rank_elsewhere)
+    assert "rank 0 is in init_process_group with the rank and world size torchrun gave" \
+        in report, report
+    assert "nbddp found no cause there" in report
+    assert "rank 1 is not in init_process_group: the ranks inside wait there until every " \
+        "rank has called it" in report, report
