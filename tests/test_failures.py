@@ -41,6 +41,8 @@ def test_a_raising_rank_is_the_root_cause_and_its_peers_are_torn_down():
     assert str(error.__cause__) == "bad batch on rank 1"
     assert "rank 1 raised ValueError: bad batch on rank 1" in str(error)
     assert time.monotonic() - start < 30  # not gloo's 30-minute collective timeout
+    states = {rank: info["state"] for rank, info in nbddp.last_job().ranks.items()}
+    assert states == {0: "stopped", 1: "failed"}  # rank 0 only lost its peer
 
 
 def test_a_notebook_exception_class_comes_back_as_the_cause():
@@ -125,6 +127,7 @@ def test_timeout_stops_every_rank():
     with pytest.raises(TimeoutError, match="did not finish within 2 s"):
         nbddp.launch(time.sleep, 2, args=(120,), timeout=2)
     assert time.monotonic() - start < 30
+    assert [info["state"] for info in nbddp.last_job().ranks.values()] == ["stopped"] * 2
 
 
 def test_keyboard_interrupt_stops_every_rank_then_raises(tmp_path):

@@ -157,6 +157,32 @@ def test_timeout_stops_every_rank(ddp):
     assert _ok_result(ddp, "%%ddp --nprocs 2\n'after the timeout'") == "'after the timeout'"
 
 
+def test_a_timeouts_report_is_shown_once_and_its_ranks_as_stopped(ddp):
+    """The whole report (where each rank was, its stacks) is in the error IPython shows,
+    once; the streamed summary and the panel say one line; the ranks nbddp stopped are
+    ``stopped``, not ``failed``."""
+    run = ddp.run("""
+        %%ddp --nprocs 2 --timeout 3
+        import time
+        time.sleep(120)
+    """)
+    assert run.error() is not None and run.error()["ename"] == "TimeoutError", run.describe()
+    error = run.error_text()
+    assert "where each rank was:" in error and "--- rank 1 ---" in error, error
+    everything = run.shown_text() + error
+    assert everything.count("where each rank was:") == 1, everything
+    assert everything.count("--- rank 0 ---") == 1, everything
+    summary = [line for line in run.stream_text().splitlines() if line.startswith("nbddp: ")]
+    assert len(summary) == 1 and "did not finish within 3 s" in summary[0], run.describe()
+    panel = [o.content["data"]["text/plain"] for o in run.outputs
+             if o.msg_type in ("display_data", "update_display_data")
+             and "nbddp: timed out" in o.content.get("data", {}).get("text/plain", "")]
+    assert panel, run.describe()
+    header = panel[-1].splitlines()[0]
+    assert "(ranks: 0 stopped, 1 stopped)" in header, header
+    assert "failed" not in header and "did not finish within 3 s" in header, header
+
+
 def test_more_gpus_than_visible_is_a_usage_error_naming_nprocs(ddp):
     ddp.run("""
         import os as _probe_os

@@ -326,11 +326,16 @@ def _split_bar(shares: tuple[float, float, float] | None) -> str:
             f'background:#eee">{parts}</span>')
 
 
+def _lines_html(text: str) -> str:
+    """``text`` escaped, its line breaks kept (HTML would run its lines together)."""
+    return "<br>".join(html.escape(line) for line in text.splitlines())
+
+
 def _header_html(state: PanelState) -> str:
     color = {"finished": "#2ca02c", "running": "#1f77b4", "queued": "#999",
              "requeued": "#ff7f0e"}.get(state.status, "#d62728")
     ranks = " ".join(_rank_chip(state, r, s) for r, s in enumerate(state.ranks))
-    message = f" &mdash; {html.escape(state.message)}" if state.message else ""
+    message = f" &mdash; {_lines_html(state.message)}" if state.message else ""
     where = f" {html.escape(state.where)}" if state.where else ""
     split = ""
     if state.split_lines:

@@ -6,12 +6,15 @@ attempt. Each such start is an ``Attempt``, numbered by the requeue and the rest
 the ranks' messages carry. It is the one owner of what each rank said: returned, raised,
 died, asked for a requeue, started, sits in pdb. A rank's state (``starting``,
 ``running``, ``debugging``, ``finished``, ``failed``, ``requeueing``, and ``stopped``
-once the run has ended) is read from these; the panel and ``Job.ranks`` show it.
+once the run has ended, or where a rank ended only because nbddp, or torchrun after
+another rank's failure, stopped it) is read from these; the panel and ``Job.ranks``
+show it.
 """
 
 from __future__ import annotations
 
 from .._wire.messages import Disconnected, Failure, Result
+from .diagnosis import first_cause, secondary
 from .records import Records
 
 
@@ -29,6 +32,9 @@ class Attempt:
         """Ranks that said hello (or came back from pdb) in this attempt."""
         self.debugging: set[int] = set()
         """Ranks whose pdb waits for a line."""
+        self.stopped: set[int] = set()
+        """Ranks that raised or died once the run's end was decided: nbddp (or torchrun,
+        after another rank's failure) stopped them."""
 
     @property
     def key(self) -> tuple[int, int]:
@@ -62,8 +68,8 @@ class Attempt:
         the run ``ended`` was ``stopped``."""
         if rank in self.results:
             return "finished"
-        if self._failed(rank):
-            return "failed"
+        if self._failed(rank) or rank in self.stopped:
+            return "failed" if self._a_cause(rank) else "stopped"
         if rank in self.requeueing:
             return "requeueing"
         if rank in self.debugging:
@@ -71,6 +77,15 @@ class Attempt:
         if rank in self.started:
             return "stopped" if ended else "running"
         return "starting"
+
+    def _a_cause(self, rank: int) -> bool:
+        """``rank`` failed of itself: it raised (not only because a peer was lost or nbddp
+        interrupted it), or it is the run's first cause, before the run's end was decided."""
+        if rank in self.stopped or not self.failures:
+            return False
+        own = [failure for failure in self.failures if failure.rank == rank]
+        return first_cause(self.failures).rank == rank or any(
+            isinstance(failure, Failure) and not secondary(failure) for failure in own)
 
     def states(self, ended: bool = False) -> list[str]:
         return [self.state(rank, ended) for rank in range(self.nprocs)]

@@ -55,7 +55,7 @@ def diagnose(
 def first_cause(reports: Sequence[Failure | Disconnected]) -> Failure | Disconnected:
     """The first report that is not only a consequence of another one (``reports`` in the
     order the kernel heard of them; not empty)."""
-    return next((r for r in reports if not _secondary(r)), reports[0])
+    return next((r for r in reports if not secondary(r)), reports[0])
 
 
 def describe(report: Failure | Disconnected) -> str:
@@ -71,7 +71,7 @@ def peer_lost(report: Failure | Disconnected) -> bool:
     )
 
 
-def _secondary(report: Failure | Disconnected) -> bool:
+def secondary(report: Failure | Disconnected) -> bool:
     """A failure caused by another one: a peer lost, or the interrupt nbddp sent to a
     session's ranks still running after another rank failed."""
     return peer_lost(report) or (isinstance(report, Failure)

@@ -366,7 +366,8 @@ class Job(Generic[R]):
 
 
 def _describe(outcome: Outcome) -> tuple[str, str]:
-    """The panel's status word and message for how the run ended."""
+    """The panel's status word and one line for how the run ended (the panel's header
+    and the summary line say it; the error IPython shows has the whole report)."""
     error = outcome.error
     if error is None:
         return "finished", ""
@@ -374,6 +375,6 @@ def _describe(outcome: Outcome) -> tuple[str, str]:
         return "interrupted", "every rank was stopped"
     if isinstance(error, CancelledError):
         return "cancelled", "every rank was stopped"
-    if isinstance(error, TimeoutError):
-        return "timed out", str(error)
-    return "failed", str(error).splitlines()[0] if str(error) else type(error).__name__
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    # (one line: the whole report, stacks and all, is the exception's, shown once)
+    return ("timed out" if isinstance(error, TimeoutError) else "failed"), first_line

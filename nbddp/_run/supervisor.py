@@ -166,12 +166,19 @@ class Supervisor:
     def _failure(self, failure: Failure) -> None:
         if failure.stats is not None:
             self.view.add(failure.stats)
+        self._note_stopped(failure.rank)
         self.attempt.failures.append(failure)
         self.debugger.done(failure.rank)
 
     def _disconnected(self, event: Disconnected) -> None:
         if self.attempt.vanished(event.rank):
+            self._note_stopped(event.rank)
             self.attempt.failures.append(event)  # died without a word: a root-cause candidate
+
+    def _note_stopped(self, rank: int) -> None:
+        """A rank that raised or died after the run's end was decided was stopped."""
+        if self._ending is not None:
+            self.attempt.stopped.add(rank)
 
     def _launcher_exit(self, event: LauncherExited) -> None:
         self.launcher_exited = True
