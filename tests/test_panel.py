@@ -123,6 +123,8 @@ def test_a_finished_run_shows_the_final_step_and_rank_averages(executed):
     html = " ".join(m["value"] for m in models["HTMLModel"])
     assert "nbddp: finished" in html
     assert "step 29 (mean of 2 ranks)" in html
+    # Each rank's line ends where the rank ended, not at its last sample before:
+    assert "0 finished (step 29" in html and "1 finished (step 29" in html, html
     assert "<b>loss</b> 34" in html  # mean of 29 and 29 + 10
     assert "<b>acc</b> 1" in html  # mean of 0.5 and 1.5
     charts = chart_texts(models)

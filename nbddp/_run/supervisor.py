@@ -328,6 +328,16 @@ class Supervisor:
                        "collective in it waits for them forever")
         return stacks, report
 
+    def _note_ranks(self) -> None:
+        """Each rank's state, and its note (step, speed, memory, node) as of its last
+        report: at the run's end, its final one."""
+        states = self.state.ranks = self.rank_states()
+        ranks = self.view.ranks(states)
+        several_nodes = len({info["host"] for info in ranks.values() if info["host"]}) > 1
+        self.state.rank_notes = {r: self.view.summary(info, several_nodes)
+                                 for r, info in ranks.items()}
+        self.state.behind = {r for r, info in ranks.items() if info["behind"]}
+
     def _refresh_now_and_then(self) -> None:
         """Show the ranks' new output every ``_OUTPUT_INTERVAL`` and redraw the panel
         every ``_REFRESH_INTERVAL`` (redraws coalesce), not on every event: between the
@@ -344,15 +354,10 @@ class Supervisor:
 
     def _update_view(self) -> None:
         """The panel's rank states, notes and stragglers; say when the run looks stalled."""
-        states = self.state.ranks = self.rank_states()
-        ranks = self.view.ranks(states)
-        several_nodes = len({info["host"] for info in ranks.values() if info["host"]}) > 1
-        self.state.rank_notes = {r: self.view.summary(info, several_nodes)
-                                 for r, info in ranks.items()}
-        self.state.behind = {r for r, info in ranks.items() if info["behind"]}
+        self._note_ranks()
         self._update_split()
         limit, quiet = self.config.stall_after, self.view.quiet_for()
-        if limit is None or self.state.status != "running" or "debugging" in states:
+        if limit is None or self.state.status != "running" or "debugging" in self.state.ranks:
             return
         if quiet >= limit and not self._stalled:
             self._stalled = True
@@ -401,7 +406,7 @@ class Supervisor:
         self.ended = True
         self.state.ended = time.monotonic()
         self.state.status, self.state.message = status, message
-        self.state.ranks = self.rank_states()
+        self._note_ranks()  # (the notes of the last refresh may be a second old)
         self._update_split()
         self.panel.close(self.state)
 
