@@ -180,3 +180,14 @@ def test_where_it_finds_no_cause_it_says_what_it_looked_at():
     assert "nbddp found no cause there" in report
     assert "rank 1 is not in init_process_group: the ranks inside wait there until every " \
         "rank has called it" in report, report
+
+
+@pytest.mark.slow
+def test_the_cause_is_said_when_the_run_looks_stalled_before_any_timeout(capfd):
+    """A framework's broken set-up is explained within the stall time, as it happens."""
+    with pytest.raises(TimeoutError):
+        nbddp.launch(same_rank_everywhere, 2, init=False, stall_after=3, timeout=TIMEOUT)
+    out = capfd.readouterr().out
+    stalled = out.index("nbddp: the run looks stalled")
+    said = out.index("ranks 0 and 1 both joined as rank 0", stalled)
+    assert said < out.index("nbddp: timed out"), out
