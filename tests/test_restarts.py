@@ -9,14 +9,22 @@ kernel inside a SLURM allocation, which must not inherit the allocation's variab
 
 from __future__ import annotations
 
+import io
+import time
+
 import pytest
 
 import nbddp
 from nbddp._local.launcher import torchrun_command
 from nbddp._run.config import RunConfig
+from nbddp._run.diagnosis import describe, first_cause
+from nbddp._run.group import LauncherExited, RankGroup
+from nbddp._run.records import Records
 from nbddp._run.shape import GroupShape, without_allocation
+from nbddp._run.supervisor import Supervisor
 from nbddp._slurm.options import Slurm
 from nbddp._slurm.sbatch import submission_sbatch_text
+from nbddp._wire.messages import Disconnected, Failure, Hello, Sequenced
 from nbddp._wire.rundir import RunDir
 
 # --- functions the ranks run ---------------------------------------------------------
@@ -77,6 +85,43 @@ def test_a_run_that_fails_on_every_attempt_says_how_many_were_made():
     assert "on the last of 3 attempts" in str(error)
     assert error.earlier == ["rank 1 raised ValueError: attempt 0 fails too",
                              "rank 1 raised ValueError: attempt 1 fails too"]
+
+
+def always_failing_attempt(attempt: int) -> list:
+    """What the kernel hears of one attempt of ``always_fails``: rank 0's broken barrier
+    first (reader threads may deliver it before rank 1's report), then rank 1's
+    ValueError, then both connections closing."""
+    broken = "[pair.cc:553] Connection closed by peer [127.0.0.1]:30346"
+    raised = f"attempt {attempt} fails too"
+    return [Sequenced(0, Hello(0, 100), attempt), Sequenced(0, Hello(1, 101), attempt),
+            Sequenced(1, Failure(0, "RuntimeError", "builtins", broken, ""), attempt),
+            Sequenced(1, Failure(1, "ValueError", "builtins", raised, ""), attempt),
+            Disconnected(0, attempt), Disconnected(1, attempt)]
+
+
+@pytest.mark.fast
+def test_attempts_that_end_before_a_failed_ones_reports_are_gathered_all_count(tmp_path):
+    """torchrun may restart, fail again and exit before the kernel has waited for the
+    first failed attempt's last reports (quick attempts, a busy kernel): the run still
+    ends in the last attempt, with every restart counted and each attempt named by the
+    rank that raised, not by the peer whose barrier broke."""
+    (tmp_path / "run").mkdir()
+    group = RankGroup(2, RunDir(tmp_path / "run"))
+    sup = Supervisor(group, RunConfig(nprocs=2, max_restarts=2), Records(tmp_path),
+                     io.StringIO(), group.where)
+    for event in [*(e for n in range(3) for e in always_failing_attempt(n)),
+                  LauncherExited(1)]:
+        group.events.put(event)  # (all there before the first failure is looked at)
+    try:
+        assert sup.watch(time.monotonic() + 30, lambda: None).kind == "failed"
+    finally:
+        sup.close("failed", "")
+    assert sup.attempt.number == 2
+    assert describe(first_cause(sup.attempt.failures)) == \
+        "rank 1 raised ValueError: attempt 2 fails too"
+    assert [describe(cause) for cause in sup.causes] == [
+        "rank 1 raised ValueError: attempt 0 fails too",
+        "rank 1 raised ValueError: attempt 1 fails too"]
 
 
 def test_without_restarts_a_failure_ends_the_run():

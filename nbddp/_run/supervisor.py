@@ -30,6 +30,7 @@ from .._wire.messages import (
     RankStats,
     Requeueing,
     Result,
+    Sequenced,
     StepTimes,
 )
 from .attempts import Attempt
@@ -75,6 +76,8 @@ class Supervisor:
         """The ranks' current start: what each reported (each rank's state)."""
         self.causes: list[Failure | Disconnected] = []
         """Why each restart happened: the first cause of each failed attempt."""
+        self._attempts_seen: set[tuple[int, int]] = {self.attempt.key}
+        """The (requeue, restart) of every attempt that a rank's message came from."""
         self.launcher_exited = False
         self.ended = False
         """The run is over: ranks that were still running were stopped."""
@@ -134,6 +137,7 @@ class Supervisor:
         on(Disconnected, self._disconnected)
         on(Requeueing, lambda report: self.attempt.requeueing.add(report.rank))
         on(LauncherExited, self._launcher_exit)
+        self.pump.on_arrival(self._arrived)
 
     def _hello(self, hello: Hello) -> None:
         self.attempt.started.add(hello.rank)
@@ -183,6 +187,11 @@ class Supervisor:
     def _launcher_exit(self, event: LauncherExited) -> None:
         self.launcher_exited = True
 
+    def _arrived(self, message: Sequenced | Disconnected) -> None:
+        """Note which attempt sent ``message`` (held or stale ones too): proof that
+        torchrun started that attempt, even if the run is no longer followed there."""
+        self._attempts_seen.add((message.requeue, message.attempt))
+
     # --- the run's course -----------------------------------------------------------------
 
     def watch(self, deadline: float | None, cancelled: Callable[[], str | None]) -> Ending:
@@ -231,18 +240,34 @@ class Supervisor:
 
     def _restarting(self) -> Ending | None:
         """A rank failed with restarts left: torchrun stops every rank and starts them
-        again. Gather this attempt's other reports, say why, and follow the next one
-        (unless torchrun ended instead: then the run has ended)."""
+        again. Gather this attempt's other reports (the rank that raised may be heard of
+        after a peer whose collective broke), say why, and follow the next one. If
+        torchrun ended meanwhile, the run has ended, maybe in a later attempt: its
+        attempts can be quicker than this wait (see ``_launcher_ended``)."""
         self.pump.run(lambda: self.launcher_exited, _RESTART_GATHER)
         if self.launcher_exited:
             return self._launcher_ended()
+        self._restart()
+        return None
+
+    def _restart(self) -> None:
+        """Say why this attempt failed (its root cause), keep its tracebacks, and follow
+        the next one."""
         cause = first_cause(self.attempt.failures)
         self.causes.append(cause)
         self.attempt.keep_tracebacks(self.records)
         number = self.attempt.number + 1
         message = f"restart {number} of {self.config.max_restarts}: {describe(cause)}"
         self.new_attempt(self.attempt.requeue, number, message, f"nbddp: {message}\n")
-        return None
+
+    def _follow_restarts(self) -> None:
+        """torchrun ended: follow each attempt it started after the one followed, whose
+        messages wait in the pump, so that the run's error is its last attempt's and
+        every restart is counted."""
+        while (self.attempt.failures and self.attempt.number < self.config.max_restarts
+               and (self.attempt.requeue, self.attempt.number + 1) in self._attempts_seen):
+            self._restart()
+            self.pump.drain()  # (the next attempt's messages, held until now)
 
     def new_attempt(self, requeue: int, number: int, message: str, line: str) -> None:
         """The ranks start again (a torchrun restart, a SLURM requeue): what the last
@@ -259,6 +284,7 @@ class Supervisor:
         """torchrun or the batch job ended before every rank returned."""
         self.group.sync()  # what the ranks wrote just before it ended
         self.pump.drain()
+        self._follow_restarts()
         if self.attempt.returned:
             return Ending("returned")  # e.g. gloo aborting at exit after a clean run
         error = self.hooks.ended_early()
