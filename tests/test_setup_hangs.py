@@ -96,6 +96,19 @@ def another_port():
     dist.init_process_group("gloo")
 
 
+def an_address_of_its_own():
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as free:  # (each rank its own: none hosts a store there anyway)
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=int(os.environ["RANK"]), world_size=2)
+
+
 WORKERS = """
 import sys, torch.distributed as dist
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
@@ -155,19 +168,29 @@ def test_a_world_size_of_its_own_is_named():
 @pytest.mark.slow
 def test_a_master_port_the_rank_changed_is_named():
     report = timeout_report(another_port)
-    assert re.search(r"rank 0 changed MASTER_PORT from \d+ \(torchrun's\) to \d+: ranks that "
-                     r"meet at different addresses never meet", report), report
+    assert re.search(r"rank 0 changed MASTER_PORT from \d+ \(torchrun's\) to \d+: under "
+                     r"torchrun \(TORCHELASTIC_USE_AGENT_STORE=True\) every rank looks for "
+                     r"torchrun's store there, and none hosts one", report), report
     assert "rank 1 changed MASTER_PORT" in report, report
+
+
+@pytest.mark.slow
+def test_an_init_method_of_its_own_beside_torchruns_agent_store_is_named():
+    report = timeout_report(an_address_of_its_own)
+    assert re.search(r"rank 0 called init_process_group with init_method='tcp://127.0.0.1:"
+                     r"\d+', but torchrun tells every rank to use its agent store "
+                     r"\(TORCHELASTIC_USE_AGENT_STORE=True\): no rank hosts a store there",
+                     report), report
 
 
 @pytest.mark.slow
 def test_processes_a_rank_started_on_torchruns_agent_store_are_named_with_the_fix():
     report = timeout_report(workers_of_its_own)
-    assert "rank 0: in wait (subprocess)" in report or "rank 0: in wait" in report, report
+    assert "rank 0: in wait (subprocess)" in report, report
     found = re.search(r"rank 0 started processes that inherited torchrun's "
                       r"TORCHELASTIC_USE_AGENT_STORE=True \(pid \d+: \S*python\S* -c .*; pid "
-                      r"\d+: .*\): a process group they set up waits for torchrun's agent "
-                      r"store, which none of them hosts", report)
+                      r"\d+: .*\): if they set up a process group, it waits for torchrun's "
+                      r"agent store, which none of them hosts", report)
     assert found, report
     assert "os.environ.pop('TORCHELASTIC_USE_AGENT_STORE', None)" in report
 
@@ -186,8 +209,39 @@ def test_where_it_finds_no_cause_it_says_what_it_looked_at():
 def test_the_cause_is_said_when_the_run_looks_stalled_before_any_timeout(capfd):
     """A framework's broken set-up is explained within the stall time, as it happens."""
     with pytest.raises(TimeoutError):
-        nbddp.launch(same_rank_everywhere, 2, init=False, stall_after=3, timeout=TIMEOUT)
+        nbddp.launch(same_rank_everywhere, 2, init=False, stall_after=6, timeout=TIMEOUT)
     out = capfd.readouterr().out
     stalled = out.index("nbddp: the run looks stalled")
     said = out.index("ranks 0 and 1 both joined as rank 0", stalled)
     assert said < out.index("nbddp: timed out"), out
+
+
+def a_worker_beside_a_collective_hang():
+    """A rank with a process group starts a process (as a DataLoader's workers do), and
+    the ranks hang in a collective, not in set-up."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import torch.distributed as dist
+
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        if os.environ["RANK"] == "0":
+            dist.barrier()  # rank 1 never comes
+        else:
+            time.sleep(60)
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+@pytest.mark.slow
+def test_a_collective_hang_beside_a_ranks_own_processes_blames_no_set_up():
+    with pytest.raises(TimeoutError) as caught:
+        nbddp.launch(a_worker_beside_a_collective_hang, 2, timeout=TIMEOUT, output="none")
+    report = str(caught.value)
+    assert "rank 0: waiting in barrier" in report, report
+    assert "process-group set-up" not in report and "started processes" not in report, report
+    assert "barrier #1 waits for rank 1" in report, report

@@ -56,8 +56,11 @@ def _world_lines(rank: int, look: SetupLook) -> list[str]:
 
 
 def _address_lines(rank: int, look: SetupLook) -> list[str]:
-    return [f"rank {rank} changed {name} from {old} (torchrun's) to {new}: ranks that meet "
-            "at different addresses never meet" for name, old, new in look.changed]
+    why = (f"under torchrun ({AGENT_STORE_ENV}=True) every rank looks for torchrun's store "
+           "there, and none hosts one" if look.agent_store
+           else "every rank must meet at the same address")
+    return [f"rank {rank} changed {name} from {old} (torchrun's) to {new}: {why}"
+            for name, old, new in look.changed]
 
 
 def _children_lines(rank: int, look: SetupLook) -> list[str]:
@@ -68,8 +71,8 @@ def _children_lines(rank: int, look: SetupLook) -> list[str]:
     more = len(look.agent_store_children) - 3
     shown += f"; and {more} more" if more > 0 else ""
     return [f"rank {rank} started processes that inherited torchrun's {AGENT_STORE_ENV}=True "
-            f"({shown}): a process group they set up waits for torchrun's agent store, "
-            "which none of them hosts. Remove it before they start, in the cell: "
+            f"({shown}): if they set up a process group, it waits for torchrun's agent "
+            "store, which none of them hosts. Remove it before they start, in the cell: "
             f"os.environ.pop({AGENT_STORE_ENV!r}, None)"]
 
 

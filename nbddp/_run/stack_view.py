@@ -174,7 +174,7 @@ def _in_distributed(frame: Frame) -> bool:
 
 def _public(function: str) -> bool:
     """A function a user calls, not a helper or a decorator's wrapper."""
-    return not function.startswith("_") and function not in _WRAPPERS
+    return not function.startswith(("_", "<")) and function not in _WRAPPERS
 
 
 _WRAPPERS = {"wrapper", "inner", "wrapped", "decorator", "fn", "func"}

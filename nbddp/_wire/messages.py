@@ -244,6 +244,8 @@ class SetupLook:
     """``(name, torchrun's value, the value now)`` for MASTER_ADDR/PORT it changed."""
     agent_store_children: tuple[tuple[int, str], ...] = ()
     """``(pid, command)`` of processes it started that would use torchrun's agent store."""
+    agent_store: bool = False
+    """torchrun told it to use its agent store (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
 
 
 @dataclass(frozen=True)
