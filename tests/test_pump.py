@@ -149,6 +149,23 @@ def test_a_failure_with_a_restart_left_follows_the_next_attempt(supervised):
     assert sup.causes[0].message == "boom" and sup.rank_states() == ["running", "failed"]
 
 
+def test_ranks_that_fail_of_themselves_are_failed_those_that_lose_a_peer_stopped(supervised):
+    """After the run's end is decided (rank 1's ValueError), what comes is told apart:
+    rank 2's own ValueError (the same bad batch) is a failure, rank 0's broken
+    connection and rank 3's death are consequences: stopped."""
+    sup, put = supervised(nprocs=4)
+    for rank in range(4):
+        put(said(rank, Hello(rank, 100 + rank), 0))
+    put(said(1, Failure(1, "ValueError", "builtins", "bad batch", "tb"), 1))
+    assert sup.watch(time.monotonic() + 30, lambda: None).kind == "failed"
+    put(said(2, Failure(2, "ValueError", "builtins", "bad batch", "tb"), 1))
+    put(said(0, Failure(0, "RuntimeError", "builtins", "Connection closed by peer", "tb"), 1))
+    put(Disconnected(3))
+    sup.pump.drain()
+    sup.ended = True
+    assert sup.rank_states() == ["stopped", "failed", "failed", "stopped"]
+
+
 def test_a_cancelled_run_takes_in_nothing_more(supervised):
     sup, put = supervised()
     put(said(0, Result(0), 0))

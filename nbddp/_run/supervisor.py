@@ -36,7 +36,7 @@ from .._wire.messages import (
 from .attempts import Attempt
 from .config import RunConfig
 from .debugger import Debugger
-from .diagnosis import describe, first_cause, peer_lost
+from .diagnosis import describe, first_cause, peer_lost, secondary
 from .group import LauncherExited, RankGroup
 from .hang_report import look_at
 from .pump import Pump
@@ -170,19 +170,23 @@ class Supervisor:
     def _failure(self, failure: Failure) -> None:
         if failure.stats is not None:
             self.view.add(failure.stats)
-        self._note_stopped(failure.rank)
+        self._note_stopped(failure)
         self.attempt.failures.append(failure)
         self.debugger.done(failure.rank)
 
     def _disconnected(self, event: Disconnected) -> None:
         if self.attempt.vanished(event.rank):
-            self._note_stopped(event.rank)
+            self._note_stopped(event)
             self.attempt.failures.append(event)  # died without a word: a root-cause candidate
 
-    def _note_stopped(self, rank: int) -> None:
-        """A rank that raised or died after the run's end was decided was stopped."""
-        if self._ending is not None:
-            self.attempt.stopped.add(rank)
+    def _note_stopped(self, report: Failure | Disconnected) -> None:
+        """A rank that died, or raised only because a peer went or nbddp interrupted it,
+        after the run's end was decided, was stopped; one that raised an error of its own
+        then (the same bad batch on every rank) failed, as after a stop (a timeout, an
+        interrupt) any report is the stop's."""
+        if self._ending is not None and (self._ending.kind == "stopped" or isinstance(
+                report, Disconnected) or secondary(report)):
+            self.attempt.stopped.add(report.rank)
 
     def _launcher_exit(self, event: LauncherExited) -> None:
         self.launcher_exited = True
@@ -433,6 +437,7 @@ class Supervisor:
         self.state.ended = time.monotonic()
         self.state.status, self.state.message = status, message
         self._note_ranks()  # (the notes of the last refresh may be a second old)
+        self.state.rank_notes.update(self._stalled_at)  # (where a stalled run's ranks were)
         self._update_split()
         self.panel.close(self.state)
 
