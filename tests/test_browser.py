@@ -264,9 +264,10 @@ def _screenshot(target, tmp_path: Path, name: str = "panel.png") -> Path:
 # --- the test ---------------------------------------------------------------------------
 
 
-def run_in_jupyterlab(jupyter_lab, browser, tmp_path, source: str):
+def run_in_jupyterlab(jupyter_lab, browser, tmp_path, source: str,
+                      ended: str = "nbddp: finished"):
     """Open a notebook of one cell, ``source``, in JupyterLab, run it with Shift+Enter and
-    wait until its panel says the run finished: the cell and its panel."""
+    wait until its panel says the run ``ended`` so: the cell and its panel."""
     from playwright.sync_api import expect
 
     (jupyter_lab.root / "train.ipynb").write_text(json.dumps(_notebook(source)))
@@ -310,12 +311,12 @@ def run_in_jupyterlab(jupyter_lab, browser, tmp_path, source: str):
     panel = cell.locator(".jp-OutputArea-output .widget-vbox").first
     header = panel.locator(".widget-html-content").first
     try:
-        expect(header).to_contain_text("nbddp: finished", timeout=RUN_TIMEOUT * 1000)
+        expect(header).to_contain_text(ended, timeout=RUN_TIMEOUT * 1000)
         expect(cell.locator(".jp-InputPrompt")).to_have_text(re.compile(r"\[\s*1\s*\]"),
                                                              timeout=30_000)
     except AssertionError as exc:
         outputs = cell.locator(".jp-OutputArea").inner_text()
-        fail(f"the panel did not show 'nbddp: finished' within {RUN_TIMEOUT} s: {exc}\n"
+        fail(f"the panel did not show {ended!r} within {RUN_TIMEOUT} s: {exc}\n"
              f"cell output:\n{outputs}")
     return cell, panel
 
@@ -373,6 +374,30 @@ def check_panel(cell, panel, tmp_path) -> str:
 def test_live_panel_in_jupyterlab(jupyter_lab, browser, tmp_path):
     text = check_panel(*run_in_jupyterlab(jupyter_lab, browser, tmp_path, LOCAL), tmp_path)
     assert " (on " not in text, "ranks on one machine: no node named"
+
+
+TIMES_OUT = "import nbddp, time\nnbddp.launch(time.sleep, nprocs=2, args=(120,), timeout=8)"
+
+
+def test_a_timed_out_runs_panel_says_one_line_and_the_error_the_whole_report(
+        jupyter_lab, browser, tmp_path):
+    """What a person sees when a run times out: the panel's header one line, the ranks
+    ``stopped`` (nbddp stopped them), and where each rank was once, in the error below."""
+    from playwright.sync_api import expect
+
+    cell, panel = run_in_jupyterlab(jupyter_lab, browser, tmp_path, TIMES_OUT,
+                                    ended="nbddp: timed out")
+    header = panel.locator(".widget-html-content").first
+    text = header.inner_text()
+    assert "the run did not finish within 8 s; every rank was stopped" in text, text
+    assert "0 stopped" in text and "1 stopped" in text and "failed" not in text, text
+    assert "where each rank was" not in panel.inner_text(), panel.inner_text()
+    error = cell.locator(".jp-OutputArea-output[data-mime-type="
+                         "'application/vnd.jupyter.stderr']")
+    expect(error.first).to_contain_text("TimeoutError")
+    outputs = cell.locator(".jp-OutputArea").inner_text()
+    assert outputs.count("where each rank was:") == 1, outputs
+    assert outputs.count("--- rank 0 ---") == 1, outputs  # its stack, once
 
 
 @pytest.fixture
