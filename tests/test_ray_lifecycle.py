@@ -100,6 +100,27 @@ def test_an_agent_killed_mid_cell_names_the_node_and_the_cause(ray_cluster, tmp_
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
+def test_a_placement_group_removed_from_outside_names_the_cause(ray_cluster, tmp_path):
+    """Someone removes the session's placement group (``ray.util.remove_placement_group``,
+    or a cluster admin's script) while a cell runs: the cell ends within seconds saying
+    so, the state is said to be gone, and nothing of the session is left."""
+    with ray_kernel(ray_cluster, tmp_path) as (kernel, _):
+        run = kernel.submit("%%ddp\nimport time\nprint('sleeping', flush=True)\n"
+                            "time.sleep(60)")
+        run.wait_for_output("sleeping")
+        ray_cluster.remove_sessions()
+        began = time.monotonic()
+        run.finish(timeout=120)
+        assert time.monotonic() - began < 30
+        assert run.error() is not None, run.describe()
+        text = run.error_text()
+        assert "the session's Ray placement group was removed from outside " \
+            "(remove_placement_group)" in text, run.describe()
+        assert "variables defined in earlier cells are gone" in text, text
+        kernel.run("%ddp_session stop").assert_ok()
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
 def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
     kernel = Kernel(tmp_path)
     try:
