@@ -110,9 +110,19 @@ def trainer_script(package: str) -> str:
     """Make ``package``'s Trainer outside any run, the other package unimportable, and
     say what nbddp declared and what the Trainer got."""
     return textwrap.dedent(f"""
-        import importlib.metadata, json, sys
-        for name in {HIDDEN[package]!r}:
+        import builtins, importlib.metadata, json, sys
+        hidden, tried = {HIDDEN[package]!r}, []
+        for name in hidden:
             sys.modules[name] = None  # as if not installed: importing it fails
+        real_import = builtins.__import__
+
+        def noting(name, globals=None, *args, **kwargs):
+            importer = (globals or {{}}).get("__name__", "")
+            if name.split(".")[0] in hidden and importer.startswith("nbddp"):
+                tried.append(f"{{importer}}: {{name}}")
+            return real_import(name, globals, *args, **kwargs)
+
+        builtins.__import__ = noting
         import {package}
         import nbddp
 
@@ -130,8 +140,7 @@ def trainer_script(package: str) -> str:
             "declared": declared,
             "nbddp_callbacks": [type(cb).__name__ for cb in trainer.callbacks
                                 if type(cb).__module__.startswith("nbddp")],
-            "other_loaded": [name for name in {HIDDEN[package]!r}
-                             if sys.modules.get(name) is not None],
+            "other_tried": tried,
         }}))
     """)
 
@@ -154,4 +163,4 @@ def test_installed_wheel_lets_lightning_make_a_trainer_outside_a_run(wheel, tmp_
     assert seen["declared"] == [
         ["nbddp", f"nbddp.integrations.{package}:callbacks_in_a_run"]], seen
     assert seen["nbddp_callbacks"] == [], seen  # outside a run, the entry point adds none
-    assert seen["other_loaded"] == [], seen
+    assert seen["other_tried"] == [], seen  # nothing of the other package, not even tried
