@@ -21,7 +21,6 @@ waits). The kernel lines the ranks' looks up (``_run.setup_report``).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 import threading
@@ -29,9 +28,9 @@ from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit
 
-from .._wire.messages import SetupLook
+from .._wire.messages import AGENT_STORE_ENV, SetupLook
+from .._wire.processes import descendants
 
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 _WORLD = ("RANK", "WORLD_SIZE")
 _ADDRESS = ("MASTER_ADDR", "MASTER_PORT")
 _given: dict[str, str | None] = {}
@@ -136,28 +135,13 @@ def _agent_store_children() -> tuple[tuple[int, str], ...]:
         return ()
     own = _read(os.getpid(), "cmdline")
     found = []
-    for pid in _descendants(os.getpid()):
+    for pid in descendants(os.getpid()):
         command = _read(pid, "cmdline")
         if command and command != own and \
                 f"{AGENT_STORE_ENV}=True".encode() in _read(pid, "environ").split(b"\0"):
             words = command.replace(b"\0", b" ").decode(errors="replace").split()
             found.append((pid, " ".join(words)))  # (a -c program's lines on one line)
     return tuple(found)
-
-
-def _descendants(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            text = stat.read_text()
-            children.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(
-                int(stat.parent.name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def _read(pid: int, name: str) -> bytes:

@@ -68,7 +68,7 @@ class Attempt:
         the run ``ended`` was ``stopped``."""
         if rank in self.results:
             return "finished"
-        if self._failed(rank) or rank in self.stopped:
+        if self._failed(rank):  # (a stopped rank's report is among the failures too)
             return "failed" if self._a_cause(rank) else "stopped"
         if rank in self.requeueing:
             return "requeueing"
@@ -81,11 +81,11 @@ class Attempt:
     def _a_cause(self, rank: int) -> bool:
         """``rank`` failed of itself: it raised (not only because a peer was lost or nbddp
         interrupted it), or it is the run's first cause, before the run's end was decided."""
-        if rank in self.stopped or not self.failures:
+        if rank in self.stopped:
             return False
-        own = [failure for failure in self.failures if failure.rank == rank]
         return first_cause(self.failures).rank == rank or any(
-            isinstance(failure, Failure) and not secondary(failure) for failure in own)
+            failure.rank == rank and isinstance(failure, Failure) and not secondary(failure)
+            for failure in self.failures)
 
     def states(self, ended: bool = False) -> list[str]:
         return [self.state(rank, ended) for rank in range(self.nprocs)]

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .._wire.messages import Collectives, SetupLook
+from .._wire.messages import AGENT_STORE_ENV, Collectives, SetupLook
 
 HEADER = "process-group set-up (init_process_group):"
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 _COMMAND_WIDTH = 70
 
 

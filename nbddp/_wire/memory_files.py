@@ -21,6 +21,8 @@ import contextlib
 import os
 import threading
 
+from .processes import descendants
+
 MAX_SPARES = 4
 """Released files kept at most."""
 
@@ -101,7 +103,7 @@ class MemoryFiles:
 def mapped_anywhere(inode: int) -> bool:
     """This process or one it started (at any depth) maps the memory file ``inode``;
     True also where a process's map cannot be read (it is not known not to)."""
-    for pid in (os.getpid(), *_descendants(os.getpid())):
+    for pid in (os.getpid(), *descendants(os.getpid())):
         try:
             with open(f"/proc/{pid}/maps", "rb") as maps:
                 if any(_maps_memory_file(line, inode) for line in maps):
@@ -116,24 +118,3 @@ def mapped_anywhere(inode: int) -> bool:
 def _maps_memory_file(line: bytes, inode: int) -> bool:
     fields = line.split(maxsplit=5)
     return len(fields) == 6 and fields[4] == b"%d" % inode and fields[5].startswith(b"/memfd:")
-
-
-def _descendants(root: int) -> list[int]:
-    """The processes ``root`` started, and theirs, from each process's parent in
-    ``/proc`` (the kernel may not list children itself)."""
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as stat:
-                parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(name))
-    found, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), ()):
-            found.append(child)
-            todo.append(child)
-    return found

@@ -225,6 +225,10 @@ class GroupProgress:
     """When the rank entered that one (seconds since the epoch)."""
 
 
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+"""torchrun's word to its ranks: set up process groups on its own store, as clients."""
+
+
 @dataclass(frozen=True)
 class SetupLook:
     """What a rank can tell about its process-group set-up (``_rank.setup_check``)."""
