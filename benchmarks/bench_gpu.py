@@ -21,7 +21,6 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from functools import partial
@@ -33,6 +32,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.g
 
 import _workloads  # noqa: E402
 import torch  # noqa: E402
+from _compare import alternate, run_torchrun  # noqa: E402
 
 import nbddp  # noqa: E402
 from nbddp._run.config import RunConfig  # noqa: E402
@@ -46,36 +46,6 @@ def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
     start = time.perf_counter()
     value = fn(*args, **kwargs)
     return time.perf_counter() - start, value
-
-
-def run_torchrun(tmp: Path, env: dict[str, str], name: str, *args: int) -> tuple[float, Any]:
-    """Wall time and the value of ``torchrun --nproc_per_node 1 _plain.py`` (NCCL)."""
-    out = tmp / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "1", str(HERE / "_plain.py"), str(out), name, *map(str, args)]
-    start = time.perf_counter()
-    done = subprocess.run(cmd, env=env | {"BENCH_BACKEND": "nccl"}, stdin=subprocess.DEVNULL,
-                          capture_output=True, timeout=TIMEOUT)
-    elapsed = time.perf_counter() - start
-    if done.returncode != 0:
-        raise RuntimeError(f"torchrun exited {done.returncode}:\n"
-                           f"{(done.stdout + done.stderr).decode()[-4000:]}")
-    value = json.loads(out.read_text())
-    out.unlink()
-    return elapsed, value
-
-
-def alternate(repeats: int, nb: Any, tr: Any) -> tuple[list[float], list[float], list, list]:
-    nb_t, tr_t, nb_v, tr_v = [], [], [], []
-    for i in range(repeats):
-        pair = [(nb, nb_t, nb_v), (tr, tr_t, tr_v)]
-        for run, times, values in pair if i % 2 == 0 else pair[::-1]:
-            seconds, value = run()
-            times.append(seconds)
-            values.append(value)
-            print(".", end="", flush=True)
-    print()
-    return nb_t, tr_t, nb_v, tr_v
 
 
 def ratio(nb: list[float], tr: list[float]) -> dict:
@@ -203,26 +173,25 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         os.environ["TMPDIR"] = tempfile.tempdir = tmp
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")
-        env = rank_environment(RunConfig(nprocs=1))
-        plain = partial(run_torchrun, Path(tmp), env)
+        env = rank_environment(RunConfig(nprocs=1)) | {"BENCH_BACKEND": "nccl"}
+        plain = partial(run_torchrun, Path(tmp), env, nprocs=1, timeout=TIMEOUT)
         print("cold launch + CUDA all_reduce ", end="", flush=True)
-        plain("allreduce_once_cuda")  # file cache and the driver, not counted
-        nb, tr, _, _ = alternate(opts.repeats,
-                                 partial(timed, nbddp.launch, _workloads.allreduce_once_cuda,
-                                         gpus=1),
-                                 partial(plain, "allreduce_once_cuda"))
-        result["cold_launch_s"] = ratio(nb, tr)
+        plain(_workloads.allreduce_once_cuda)  # file cache and the driver, not counted
+        nb, tr = alternate(opts.repeats,
+                           partial(timed, nbddp.launch, _workloads.allreduce_once_cuda, gpus=1),
+                           partial(plain, _workloads.allreduce_once_cuda))
+        result["cold_launch_s"] = ratio([s for s, _ in nb], [s for s, _ in tr])
         report(result, opts.json)
         print("warm launches, split ", end="", flush=True)
         result["warm_launch"] = warm_launches(opts.repeats + 2, 2.0)
         report(result, opts.json)
         print("conv DDP training ", end="", flush=True)
         args = (opts.steps, 30)
-        _, _, nb_v, tr_v = alternate(
+        nb, tr = alternate(
             opts.repeats, partial(timed, nbddp.launch, _workloads.train_conv, gpus=1, args=args),
-            partial(plain, "train_conv", *args))
-        result["conv_steps_per_s"] = ratio([v["steps_per_s"] for v in nb_v],
-                                           [v["steps_per_s"] for v in tr_v])
+            partial(plain, _workloads.train_conv, *args))
+        result["conv_steps_per_s"] = ratio([v["steps_per_s"] for _, v in nb],
+                                           [v["steps_per_s"] for _, v in tr])
         report(result, opts.json)
         print("session on the GPU", flush=True)
         result["session"] = session_figures(opts.cells, opts.repeats)

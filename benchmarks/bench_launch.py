@@ -15,8 +15,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -32,6 +30,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo for both, even on
 
 import _workloads  # noqa: E402
 import torch  # noqa: E402
+from _compare import alternate, run_torchrun  # noqa: E402
 
 import nbddp  # noqa: E402
 from nbddp._run.config import RunConfig  # noqa: E402
@@ -42,7 +41,6 @@ TIMEOUT = 600.0
 LAUNCH_TARGET = 1.05  # nbddp/torchrun wall time of a cold launch: at most
 WARM_TARGET = 0.10  # seconds, median of a warm launch: at most
 STEPS_TARGET = 0.98  # nbddp/torchrun steps/s: at least
-Run = Callable[[], tuple[float, Any]]
 
 
 def run_nbddp(fn: Callable[..., Any], *args: int) -> tuple[float, Any]:
@@ -105,42 +103,6 @@ def _idle_memory(readings: list[list[tuple[int, int]]]) -> dict:
         "group_rss": med([sum(rss for rss, _ in r) for r in readings]),
         "group_pss": med([sum(pss for _, pss in r) for r in readings]),
     }
-
-
-def run_torchrun(tmp: Path, env: dict[str, str], fn: Callable[..., Any],
-                 *args: int) -> tuple[float, Any]:
-    """Wall time and rank 0's value of ``torchrun --nproc_per_node 2 _plain.py`` for ``fn``."""
-    out = tmp / "result.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           str(NPROCS), str(HERE / "_plain.py"), str(out), fn.__name__, *map(str, args)]
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
-    try:
-        output, _ = proc.communicate(timeout=TIMEOUT)
-    except BaseException:
-        proc.terminate()  # torchrun stops its ranks on SIGTERM
-        proc.communicate()
-        raise
-    elapsed = time.perf_counter() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"torchrun exited {proc.returncode}:\n{output.decode()[-4000:]}")
-    value = json.loads(out.read_text())
-    out.unlink()
-    return elapsed, value
-
-
-def alternate(repeats: int, nb: Run, tr: Run) -> tuple[list[tuple[float, Any]], ...]:
-    """Run both ``repeats`` times, swapping which goes first each round."""
-    nb_runs: list[tuple[float, Any]] = []
-    tr_runs: list[tuple[float, Any]] = []
-    for i in range(repeats):
-        pair = [(nb, nb_runs), (tr, tr_runs)]
-        for run, runs in pair if i % 2 == 0 else pair[::-1]:
-            runs.append(run())
-            print(".", end="", flush=True)
-    print()
-    return nb_runs, tr_runs
 
 
 def summary(nb: list[float], tr: list[float], target: float, higher_is_better: bool) -> dict:
