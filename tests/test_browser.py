@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import descendants, rays_own
+from .test_ray_session import ray_cluster as ray_cluster  # noqa: F401 - a fixture
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -400,25 +401,12 @@ def test_a_timed_out_runs_panel_says_one_line_and_the_error_the_whole_report(
     assert outputs.count("--- rank 0 ---") == 1, outputs  # its stack, once
 
 
-@pytest.fixture
-def ray_address():
-    from .ray_cluster import RayCluster, unavailable
-
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    cluster = RayCluster()
-    try:
-        yield cluster.start(nodes=2).address
-        assert cluster.wait_empty() == {"actors": [], "placement_groups": []}
-    finally:
-        cluster.stop()
-
-
 @pytest.mark.ray
-def test_live_panel_of_a_ray_run_in_jupyterlab(ray_address, jupyter_lab, browser, tmp_path):
+def test_live_panel_of_a_ray_run_in_jupyterlab(ray_cluster, jupyter_lab, browser, tmp_path):
     """The same panel for a run on two Ray nodes, and each rank's line names its node."""
-    cell, panel = run_in_jupyterlab(jupyter_lab, browser, tmp_path, on_ray(ray_address))
+    cell, panel = run_in_jupyterlab(jupyter_lab, browser, tmp_path,
+                                    on_ray(ray_cluster.address))
     text = check_panel(cell, panel, tmp_path)
     nodes = dict(re.findall(r"([01]) finished \(on ([^,)]+)", text))
     assert sorted(nodes) == ["0", "1"] and nodes["0"] != nodes["1"], text
+    assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}

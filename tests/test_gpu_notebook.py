@@ -14,7 +14,6 @@ import pytest
 from nbddp._run.devices import visible_gpu_count
 
 from .conftest import descendants
-from .kernel_driver import Kernel
 
 GPUS = visible_gpu_count()
 pytestmark = [pytest.mark.gpu,
@@ -41,13 +40,10 @@ print(f"backend={dist.get_backend()} device={torch.cuda.current_device()} "
 
 
 @pytest.fixture(scope="module")
-def gpu_kernel(tmp_path_factory):
-    kernel = Kernel(tmp_path_factory.mktemp("gpu-notebook"))
-    try:
-        kernel.run("import torch, nbddp\n%load_ext nbddp").assert_ok()
-        yield kernel
-    finally:
-        kernel.shutdown()
+def gpu_kernel(kernel):
+    """The module's kernel (``conftest.kernel``) with torch imported and the magics on."""
+    kernel.run("import torch, nbddp\n%load_ext nbddp").assert_ok()
+    return kernel
 
 
 def test_a_kernel_that_touched_cuda_trains_with_ddp_on_nccl(gpu_kernel):

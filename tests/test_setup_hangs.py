@@ -84,27 +84,30 @@ def three_ranks():
     dist.init_process_group("gloo", world_size=3)
 
 
-def another_port():
-    import os
+def free_port() -> int:
+    """A port free on this machine now (on a rank: each rank its own)."""
     import socket
-
-    import torch.distributed as dist
 
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(free.getsockname()[1])
+        return free.getsockname()[1]
+
+
+def another_port():
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_PORT"] = str(free_port())
     dist.init_process_group("gloo")
 
 
 def an_address_of_its_own():
     import os
-    import socket
 
     import torch.distributed as dist
 
-    with socket.socket() as free:  # (each rank its own: none hosts a store there anyway)
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = free_port()  # (each rank its own: none hosts a store there anyway)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=int(os.environ["RANK"]), world_size=2)
 
@@ -119,16 +122,13 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2],
 def workers_of_its_own():
     """What VISSL does: the rank starts worker processes that set up a group of their own
     at an address of their own; they inherit torchrun's environment."""
-    import socket
     import subprocess
     import sys
 
     import torch.distributed as dist
 
     if dist.is_torchelastic_launched() and __import__("os").environ["RANK"] == "0":
-        with socket.socket() as free:
-            free.bind(("127.0.0.1", 0))
-            port = str(free.getsockname()[1])
+        port = str(free_port())
         workers = [subprocess.Popen([sys.executable, "-c", WORKERS, str(i), port])
                    for i in range(2)]
         for worker in workers:
