@@ -9,7 +9,10 @@ import sys
 
 import pytest
 
-from nbddp._local.launcher import ProcessWatch
+from nbddp._errors import NbddpError
+from nbddp._local.launcher import LocalLauncher, ProcessWatch
+from nbddp._run.shape import GroupShape
+from nbddp._wire.rundir import RunDir
 
 from .conftest import wait_until
 
@@ -127,3 +130,39 @@ def test_a_reused_pid_is_neither_taken_for_the_dead_rank_nor_hidden_from_its_new
                 process.kill()
                 process.wait()
         watch.close()
+
+
+def launcher_on(tmp_path, script: str) -> tuple[LocalLauncher, RunDir]:
+    """A launcher whose "python" is ``script`` (a shell script), its run dir made."""
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\n{script}\n")
+    python.chmod(0o755)
+    run_dir = RunDir.reserve()
+    shape = GroupShape(str(python), 1, None, 0, None, False, dict(os.environ), str(tmp_path))
+    launcher = LocalLauncher(run_dir, shape)
+    run_dir.make()
+    launcher.process.wait()  # it ended before the kernel said go
+    return launcher, run_dir
+
+
+def test_a_torchrun_that_ended_before_it_started_says_how_and_what_it_printed(tmp_path):
+    launcher, run_dir = launcher_on(tmp_path, "echo 'no torch here' >&2; exit 3")
+    try:
+        with pytest.raises(NbddpError, match=r"exit code 3\); it said:\nno torch here"):
+            launcher.go()
+    finally:
+        launcher.stop()
+        run_dir.remove()
+
+
+def test_a_torchrun_ended_by_the_ctrl_c_that_reached_it_as_it_started_is_the_interrupt(
+        tmp_path):
+    """Python gives a new child default signal handlers a moment before the child makes
+    its own session: a Ctrl-C to the kernel's process group at that instant ends it."""
+    launcher, run_dir = launcher_on(tmp_path, "kill -INT $$")
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launcher.go()
+    finally:
+        launcher.stop()
+        run_dir.remove()

@@ -19,6 +19,7 @@ import time
 from collections.abc import Hashable, Iterable
 from typing import IO
 
+from .._errors import NbddpError
 from .._run.config import torchrun_environment
 from .._run.shape import GroupShape
 from .._wire.rundir import LIFELINE_ABANDON, LIFELINE_GO, RunDir
@@ -72,13 +73,29 @@ class LocalLauncher:
     def go(self) -> None:
         """The run dir is made: torchrun starts. What it said before (a Python that
         cannot start it, say) is kept in the run dir's log, ahead of what follows."""
-        os.write(self._lifeline, LIFELINE_GO)
+        try:
+            os.write(self._lifeline, LIFELINE_GO)
+        except BrokenPipeError:
+            raise self._ended_before_go() from None
         assert self.process.stdout is not None  # (a pipe: see __init__)
         self._early = threading.Thread(target=_keep_output, daemon=True,
                                        args=(self.process.stdout,
                                              self._run_dir.append_to_launcher_log()),
                                        name="nbddp-launcher-output")
         self._early.start()
+
+    def _ended_before_go(self) -> BaseException:
+        """What to raise when torchrun ended before it was told to start. A Ctrl-C can
+        end it: Python starts a child with default signal handlers a moment before the
+        child makes its own session, so a press at that instant reaches it too (as it
+        reaches the kernel, whose hold then notes it): that is the interrupt."""
+        code = self.process.wait()
+        assert self.process.stdout is not None  # (a pipe, read by nobody yet)
+        said = self.process.stdout.read().decode(errors="replace").strip()
+        if code == -signal.SIGINT:
+            return KeyboardInterrupt()
+        return NbddpError(f"torchrun ended before it started (exit code {code})"
+                          + (f"; it said:\n{said[-2000:]}" if said else ""))
 
     def abandon(self) -> None:
         """The run dir's name was taken: torchrun ends without removing anything."""
