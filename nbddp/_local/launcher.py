@@ -30,6 +30,8 @@ _PENDING = 31 - 3  # /proc/PID/stat's pending signals, counted from the state (f
 _TERM_GRACE = 0.5
 _KILL_WAIT = 5.0
 _CLEAN_EXIT_WAIT = 10.0  # every rank returned: torchrun exits by itself within this
+RELAY_FROM = 16
+"""Ranks from which a group's ranks talk to the kernel through a relay (``_rank.relay``)."""
 
 
 def torchrun_command(run_dir: RunDir, shape: GroupShape, lifeline: int) -> list[str]:
@@ -37,8 +39,9 @@ def torchrun_command(run_dir: RunDir, shape: GroupShape, lifeline: int) -> list[
     worker = ["-m", "nbddp._worker", str(run_dir.path)]
     if shape.prepare:
         worker += ["--prepare", shape.prepare]
+    relay = ["--relay"] if shape.nprocs >= RELAY_FROM else []
     return [
-        shape.python, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline),
+        shape.python, "-m", "nbddp._torchrun", str(run_dir.path), str(lifeline), *relay,
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(shape.nprocs),
         "--max-restarts", str(shape.max_restarts), *worker,
     ]

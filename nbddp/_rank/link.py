@@ -45,7 +45,7 @@ from .._wire.messages import (
     decode,
     split_frames,
 )
-from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV, RunDir, parse_address
+from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV, RELAY_ENV, RunDir, parse_address
 from .._wire.stacks import dump_now, main_thread_id
 from .._wire.transfer import Inbox, Outgoing, copy_into, place_in
 from . import setup_check
@@ -87,9 +87,11 @@ class KernelLink:
 
     @classmethod
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
-        """Connect to the kernel; if it goes away while the rank is busy, stop the rank."""
-        link = cls(rank, ChannelClient(run_dir.socket, run_dir.key.read_bytes()), None,
-                   run_dir)
+        """Connect to the kernel (through the node's relay, if it has one); if it goes
+        away while the rank is busy, stop the rank."""
+        relay = os.environ.get(RELAY_ENV)  # the node's relay speaks for its ranks
+        link = cls(rank, ChannelClient(Path(relay) if relay else run_dir.socket,
+                                       run_dir.key.read_bytes()), None, run_dir)
         link._listen_in_background()
         return link
 

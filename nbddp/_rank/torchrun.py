@@ -14,6 +14,8 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
   process removes what it had made, which nothing else would (its output goes to the
   kernel until then, and to the run dir's log after). A SLURM job has no lifeline
   (``-``): it outlives a kernel restart, and can be re-attached;
+- with ``--relay`` (first), it starts the node's relay (``_rank.relay``) before its ranks,
+  which then talk to the kernel through it;
 - with ``--report FD`` (after ``--node-data``; a Ray agent's), it goes on in a child of
   its own and says its exit code on that pipe (see ``_leave_the_parent``);
 - with ``--node-data`` (after the lifeline; a cluster session's), it makes this node's
@@ -25,6 +27,7 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -41,11 +44,14 @@ from .._wire.rundir import (
     NODE_DISK_ENV,
     NODE_FOLDER,
     NODE_SHM_ENV,
+    RELAY_ENV,
     RunDir,
 )
+from .relay import NodeRelay, node_relay
 
 _GRACE_SECONDS = 5.0
 _AGENT_CLEAN_UP_WAIT = 60.0  # after the report: how long the agent may take to clean up
+_RELAY_FLUSH_WAIT = 5.0  # torchrun ended: how long its relay may take to send what is left
 
 
 def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event,
@@ -149,17 +155,17 @@ def _signals_as_usual() -> None:
 def main(argv: list[str]) -> int:
     _signals_as_usual()
     run_dir = RunDir.named(Path(argv[0]))
-    node_data, report, args = _own_options(argv[2:])
-    if report is not None:
+    options = _own_options(argv[2:])
+    if options.report is not None:
         _leave_the_parent()
     lost, ended = threading.Event(), threading.Event()
     code = -1
     try:
-        code = _run(run_dir, argv[1], node_data, args, lost, ended)
+        code = _run(run_dir, argv[1], options, lost, ended)
     finally:
         ended.set()
-        if report is not None:
-            _report(report, code, lost if argv[1] != "-" else None)
+        if options.report is not None:
+            _report(options.report, code, lost if argv[1] != "-" else None)
     return code
 
 
@@ -175,13 +181,25 @@ def _report(fd: int, code: int, lost: threading.Event | None) -> None:
         lost.wait(_AGENT_CLEAN_UP_WAIT)
 
 
-def _own_options(argv: list[str]) -> tuple[bool, int | None, list[str]]:
-    """nbddp's options before torchrun's: ``--node-data``, ``--report FD``."""
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    """nbddp's options before torchrun's (in this order): ``--relay``, ``--node-data``,
+    ``--report FD``."""
+
+    relay: bool
+    node_data: bool
+    report: int | None
+    torchrun: list[str]
+
+
+def _own_options(argv: list[str]) -> _Options:
+    relay = argv[:1] == ["--relay"]
+    argv = argv[relay:]
     node_data = argv[:1] == ["--node-data"]
     argv = argv[node_data:]
     if argv[:1] == ["--report"]:
-        return node_data, int(argv[1]), argv[2:]
-    return node_data, None, argv
+        return _Options(relay, node_data, int(argv[1]), argv[2:])
+    return _Options(relay, node_data, None, argv)
 
 
 def _leave_the_parent() -> None:
@@ -193,7 +211,7 @@ def _leave_the_parent() -> None:
         os._exit(0)
 
 
-def _run(run_dir: RunDir, lifeline_arg: str, node_data: bool, args: list[str],
+def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
          lost: threading.Event, ended: threading.Event) -> int:
     if lifeline_arg != "-":
         lifeline = int(lifeline_arg)
@@ -206,16 +224,32 @@ def _run(run_dir: RunDir, lifeline_arg: str, node_data: bool, args: list[str],
     from torch.distributed.run import parse_args, run
 
     folders: list[Path] = []
+    relay = _start_relay(run_dir) if options.relay else None
     try:
-        if node_data:
+        if options.node_data:
             folders = _node_folders()
-        run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *args]))
+        run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *options.torchrun]))
     except ChildFailedError as error:
         _write_failures(run_dir, error)
         return 1
     finally:
+        if relay is not None:  # (its ranks are gone: what they said last goes first)
+            relay.close(wait=_RELAY_FLUSH_WAIT)
         if lost.is_set():  # nobody else is left to clean up: torchrun stopped its ranks
             run_dir.remove()
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def _start_relay(run_dir: RunDir) -> NodeRelay | None:
+    """This node's relay, its socket named to the ranks; None (they connect to the
+    kernel themselves) if the kernel cannot be reached from here."""
+    try:
+        relay = node_relay(run_dir.socket, run_dir.relay_socket, run_dir.key.read_bytes())
+    except (OSError, ConnectionError) as exc:
+        print(f"nbddp: no relay on this node ({exc}); its ranks reach the kernel "
+              "themselves", file=sys.stderr)
+        return None
+    os.environ[RELAY_ENV] = str(run_dir.relay_socket)
+    return relay

@@ -46,6 +46,10 @@ def diagnose(
     root = first_cause(candidates)
     if isinstance(root, Failure):
         error = _raised(root, logs)
+    elif root.relay_lost and root.rank not in exits:
+        error = WorkerError(root.rank, "was lost with its node: the node's relay (its "
+                            "torchrun process) stopped, and the node's ranks with it",
+                            logs=logs)
     else:
         error = _died(root.rank, exits.get(root.rank), logs)
     error.log_dir = str(records.path)
@@ -62,6 +66,8 @@ def describe(report: Failure | Disconnected) -> str:
     """One line for a failure: which rank, and what it raised or that it died."""
     if isinstance(report, Failure):
         return f"rank {report.rank} raised {report.type_name}: {report.message}"
+    if report.relay_lost:
+        return f"rank {report.rank} was lost with its node's relay"
     return f"rank {report.rank} exited without raising an exception"
 
 

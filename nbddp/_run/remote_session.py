@@ -126,6 +126,11 @@ class RemoteSessionGroup(WaitingGroup):
         """How this run's payload reaches each node."""
         return PayloadDelivery(payload, self.run_dir, self.data_route)
 
+    def _send_starts(self, ranks: list[int]) -> None:
+        """(Under the lock) Rank by rank: a node's ranks start once it has the payload."""
+        for rank in ranks:
+            self._send_start(rank)
+
     def _send_start(self, rank: int) -> None:
         assert self._server is not None and self._start is not None
         delivery, hello = self._delivery, self._hellos[rank]

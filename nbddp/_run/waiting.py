@@ -195,8 +195,7 @@ class WaitingGroup(RankGroup):
                 self._await_answers(called)
             self.records = records
             self._start = start
-            for rank in self._hellos:
-                self._send_start(rank)
+            self._send_starts(list(self._hellos))
 
     sees_processes = False
     """The kernel sees whether the ranks' processes live (they run on this machine)."""
@@ -237,6 +236,13 @@ class WaitingGroup(RankGroup):
         assert self._server is not None and self._start is not None
         self._server.send(rank, self._start)
 
+    def _send_starts(self, ranks: list[int]) -> None:
+        """(Under the lock) Send each of ``ranks`` its Start: one message per node whose
+        relay speaks for its ranks. (A rank not reached has gone: its connection's end
+        says so.)"""
+        assert self._server is not None and self._start is not None
+        self._server.send_to_each(ranks, self._start)
+
     def payload_taken(self) -> None:
         """Every rank has taken the latest run's payload (they are back at rest): the
         kept copies of tensors it names need not stay open for them."""
@@ -264,9 +270,9 @@ class WaitingGroup(RankGroup):
             self._calls += 1
             self._present = set()
             assert self._server is not None
-            for rank in sorted(called):
-                if not self._server.send(rank, RollCall(self._calls)):
-                    self._lose(f"rank {rank} had stopped")
+            missed = self._server.send_to_each(sorted(called), RollCall(self._calls))
+            if missed:
+                self._lose(f"rank {min(missed)} had stopped")
             if self._hellos and self._gone is not None:
                 raise RanksGone(self._gone)
         return called

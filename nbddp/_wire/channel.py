@@ -40,11 +40,19 @@ import pickle
 import secrets
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .messages import HEADER_SIZE, Disconnected, body_size, decode, encode
+from .messages import (
+    HEADER_SIZE,
+    Disconnected,
+    FromRanks,
+    ToRanks,
+    body_size,
+    decode,
+    encode,
+)
 from .transfer import FileFollows, Inbox, Incoming, Outgoing
 
 logger = logging.getLogger(__name__)
@@ -233,6 +241,18 @@ def _new_socket(address: Address) -> tuple[socket.socket, str | tuple[str, int]]
 # --- kernel side ----------------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """How the kernel reaches a rank: its own connection, or its node's relay's; and
+    which attempt it was (for the ``Disconnected`` its connection's end makes)."""
+
+    link: _Link
+    relayed: bool = False
+    attempt: int = 0
+    requeue: int = 0
+
+
+
 class ChannelServer:
     """Accepts authenticated rank connections, hands each message to ``deliver``, and
     sends messages to a rank once it has spoken (its first message names its rank).
@@ -256,7 +276,7 @@ class ChannelServer:
             self._listener.getsockname()[1]
         self._listener.listen(64)
         self._connections: set[socket.socket] = set()
-        self._peers: dict[int, _Link] = {}
+        self._peers: dict[int, _Route] = {}
         self._lock = threading.Lock()
         self._closed = False
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
@@ -278,8 +298,8 @@ class ChannelServer:
                 sock.close()
                 return
             self._connections.add(sock)
-        rank = None
-        attempt = requeue = 0
+        link: _Link | None = None
+        spoke: dict[int, _Route] = {}  # the ranks that spoke through this connection
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
             link = _challenge_rank(sock, self._key)
@@ -287,39 +307,82 @@ class ChannelServer:
             sock.settimeout(None)
             while True:
                 message = link.receive()
-                if rank is None and hasattr(message, "rank"):
-                    rank = self._register(message.rank, link)
-                    attempt = getattr(message, "attempt", 0)
-                    requeue = getattr(message, "requeue", 0)
-                self._deliver(message)
+                if isinstance(message, FromRanks):  # a node's relay: its ranks' batch
+                    for each in message.messages:
+                        self._take(each, link, spoke, relayed=True)
+                else:
+                    self._take(message, link, spoke, relayed=False)
         except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
             logger.debug("channel connection ended: %r", exc)
         finally:
-            self._forget(sock, rank)
-            if rank is not None:
-                self._deliver(Disconnected(rank, attempt, requeue))
+            self._forget(sock, spoke)
+            for rank, route in sorted(spoke.items()):  # (a relay: its ranks still there)
+                self._deliver(Disconnected(rank, route.attempt, route.requeue,
+                                           relay_lost=route.relayed))
 
-    def _register(self, rank: int, link: _Link) -> int:
-        with self._lock:
-            self._peers[rank] = link
-        return rank
+    def _take(self, message: Any, link: _Link, spoke: dict[int, _Route],
+              relayed: bool) -> None:
+        """Note who sent ``message`` (a rank's first message names it: messages to that
+        rank go back the way it came), then deliver it."""
+        rank = getattr(message, "rank", None)
+        if isinstance(message, Disconnected):  # (a relay's word: that rank's link closed)
+            route = spoke.pop(message.rank, None)
+            with self._lock:
+                if route is not None and self._peers.get(message.rank) is route:
+                    del self._peers[message.rank]
+        elif rank is not None and rank not in spoke:
+            spoke[rank] = _Route(link, relayed, getattr(message, "attempt", 0),
+                                 getattr(message, "requeue", 0))
+            with self._lock:
+                self._peers[rank] = spoke[rank]
+        self._deliver(message)
 
-    def _forget(self, sock: socket.socket, rank: int | None) -> None:
+    def _forget(self, sock: socket.socket, spoke: dict[int, _Route]) -> None:
+        """The connection is over: its ranks are reached no more (unless they connected
+        again since)."""
         with self._lock:
             self._connections.discard(sock)
-            if rank is not None and getattr(self._peers.get(rank), "sock", None) is sock:
-                del self._peers[rank]
+            for rank, route in spoke.items():
+                if self._peers.get(rank) is route:
+                    del self._peers[rank]
         sock.close()
 
     def send(self, rank: int, message: Any, data: Outgoing | None = None) -> bool:
         """Send ``message`` to ``rank`` (with ``data``: the data file it names); False if
         that rank is not connected (any more)."""
         with self._lock:
-            link = self._peers.get(rank)
-        if link is None:
+            route = self._peers.get(rank)
+        if route is None:
             return False
+        if route.relayed and data is not None:
+            raise ValueError("a node's relay takes no data file")
         try:
-            link.send(message, data)
+            route.link.send(ToRanks((rank,), message) if route.relayed else message, data)
+        except OSError:
+            return False
+        return True
+
+    def send_to_each(self, ranks: Iterable[int], message: Any) -> set[int]:
+        """Send ``message`` to each of ``ranks``: once to a rank's own connection, once
+        to a node's relay for all of its ranks. The ranks it could not reach."""
+        with self._lock:
+            routes = {rank: self._peers.get(rank) for rank in ranks}
+        missed = {rank for rank, route in routes.items() if route is None}
+        by_relay: dict[_Link, list[int]] = {}
+        for rank, route in routes.items():
+            if route is not None and route.relayed:
+                by_relay.setdefault(route.link, []).append(rank)
+            elif route is not None and not self._send_on(route.link, message):
+                missed.add(rank)
+        for link, on_node in by_relay.items():
+            if not self._send_on(link, ToRanks(tuple(sorted(on_node)), message)):
+                missed.update(on_node)
+        return missed
+
+    @staticmethod
+    def _send_on(link: _Link, message: Any) -> bool:
+        try:
+            link.send(message)
         except OSError:
             return False
         return True
@@ -369,4 +432,7 @@ class ChannelClient:
             raise ConnectionError(f"the kernel's link broke: {exc}") from exc
 
     def close(self) -> None:
+        """Hang up (a thread waiting in ``receive`` gets ConnectionError)."""
+        with contextlib.suppress(OSError):
+            self._link.sock.shutdown(socket.SHUT_RDWR)
         self._link.sock.close()

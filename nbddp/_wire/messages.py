@@ -15,6 +15,8 @@ that a message names; to and from another machine, the file goes along with the 
     kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks,
                      ShowCollectives
     kernel only      Disconnected (a rank's connection closed)
+    relay <-> kernel ToRanks (down), FromRanks (up): a node's ranks' messages, batched
+                     by the node's relay (``_rank.relay``)
 """
 
 from __future__ import annotations
@@ -400,6 +402,27 @@ class DebugInput:
     reason: str = ""
 
 
+# --- through a node's relay -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToRanks:
+    """To a node's relay: hand ``message`` to each of ``ranks`` on the node. The kernel
+    sends a run's Start once per node this way."""
+
+    ranks: tuple[int, ...]
+    message: Any
+
+
+@dataclass(frozen=True)
+class FromRanks:
+    """From a node's relay: what the node's ranks sent since its last batch, in the order
+    each rank sent it (``Disconnected`` where a rank's connection to the relay closed).
+    One frame, one check and one wake-up of the kernel for the whole node."""
+
+    messages: list[Any]
+
+
 # --- kernel-side events ---------------------------------------------------------------
 
 
@@ -410,6 +433,8 @@ class Disconnected:
     rank: int
     attempt: int = 0
     requeue: int = 0
+    relay_lost: bool = False
+    """It closed because the link to the rank's node relay did: the whole node is lost."""
 
 
 # --- frames ---------------------------------------------------------------------------

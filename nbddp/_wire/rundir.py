@@ -33,6 +33,10 @@ the job may still run: it is removed when the run ends."""
 KEY = "key"
 """The channel's secret: only its holders may talk to the kernel."""
 SOCKET = "channel.sock"
+RELAY_SOCKET = "relay.sock"
+"""Where a node's relay listens for its ranks (``_rank.relay``); as long as ``SOCKET``."""
+RELAY_ENV = "NBDDP_RELAY"
+"""Set on a node's ranks whose relay is up: the socket they connect to."""
 """A local group's channel, a Unix socket."""
 ADDRESS = "channel.address"
 """A SLURM job's: ``host port`` of the kernel's TCP channel."""
@@ -123,6 +127,7 @@ class RunDir:
         self.payload = path / PAYLOAD
         self.key = path / KEY
         self.socket = path / SOCKET
+        self.relay_socket = path / RELAY_SOCKET
         self.address = path / ADDRESS
         self.start = path / START
         self.job = path / JOB

@@ -1,0 +1,109 @@
+"""A node's relay: the one connection between the kernel and a node's ranks.
+
+Without it the kernel serves every rank: one connection, one Start and one report per
+rank per cell, each sealed and checked, each a wake-up of its own. With it the kernel
+sends a cell's Start once per node (``ToRanks``), and what the node's ranks send comes
+back in batches (``FromRanks``): one frame, one check and one wake-up for whatever the
+node's ranks said meanwhile. The relay is threads in the node's torchrun process
+(``_rank.torchrun``), which waits on its ranks anyway: it costs no rank any time.
+
+To its ranks the relay is the kernel: they connect to its socket, in the run's private
+dir, with the run's key, as they would to the kernel's. To the kernel it is a rank whose
+messages name many ranks. When the kernel's link closes, the relay closes its ranks'
+links (a busy rank then stops, as it would were it connected to the kernel itself);
+when the relay dies, its torchrun process died, and the ranks die with it (each rank
+dies with its parent): the kernel sees every rank of the node disconnected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Protocol
+
+from .._wire.channel import Address, ChannelClient, ChannelServer
+from .._wire.messages import FromRanks, ToRanks
+
+_BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ranks say
+
+
+class Ranks(Protocol):
+    """The relay's side towards its node's ranks: where it hands them the kernel's
+    messages (``ChannelServer``, or a simulation of ranks: ``benchmarks/bench_nodes.py``)."""
+
+    def send(self, rank: int, message: Any) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class NodeRelay:
+    """Speaks to the kernel over ``up`` for the ranks that ``ranks(deliver)`` makes,
+    which hands it what they say."""
+
+    def __init__(self, up: ChannelClient, ranks: Callable[[Callable[[Any], None]], Ranks]
+                 ) -> None:
+        self._up = up
+        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        try:
+            self._down = ranks(self._outbox.put)
+        except BaseException:
+            up.close()
+            raise
+        self._closing = threading.Lock()
+        self._closed = False
+        self._sender = threading.Thread(target=self._send_up, daemon=True,
+                                        name="nbddp-relay-up")
+        self._sender.start()
+        threading.Thread(target=self._hand_down, daemon=True, name="nbddp-relay-down").start()
+
+    def _send_up(self) -> None:
+        """Send what the ranks said, batched: whatever waits when the last batch left.
+        Once closed, what was said before goes too, then the kernel's link closes."""
+        while (first := self._outbox.get()) is not None:
+            batch = [first]
+            with contextlib.suppress(queue.Empty):
+                while len(batch) < _BATCH_MOST and batch[-1] is not None:
+                    batch.append(self._outbox.get_nowait())
+            try:
+                self._up.send(FromRanks([message for message in batch
+                                         if message is not None]))
+            except OSError:
+                break
+            if batch[-1] is None:
+                break
+        self.close()
+        self._up.close()
+
+    def _hand_down(self) -> None:
+        """Hand each of the kernel's messages to the ranks it is for, until the kernel's
+        link closes; then close the ranks' links."""
+        try:
+            while True:
+                message = self._up.receive()
+                if isinstance(message, ToRanks):
+                    for rank in message.ranks:
+                        self._down.send(rank, message.message)
+        except (ConnectionError, EOFError):
+            pass
+        self.close()
+
+    def close(self, wait: float = 0.0) -> None:
+        """Close the ranks' links; what they said goes to the kernel, then its link
+        closes (``wait``: up to that many seconds, for the torchrun that ends)."""
+        with self._closing:
+            if not self._closed:
+                self._closed = True
+                self._down.close()
+                self._outbox.put(None)
+        if wait and threading.current_thread() is not self._sender:
+            self._sender.join(wait)
+
+
+def node_relay(kernel: Address, listen: Path, key: bytes) -> NodeRelay:
+    """The relay of this node's ranks, which connect to ``listen`` with ``key``, to the
+    kernel at ``kernel``."""
+    return NodeRelay(ChannelClient(kernel, key),
+                     lambda deliver: ChannelServer(listen, key, deliver))

@@ -1,0 +1,174 @@
+"""A node's relay (``_rank.relay``) between a real kernel-side ``ChannelServer`` and
+ranks' ``ChannelClient``s, over real sockets with the run's key: the kernel sends once
+per node, hears the node's ranks in batches, and learns of every rank that goes."""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nbddp._rank.relay import node_relay
+from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
+from nbddp._wire.messages import Disconnected, Present, RollCall, Sequenced, Start
+
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
+
+class Kernel:
+    """The kernel's end: a real server; what it delivers, and every frame it received."""
+
+    def __init__(self, folder: Path, key: bytes) -> None:
+        self.delivered: queue.SimpleQueue = queue.SimpleQueue()
+        self.server = ChannelServer(folder / "channel.sock", key, self.delivered.put)
+
+    def take(self, count: int, timeout: float = 10.0) -> list:
+        deadline = time.monotonic() + timeout
+        found = []
+        while len(found) < count:
+            found.append(self.delivered.get(timeout=max(0.01, deadline - time.monotonic())))
+        return found
+
+
+@pytest.fixture
+def node(tmp_path):
+    folder = Path(os.path.realpath(tmp_path))
+    folder.chmod(0o700)
+    key = new_key()
+    kernel = Kernel(folder, key)
+    relay = node_relay(kernel.server.address, folder / "relay.sock", key)
+    ranks = [ChannelClient(folder / "relay.sock", key) for _ in range(4)]
+    try:
+        yield kernel, relay, ranks
+    finally:
+        for rank in ranks:
+            rank.close()
+        relay.close()
+        kernel.server.close()
+
+
+def say(rank: ChannelClient, number: int, message, seq: int = 0) -> None:
+    """Rank ``number`` sends ``message``, numbered as a rank's link numbers them."""
+    rank.send(Sequenced(seq, message))
+
+
+def test_the_ranks_messages_reach_the_kernel_as_each_rank_sent_them(node):
+    kernel, _, ranks = node
+    for number, rank in enumerate(ranks):
+        say(rank, number, Present(number, 7))
+    got = kernel.take(4)
+    assert sorted(message.message.rank for message in got) == [0, 1, 2, 3]
+    assert {type(message.message) for message in got} == {Present}
+
+
+def test_the_kernel_sends_once_for_the_node_and_every_rank_gets_it(node):
+    kernel, _, ranks = node
+    for number, rank in enumerate(ranks):
+        say(rank, number, Present(number, 0))
+    kernel.take(4)
+    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
+    sent_before = _frames_sent(kernel.server)
+    assert kernel.server.send_to_each(range(4), start) == set()
+    assert _frames_sent(kernel.server) - sent_before == 1  # one frame for the four ranks
+    for rank in ranks:
+        assert rank.receive() == start
+    assert kernel.server.send(2, RollCall(5))
+    assert ranks[2].receive() == RollCall(5)
+
+
+def _frames_sent(server: ChannelServer) -> int:
+    """Frames the kernel's links have sent, in all."""
+    links = {id(route.link): route.link for route in server._peers.values()}
+    return sum(link._sent for link in links.values())
+
+
+def test_a_rank_that_goes_is_disconnected_and_is_reached_no_more(node):
+    kernel, _, ranks = node
+    for number, rank in enumerate(ranks):
+        say(rank, number, Present(number, 0))
+    kernel.take(4)
+    ranks[1].close()
+    assert kernel.take(1) == [Disconnected(1)]
+    assert kernel.server.send_to_each(range(4), RollCall(1)) == {1}
+    assert not kernel.server.send(1, RollCall(1))
+
+
+RELAY_PROCESS = """
+import sys, time
+from pathlib import Path
+from nbddp._rank.relay import node_relay
+folder = Path(sys.argv[1])
+node_relay(folder / "channel.sock", folder / "relay.sock", (folder / "key").read_bytes())
+print("up", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_relay_killed_disconnects_every_rank_it_spoke_for_as_lost_with_it(tmp_path):
+    folder = Path(os.path.realpath(tmp_path))
+    folder.chmod(0o700)
+    key = new_key()
+    (folder / "key").write_bytes(key)
+    kernel = Kernel(folder, key)
+    relay = subprocess.Popen([sys.executable, "-c", RELAY_PROCESS, str(folder)],
+                             stdout=subprocess.PIPE, text=True)
+    ranks: list[ChannelClient] = []
+    try:
+        assert relay.stdout is not None and relay.stdout.readline() == "up\n"
+        ranks = [ChannelClient(folder / "relay.sock", key) for _ in range(4)]
+        for number, rank in enumerate(ranks):
+            say(rank, number, Present(number, 0))
+        kernel.take(4)
+        relay.kill()
+        gone = kernel.take(4)
+        assert sorted(event.rank for event in gone) == [0, 1, 2, 3]
+        assert all(isinstance(event, Disconnected) and event.relay_lost for event in gone)
+        for rank in ranks:  # and each rank sees its kernel gone
+            with pytest.raises(ConnectionError):
+                rank.receive()
+    finally:
+        for rank in ranks:
+            rank.close()
+        relay.kill()
+        relay.wait()
+        kernel.server.close()
+
+
+def test_the_kernel_gone_closes_every_rank_s_link(node):
+    kernel, _, ranks = node
+    say(ranks[0], 0, Present(0, 0))
+    kernel.take(1)
+    kernel.server.close()
+    for rank in ranks:
+        with pytest.raises(ConnectionError):
+            rank.receive()
+
+
+def test_what_the_ranks_say_at_once_crosses_in_few_frames_each_rank_s_in_order(node):
+    kernel, _, ranks = node
+    for seq in range(200):
+        for number, rank in enumerate(ranks):
+            say(rank, number, Present(number, seq), seq)
+    got = kernel.take(800)
+    for number in range(4):
+        assert [m.message.call for m in got if m.rank == number] == list(range(200))
+    (relay_link,) = {id(route.link): route.link for route in kernel.server._peers.values()
+                     }.values()
+    assert relay_link._received < 800  # batched: what waited went in one frame
+
+
+def test_a_rank_without_the_key_is_refused_by_the_relay(node, tmp_path):
+    kernel, relay, _ = node
+    with pytest.raises(ConnectionError):
+        ChannelClient(Path(os.path.realpath(tmp_path)) / "relay.sock", new_key())
+    with socket.socket(socket.AF_UNIX) as stranger:  # and a raw stranger gets nothing
+        stranger.connect(str(Path(os.path.realpath(tmp_path)) / "relay.sock"))
+        stranger.sendall(os.urandom(64))
+    assert kernel.server.send_to_each(range(4), RollCall(9)) == {0, 1, 2, 3}  # (none spoke)
+    assert kernel.delivered.empty()  # nothing of the stranger's reached the kernel
