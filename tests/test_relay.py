@@ -14,9 +14,22 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._rank.relay import node_relay
+from nbddp._rank.relay import compact, node_relay
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
-from nbddp._wire.messages import Disconnected, Present, RollCall, Sequenced, Start
+from nbddp._wire.messages import (
+    Disconnected,
+    Metrics,
+    Present,
+    RanksFinished,
+    RanksPresent,
+    RankStats,
+    Ready,
+    Requeueing,
+    Result,
+    RollCall,
+    Sequenced,
+    Start,
+)
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
@@ -61,16 +74,16 @@ def say(rank: ChannelClient, number: int, message, seq: int = 0) -> None:
 def test_the_ranks_messages_reach_the_kernel_as_each_rank_sent_them(node):
     kernel, _, ranks = node
     for number, rank in enumerate(ranks):
-        say(rank, number, Present(number, 7))
+        say(rank, number, Ready(number))
     got = kernel.take(4)
     assert sorted(message.message.rank for message in got) == [0, 1, 2, 3]
-    assert {type(message.message) for message in got} == {Present}
+    assert {type(message.message) for message in got} == {Ready}
 
 
 def test_the_kernel_sends_once_for_the_node_and_every_rank_gets_it(node):
     kernel, _, ranks = node
     for number, rank in enumerate(ranks):
-        say(rank, number, Present(number, 0))
+        say(rank, number, Ready(number))
     kernel.take(4)
     start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
     sent_before = _frames_sent(kernel.server)
@@ -91,7 +104,7 @@ def _frames_sent(server: ChannelServer) -> int:
 def test_a_rank_that_goes_is_disconnected_and_is_reached_no_more(node):
     kernel, _, ranks = node
     for number, rank in enumerate(ranks):
-        say(rank, number, Present(number, 0))
+        say(rank, number, Ready(number))
     kernel.take(4)
     ranks[1].close()
     assert kernel.take(1) == [Disconnected(1)]
@@ -123,7 +136,7 @@ def test_a_relay_killed_disconnects_every_rank_it_spoke_for_as_lost_with_it(tmp_
         assert relay.stdout is not None and relay.stdout.readline() == "up\n"
         ranks = [ChannelClient(folder / "relay.sock", key) for _ in range(4)]
         for number, rank in enumerate(ranks):
-            say(rank, number, Present(number, 0))
+            say(rank, number, Ready(number))
         kernel.take(4)
         relay.kill()
         gone = kernel.take(4)
@@ -154,10 +167,10 @@ def test_what_the_ranks_say_at_once_crosses_in_few_frames_each_rank_s_in_order(n
     kernel, _, ranks = node
     for seq in range(200):
         for number, rank in enumerate(ranks):
-            say(rank, number, Present(number, seq), seq)
+            say(rank, number, Requeueing(number), seq)
     got = kernel.take(800)
     for number in range(4):
-        assert [m.message.call for m in got if m.rank == number] == list(range(200))
+        assert [m.seq for m in got if m.rank == number] == list(range(200))
     (relay_link,) = {id(route.link): route.link for route in kernel.server._peers.values()
                      }.values()
     assert relay_link._received < 800  # batched: what waited went in one frame
@@ -172,3 +185,42 @@ def test_a_rank_without_the_key_is_refused_by_the_relay(node, tmp_path):
         stranger.sendall(os.urandom(64))
     assert kernel.server.send_to_each(range(4), RollCall(9)) == {0, 1, 2, 3}  # (none spoke)
     assert kernel.delivered.empty()  # nothing of the stranger's reached the kernel
+
+
+def test_the_roll_call_s_answers_and_plain_results_of_a_node_cross_as_one_each(node):
+    kernel, _, ranks = node
+    for number, rank in enumerate(ranks):
+        say(rank, number, Ready(number))
+    kernel.take(4)
+    assert kernel.server.send_to_each(range(4), RollCall(3)) == set()
+    for number, rank in enumerate(ranks):
+        assert rank.receive() == RollCall(3)
+        say(rank, number, Present(number, 3), 1)
+    answered = set()
+    while answered != {0, 1, 2, 3}:
+        (said,) = kernel.take(1)
+        assert isinstance(said, RanksPresent) and said.call == 3
+        answered.update(said.ranks)
+
+
+def stats(rank: int) -> RankStats:
+    return RankStats(rank, "node", 100 + rank, 7, 1.0, None, 0)
+
+
+def test_a_batch_says_once_what_ranks_said_alike_each_rank_s_messages_in_order():
+    value = Sequenced(4, Result(0, b"value", stats=stats(0)))
+    metrics = [Sequenced(3, Metrics(rank, [(7, {"loss": 1.0})])) for rank in range(4)]
+    plain = [Sequenced(4, Result(rank, stats=stats(rank))) for rank in (1, 2, 3)]
+    later = Sequenced(5, Ready(2))  # rank 2 speaks again: its result goes before this
+    batch = [*metrics, value, plain[0], plain[1], later, plain[2], None]
+    assert compact(batch) == [
+        *metrics, value,
+        RanksFinished((1, 2), (stats(1), stats(2))),
+        later,
+        RanksFinished((3,), (stats(3),)),
+    ]
+    presents = [Sequenced(9, Present(rank, 5)) for rank in range(3)]
+    assert compact([*presents, Sequenced(9, Present(3, 6))]) == [
+        RanksPresent((0, 1, 2), 5), RanksPresent((3,), 6)]
+    assert RanksFinished((1, 2), (stats(1), stats(2))).results() == [
+        Result(1, stats=stats(1)), Result(2, stats=stats(2))]

@@ -25,7 +25,15 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .._wire.channel import Address, ChannelClient, ChannelServer
-from .._wire.messages import FromRanks, ToRanks
+from .._wire.messages import (
+    FromRanks,
+    Present,
+    RanksFinished,
+    RanksPresent,
+    Result,
+    Sequenced,
+    ToRanks,
+)
 
 _BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ranks say
 
@@ -34,7 +42,7 @@ class Ranks(Protocol):
     """The relay's side towards its node's ranks: where it hands them the kernel's
     messages (``ChannelServer``, or a simulation of ranks: ``benchmarks/bench_nodes.py``)."""
 
-    def send(self, rank: int, message: Any) -> bool: ...
+    def send_encoded(self, rank: int, frame: bytes) -> bool: ...
 
     def close(self) -> None: ...
 
@@ -68,8 +76,7 @@ class NodeRelay:
                 while len(batch) < _BATCH_MOST and batch[-1] is not None:
                     batch.append(self._outbox.get_nowait())
             try:
-                self._up.send(FromRanks([message for message in batch
-                                         if message is not None]))
+                self._up.send(FromRanks(compact(batch)))
             except OSError:
                 break
             if batch[-1] is None:
@@ -85,7 +92,7 @@ class NodeRelay:
                 message = self._up.receive()
                 if isinstance(message, ToRanks):
                     for rank in message.ranks:
-                        self._down.send(rank, message.message)
+                        self._down.send_encoded(rank, message.frame)
         except (ConnectionError, EOFError):
             pass
         self.close()
@@ -107,3 +114,42 @@ def node_relay(kernel: Address, listen: Path, key: bytes) -> NodeRelay:
     kernel at ``kernel``."""
     return NodeRelay(ChannelClient(kernel, key),
                      lambda deliver: ChannelServer(listen, key, deliver))
+
+
+def compact(batch: list[Any]) -> list[Any]:
+    """``batch`` (a ``None`` in it: the end) as it goes to the kernel: the roll call's
+    answers and the plain results of many ranks each said once (``RanksPresent``,
+    ``RanksFinished``), every rank's messages still in the order it sent them. A group
+    goes where its last member came, or before a later message of one of its ranks."""
+    out: list[Any] = []
+    groups: dict[tuple, tuple[list[int], list[Any]]] = {}
+    for message in batch:
+        inner = message.message if isinstance(message, Sequenced) else None
+        key = _group_of(message, inner)
+        rank = getattr(message, "rank", None)
+        for other in [k for k, (ranks, _) in groups.items() if rank in ranks]:
+            out.append(_said_once(other, *groups.pop(other)))  # (its rank speaks again)
+        if key is not None and inner is not None:
+            ranks, stats = groups.setdefault(key, ([], []))
+            ranks.append(inner.rank)
+            stats.append(getattr(inner, "stats", None))
+        elif message is not None:
+            out.append(message)
+    out.extend(_said_once(key, *group) for key, group in groups.items())
+    return out
+
+
+def _group_of(message: Any, inner: Any) -> tuple | None:
+    """Which group ``message`` joins, if it is said alike by many ranks."""
+    if isinstance(inner, Present):
+        return ("present", inner.call)
+    if isinstance(inner, Result) and inner.value is None and inner.file is None \
+            and inner.assigned is None:
+        return ("finished", message.attempt, message.requeue)
+    return None
+
+
+def _said_once(key: tuple, ranks: list[int], stats: list[Any]) -> Any:
+    if key[0] == "present":
+        return RanksPresent(tuple(ranks), key[1])
+    return RanksFinished(tuple(ranks), tuple(stats), attempt=key[1], requeue=key[2])

@@ -16,7 +16,7 @@ import queue
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from .._errors import name_cells
@@ -68,6 +68,14 @@ class Debugger:
         with self._lock:
             self._told.pop(rank, None)
             self._at_prompt.pop(rank, None)
+
+    def done_all(self, ranks: Iterable[int]) -> None:
+        """``done`` for each of ``ranks`` (a node's, that ended together)."""
+        with self._lock:
+            if self._told or self._at_prompt:
+                for rank in ranks:
+                    self._told.pop(rank, None)
+                    self._at_prompt.pop(rank, None)
 
     def _collect(self) -> None:
         while True:

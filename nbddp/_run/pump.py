@@ -20,14 +20,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.messages import Disconnected, Sequenced
+from .._wire.messages import Disconnected, RanksFinished, Sequenced
 
 INTERVAL = 0.05
 """How long one turn waits for an event."""
 
 Handler = Callable[[Any], None]
-Numbered = Sequenced | Disconnected
-"""A rank's message as it came, with the attempt and the requeue that sent it."""
+Numbered = Sequenced | Disconnected | RanksFinished
+"""A rank's message (or a node's relay's, for many) as it came, with the attempt and
+the requeue that sent it."""
+_NUMBERED = (Sequenced, Disconnected, RanksFinished)
 
 
 class Pump:
@@ -58,7 +60,7 @@ class Pump:
         event = self._ahead.popleft() if self._releasable() else self._next(timeout)
         if event is None:
             return None
-        if isinstance(event, (Sequenced, Disconnected)):
+        if isinstance(event, _NUMBERED):
             sent_by, following = (event.requeue, event.attempt), self._current()
             if sent_by < following:
                 return None  # from an attempt that failed or a run SLURM requeued
@@ -79,7 +81,7 @@ class Pump:
             event = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
         except queue.Empty:
             return None
-        if isinstance(event, (Sequenced, Disconnected)):
+        if isinstance(event, _NUMBERED):
             for hook in self._arrivals:
                 hook(event)
         return event

@@ -48,6 +48,20 @@ class RankView:
                 while samples and now - samples[0][0] > _RATE_WINDOW:
                     samples.popleft()
 
+    def add_final(self, final: list[RankStats], now: float | None = None) -> None:
+        """Ranks' stats as their run ended (a node's, reported together): ``add`` in bulk,
+        for many ranks at once."""
+        if not final:
+            return
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            self.running = True
+            self.last_activity = now  # (a rank that ended moved)
+            self._stats.update((stats.rank, stats) for stats in final)
+            for stats in final:
+                if stats.step is not None:
+                    self._steps[stats.rank].append((now, stats.step))
+
     def touch(self) -> None:
         """Something moved (a rank started, the job began to run): not stalled."""
         self.last_activity = time.monotonic()

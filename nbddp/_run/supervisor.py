@@ -27,6 +27,7 @@ from .._wire.messages import (
     Failure,
     Hello,
     Metrics,
+    RanksFinished,
     RankStats,
     Requeueing,
     Result,
@@ -133,6 +134,7 @@ class Supervisor:
         on(DebugDone, self._debug_done)
         on(Metrics, self._metrics)
         on(Result, self._result)
+        on(RanksFinished, self._finished)
         on(Failure, self._failure)
         on(Disconnected, self._disconnected)
         on(Requeueing, lambda report: self.attempt.requeueing.add(report.rank))
@@ -167,6 +169,13 @@ class Supervisor:
         self.attempt.results[result.rank] = result
         self.debugger.done(result.rank)  # its pdb, if any, is over (it may have stepped off)
 
+    def _finished(self, finished: RanksFinished) -> None:
+        """A node's ranks finished with nothing to send back: each one's ``Result``, in
+        bulk (a node's relay says this for its ranks at once)."""
+        self.view.add_final([stats for stats in finished.stats if stats is not None])
+        self.attempt.results.update(zip(finished.ranks, finished.results(), strict=True))
+        self.debugger.done_all(finished.ranks)
+
     def _failure(self, failure: Failure) -> None:
         if failure.stats is not None:
             self.view.add(failure.stats)
@@ -191,7 +200,7 @@ class Supervisor:
     def _launcher_exit(self, event: LauncherExited) -> None:
         self.launcher_exited = True
 
-    def _arrived(self, message: Sequenced | Disconnected) -> None:
+    def _arrived(self, message: Sequenced | Disconnected | RanksFinished) -> None:
         """Note which attempt sent ``message`` (held or stale ones too): proof that
         torchrun started that attempt, even if the run is no longer followed there."""
         self._attempts_seen.add((message.requeue, message.attempt))

@@ -32,6 +32,7 @@ from .._wire.messages import (
     Hello,
     Present,
     RankOptions,
+    RanksPresent,
     Ready,
     RollCall,
     Sequenced,
@@ -126,9 +127,10 @@ class WaitingGroup(RankGroup):
         """Keep track of the ranks (the channel's threads call this), then queue it."""
         inner = message.message if isinstance(message, Sequenced) else message
         with self._lock:
-            if isinstance(inner, Present):  # the hand-over's business, not the run's
+            if isinstance(inner, (Present, RanksPresent)):  # the hand-over's business
                 if inner.call == self._calls:
-                    self._present.add(inner.rank)
+                    self._present.update(inner.ranks if isinstance(inner, RanksPresent)
+                                         else (inner.rank,))
                     self._answered.notify_all()
                 return
             if self._took(inner):

@@ -116,9 +116,14 @@ class _Link:
                 self.sock.sendall(view)
             self._send_frame(data.seal())
 
+    def send_encoded(self, frame: bytes) -> None:
+        """Send a message already ``encode``d (once, for many links)."""
+        with self._send_lock:
+            self._send_frame(frame)
+
     def _send_frame(self, message: Any) -> None:
-        """(Under the send lock.)"""
-        frame = encode(message)
+        """(Under the send lock.) ``message``, or its frame (``bytes``)."""
+        frame = message if isinstance(message, bytes) else encode(message)
         tag = _mac(self._send_key, b"frame", self._sent.to_bytes(8, "big"), frame)
         self._sent += 1
         self.sock.sendall(frame + tag)
@@ -357,14 +362,24 @@ class ChannelServer:
         if route.relayed and data is not None:
             raise ValueError("a node's relay takes no data file")
         try:
-            route.link.send(ToRanks((rank,), message) if route.relayed else message, data)
+            route.link.send(ToRanks((rank,), encode(message)) if route.relayed else message,
+                            data)
         except OSError:
             return False
         return True
 
+    def send_encoded(self, rank: int, frame: bytes) -> bool:
+        """Send ``rank`` the message ``encode``d in ``frame``; False if it is not connected
+        (a node's relay hands one frame to each of its ranks this way)."""
+        with self._lock:
+            route = self._peers.get(rank)
+        return route is not None and self._send_on(
+            route.link, encode(ToRanks((rank,), frame)) if route.relayed else frame)
+
     def send_to_each(self, ranks: Iterable[int], message: Any) -> set[int]:
-        """Send ``message`` to each of ``ranks``: once to a rank's own connection, once
-        to a node's relay for all of its ranks. The ranks it could not reach."""
+        """Send ``message`` to each of ``ranks``, encoded once: to a rank's own connection,
+        and once to a node's relay for all of its ranks. The ranks it could not reach."""
+        frame = encode(message)
         with self._lock:
             routes = {rank: self._peers.get(rank) for rank in ranks}
         missed = {rank for rank, route in routes.items() if route is None}
@@ -372,17 +387,17 @@ class ChannelServer:
         for rank, route in routes.items():
             if route is not None and route.relayed:
                 by_relay.setdefault(route.link, []).append(rank)
-            elif route is not None and not self._send_on(route.link, message):
+            elif route is not None and not self._send_on(route.link, frame):
                 missed.add(rank)
         for link, on_node in by_relay.items():
-            if not self._send_on(link, ToRanks(tuple(sorted(on_node)), message)):
+            if not self._send_on(link, encode(ToRanks(tuple(sorted(on_node)), frame))):
                 missed.update(on_node)
         return missed
 
     @staticmethod
-    def _send_on(link: _Link, message: Any) -> bool:
+    def _send_on(link: _Link, frame: bytes) -> bool:
         try:
-            link.send(message)
+            link.send_encoded(frame)
         except OSError:
             return False
         return True

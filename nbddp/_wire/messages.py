@@ -16,7 +16,8 @@ that a message names; to and from another machine, the file goes along with the 
                      ShowCollectives
     kernel only      Disconnected (a rank's connection closed)
     relay <-> kernel ToRanks (down), FromRanks (up): a node's ranks' messages, batched
-                     by the node's relay (``_rank.relay``)
+                     by the node's relay (``_rank.relay``), with RanksPresent and
+                     RanksFinished for what many of them said alike
 """
 
 from __future__ import annotations
@@ -407,20 +408,45 @@ class DebugInput:
 
 @dataclass(frozen=True)
 class ToRanks:
-    """To a node's relay: hand ``message`` to each of ``ranks`` on the node. The kernel
-    sends a run's Start once per node this way."""
+    """To a node's relay: hand the message in ``frame`` (``encode``d once for every node
+    it goes to) to each of ``ranks`` on the node. The kernel sends a run's Start once per
+    node this way."""
 
     ranks: tuple[int, ...]
-    message: Any
+    frame: bytes
 
 
 @dataclass(frozen=True)
 class FromRanks:
-    """From a node's relay: what the node's ranks sent since its last batch, in the order
-    each rank sent it (``Disconnected`` where a rank's connection to the relay closed).
+    """From a node's relay: what the node's ranks sent since its last batch, each rank's
+    in the order it sent them (``Disconnected`` where a rank's connection to the relay
+    closed), what many ranks said alike said once (``RanksPresent``, ``RanksFinished``).
     One frame, one check and one wake-up of the kernel for the whole node."""
 
     messages: list[Any]
+
+
+@dataclass(frozen=True)
+class RanksPresent:
+    """From a node's relay: each of ``ranks`` answered roll call ``call`` (``Present``)."""
+
+    ranks: tuple[int, ...]
+    call: int
+
+
+@dataclass(frozen=True)
+class RanksFinished:
+    """From a node's relay: each of ``ranks`` finished its run with nothing to send back
+    (no value, no names): their ``Result``s, at once; ``stats[i]`` is ``ranks[i]``'s."""
+
+    ranks: tuple[int, ...]
+    stats: tuple[RankStats | None, ...]
+    attempt: int = 0
+    requeue: int = 0
+
+    def results(self) -> list[Result]:
+        return [Result(rank, stats=stats)
+                for rank, stats in zip(self.ranks, self.stats, strict=True)]
 
 
 # --- kernel-side events ---------------------------------------------------------------
