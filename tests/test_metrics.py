@@ -193,3 +193,33 @@ def test_a_script_run_keeps_the_for_all_mark_through_its_files(tmp_path):
     reporter._stop.set()
     reporter._thread.join()
     reporter._file.close()
+
+
+def test_nodes_sums_and_ranks_own_records_average_to_the_mean_over_every_rank(tmp_path):
+    """A node's relay sends its ranks' sum and count per step and metric; the mean over
+    every rank's value stays exact, whichever way each rank's records came."""
+    history = History(nprocs=5, path=tmp_path / "m.jsonl")
+    values = {rank: 10.0 * rank + 1 for rank in range(5)}
+    history.add_reduced([(0, (0, 1), {"loss": (values[0] + values[1], 2)})])
+    history.add(4, [(0, {"loss": values[4]})])
+    assert history.latest == {}  # ranks 2 and 3 not heard yet
+    history.add_reduced([(0, (2, 3), {"loss": (values[2] + values[3], 2)})])
+    assert history.latest == {"step": 0, "ranks": 5,
+                              "loss": pytest.approx(sum(values.values()) / 5)}
+    history.add_reduced([(0, (0, 1), {"loss": (2.0, 2)})])  # counter started over: a new row
+    history.add_reduced([(1, (0, 1, 2, 3), {"loss": (8.0, 4)}), (1, (4,), {"acc": (1.0, 1)})])
+    history.close()
+    assert [(r["step"], r["ranks"]) for r in _rows(history)] == [(0, 5), (0, 2), (1, 5)]
+    assert _rows(history)[2] == {"step": 1, "ranks": 5, "loss": 2.0, "acc": 1.0}
+
+
+def test_a_node_s_sum_late_for_its_step_is_dropped_and_counted(tmp_path):
+    history = History(nprocs=4, path=tmp_path / "m.jsonl")
+    history.add_reduced([(0, (0, 1), {"loss": (2.0, 2)}), (1, (0, 1), {"loss": (2.0, 2)})])
+    history._first_seen = {step: 0.0 for step in history._first_seen}  # waited long enough
+    history.tick()  # step 0 averaged over ranks 0 and 1 (step 1 is newest)
+    history.add_reduced([(0, (2, 3), {"loss": (6.0, 2)})])  # the other node, late
+    assert history.late_records == 2
+    history.close()
+    assert [(r["step"], r["ranks"], r["loss"]) for r in _rows(history)] == [
+        (0, 2, 1.0), (1, 2, 1.0)]

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._rank.relay import compact, node_relay
+from nbddp._rank.relay import compact, node_relay, reduced
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
 from nbddp._wire.messages import (
     Disconnected,
     Metrics,
+    NodeMetrics,
     Present,
     RanksFinished,
     RanksPresent,
@@ -214,7 +215,7 @@ def test_a_batch_says_once_what_ranks_said_alike_each_rank_s_messages_in_order()
     later = Sequenced(5, Ready(2))  # rank 2 speaks again: its result goes before this
     batch = [*metrics, value, plain[0], plain[1], later, plain[2], None]
     assert compact(batch) == [
-        *metrics, value,
+        NodeMetrics([(7, (0, 1, 2, 3), {"loss": (4.0, 4)})], {}, []), value,
         RanksFinished((1, 2), (stats(1), stats(2))),
         later,
         RanksFinished((3,), (stats(3),)),
@@ -224,3 +225,16 @@ def test_a_batch_says_once_what_ranks_said_alike_each_rank_s_messages_in_order()
         RanksPresent((0, 1, 2), 5), RanksPresent((3,), 6)]
     assert RanksFinished((1, 2), (stats(1), stats(2))).results() == [
         Result(1, stats=stats(1)), Result(2, stats=stats(2))]
+
+
+def test_a_node_s_metrics_are_summed_per_step_and_name_each_rank_s_last_value_counted():
+    batches = [
+        Metrics(0, [(1, {"loss": 1.0, "acc": 0.5}), (2, {"loss": 0.5})], position=(2, 10, None)),
+        Metrics(1, [(1, {"loss": 3.0})], for_all=[(1, {"lr": 0.1})]),
+        Metrics(0, [(2, {"loss": 0.25})], position=(3, 10, None)),  # rank 0 again: last wins
+    ]
+    node = reduced(batches)
+    assert node.partials == [(1, (0, 1), {"loss": (4.0, 2), "acc": (0.5, 1)}),
+                             (2, (0,), {"loss": (0.25, 1)})]
+    assert node.positions == {0: (3, 10, None)}
+    assert node.for_all == [(1, [(1, {"lr": 0.1})])]

@@ -17,9 +17,9 @@ dies with its parent): the kernel sees every rank of the node disconnected.
 
 from __future__ import annotations
 
-import contextlib
 import queue
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +27,8 @@ from typing import Any, Protocol
 from .._wire.channel import Address, ChannelClient, ChannelServer
 from .._wire.messages import (
     FromRanks,
+    Metrics,
+    NodeMetrics,
     Present,
     RanksFinished,
     RanksPresent,
@@ -36,6 +38,7 @@ from .._wire.messages import (
 )
 
 _BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ranks say
+_METRICS_WAIT = 0.05  # seconds a batch of metrics alone waits for the node's other ranks'
 
 
 class Ranks(Protocol):
@@ -68,13 +71,10 @@ class NodeRelay:
         threading.Thread(target=self._hand_down, daemon=True, name="nbddp-relay-down").start()
 
     def _send_up(self) -> None:
-        """Send what the ranks said, batched: whatever waits when the last batch left.
-        Once closed, what was said before goes too, then the kernel's link closes."""
-        while (first := self._outbox.get()) is not None:
-            batch = [first]
-            with contextlib.suppress(queue.Empty):
-                while len(batch) < _BATCH_MOST and batch[-1] is not None:
-                    batch.append(self._outbox.get_nowait())
+        """Send what the ranks said, batched (``_gather``). Once closed, what was said
+        before goes too, then the kernel's link closes."""
+        while True:
+            batch = self._gather()
             try:
                 self._up.send(FromRanks(compact(batch)))
             except OSError:
@@ -83,6 +83,27 @@ class NodeRelay:
                 break
         self.close()
         self._up.close()
+
+    def _gather(self) -> list[Any]:
+        """The next batch: whatever waits once a message came. Metrics alone wait up to
+        ``_METRICS_WAIT`` more for the node's other ranks' (each rank sends its own about
+        ten times a second): they are reduced together."""
+        batch = [self._outbox.get()]
+        deadline = time.monotonic() + _METRICS_WAIT
+        only_metrics = _is_metrics(batch[0])
+        while batch[-1] is not None and len(batch) < _BATCH_MOST:
+            try:
+                batch.append(self._outbox.get_nowait())
+            except queue.Empty:
+                wait = deadline - time.monotonic()
+                if not only_metrics or wait <= 0:
+                    break
+                try:
+                    batch.append(self._outbox.get(timeout=wait))
+                except queue.Empty:
+                    break
+            only_metrics = only_metrics and _is_metrics(batch[-1])
+        return batch
 
     def _hand_down(self) -> None:
         """Hand each of the kernel's messages to the ranks it is for, until the kernel's
@@ -117,26 +138,30 @@ def node_relay(kernel: Address, listen: Path, key: bytes) -> NodeRelay:
 
 
 def compact(batch: list[Any]) -> list[Any]:
-    """``batch`` (a ``None`` in it: the end) as it goes to the kernel: the roll call's
-    answers and the plain results of many ranks each said once (``RanksPresent``,
-    ``RanksFinished``), every rank's messages still in the order it sent them. A group
-    goes where its last member came, or before a later message of one of its ranks."""
+    """``batch`` (a ``None`` in it: the end) as it goes to the kernel: what many ranks
+    said alike said once (the roll call's answers, plain results, metrics reduced: see
+    ``_said_once``), every rank's messages still in the order it sent them. A group goes
+    where its last member came, or before a later message of one of its ranks."""
     out: list[Any] = []
     groups: dict[tuple, tuple[list[int], list[Any]]] = {}
     for message in batch:
         inner = message.message if isinstance(message, Sequenced) else None
         key = _group_of(message, inner)
         rank = getattr(message, "rank", None)
-        for other in [k for k, (ranks, _) in groups.items() if rank in ranks]:
+        for other in [k for k, (ranks, _) in groups.items() if k != key and rank in ranks]:
             out.append(_said_once(other, *groups.pop(other)))  # (its rank speaks again)
         if key is not None and inner is not None:
-            ranks, stats = groups.setdefault(key, ([], []))
+            ranks, said = groups.setdefault(key, ([], []))
             ranks.append(inner.rank)
-            stats.append(getattr(inner, "stats", None))
+            said.append(inner)
         elif message is not None:
             out.append(message)
     out.extend(_said_once(key, *group) for key, group in groups.items())
     return out
+
+
+def _is_metrics(message: Any) -> bool:
+    return isinstance(message, Sequenced) and isinstance(message.message, Metrics)
 
 
 def _group_of(message: Any, inner: Any) -> tuple | None:
@@ -146,10 +171,37 @@ def _group_of(message: Any, inner: Any) -> tuple | None:
     if isinstance(inner, Result) and inner.value is None and inner.file is None \
             and inner.assigned is None:
         return ("finished", message.attempt, message.requeue)
+    if isinstance(inner, Metrics):
+        return ("metrics", message.attempt, message.requeue)
     return None
 
 
-def _said_once(key: tuple, ranks: list[int], stats: list[Any]) -> Any:
+def _said_once(key: tuple, ranks: list[int], said: list[Any]) -> Any:
     if key[0] == "present":
         return RanksPresent(tuple(ranks), key[1])
-    return RanksFinished(tuple(ranks), tuple(stats), attempt=key[1], requeue=key[2])
+    if key[0] == "finished":
+        return RanksFinished(tuple(ranks), tuple(result.stats for result in said),
+                             attempt=key[1], requeue=key[2])
+    return reduced(said, attempt=key[1], requeue=key[2])
+
+
+def reduced(batches: list[Metrics], attempt: int = 0, requeue: int = 0) -> NodeMetrics:
+    """The node's ranks' metric batches as one: per step and metric, the sum and count of
+    the ranks' values (each rank's last value, should it have sent one twice)."""
+    values: dict[int, dict[str, dict[int, float]]] = {}  # step -> name -> rank -> value
+    heard: dict[int, dict[int, None]] = {}  # step -> the ranks with a record of it
+    positions, for_all = {}, []
+    for batch in batches:
+        for step, metrics in batch.records:
+            heard.setdefault(step, {})[batch.rank] = None
+            by_name = values.setdefault(step, {})
+            for name, value in metrics.items():
+                by_name.setdefault(name, {})[batch.rank] = value
+        if batch.position is not None:
+            positions[batch.rank] = batch.position
+        if batch.for_all:
+            for_all.append((batch.rank, batch.for_all))
+    partials = [(step, tuple(heard[step]),
+                 {name: (sum(by_rank.values()), len(by_rank)) for name, by_rank in by_name.items()})
+                for step, by_name in values.items()]
+    return NodeMetrics(partials, positions, for_all, attempt, requeue)

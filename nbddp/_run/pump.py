@@ -20,16 +20,16 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.messages import Disconnected, RanksFinished, Sequenced
+from .._wire.messages import Disconnected, NodeMetrics, RanksFinished, Sequenced
 
 INTERVAL = 0.05
 """How long one turn waits for an event."""
 
 Handler = Callable[[Any], None]
-Numbered = Sequenced | Disconnected | RanksFinished
+Numbered = Sequenced | Disconnected | RanksFinished | NodeMetrics
 """A rank's message (or a node's relay's, for many) as it came, with the attempt and
 the requeue that sent it."""
-_NUMBERED = (Sequenced, Disconnected, RanksFinished)
+_NUMBERED = (Sequenced, Disconnected, RanksFinished, NodeMetrics)
 
 
 class Pump:

@@ -27,11 +27,11 @@ from .._wire.messages import (
     Failure,
     Hello,
     Metrics,
+    NodeMetrics,
     RanksFinished,
     RankStats,
     Requeueing,
     Result,
-    Sequenced,
     StepTimes,
 )
 from .attempts import Attempt
@@ -40,7 +40,7 @@ from .debugger import Debugger
 from .diagnosis import describe, first_cause, peer_lost, secondary
 from .group import LauncherExited, RankGroup
 from .hang_report import look_at
-from .pump import Pump
+from .pump import Numbered, Pump
 from .rank_view import RankView
 from .records import Records
 from .stack_view import summary_of, where
@@ -135,6 +135,7 @@ class Supervisor:
         on(Metrics, self._metrics)
         on(Result, self._result)
         on(RanksFinished, self._finished)
+        on(NodeMetrics, self._node_metrics)
         on(Failure, self._failure)
         on(Disconnected, self._disconnected)
         on(Requeueing, lambda report: self.attempt.requeueing.add(report.rank))
@@ -162,6 +163,15 @@ class Supervisor:
         self.history.add(metrics.rank, metrics.for_all, for_all=True)
         if metrics.rank == self._answering and metrics.position is not None:
             self.state.set_position(metrics.position)
+
+    def _node_metrics(self, metrics: NodeMetrics) -> None:
+        """A node's metrics, reduced by its relay (``_metrics`` for many ranks)."""
+        self.history.add_reduced(metrics.partials)
+        for rank, records in metrics.for_all:
+            self.history.add(rank, records, for_all=True)
+        position = metrics.positions.get(self._answering)
+        if position is not None:
+            self.state.set_position(position)
 
     def _result(self, result: Result) -> None:
         if result.stats is not None:
@@ -200,7 +210,7 @@ class Supervisor:
     def _launcher_exit(self, event: LauncherExited) -> None:
         self.launcher_exited = True
 
-    def _arrived(self, message: Sequenced | Disconnected | RanksFinished) -> None:
+    def _arrived(self, message: Numbered) -> None:
         """Note which attempt sent ``message`` (held or stale ones too): proof that
         torchrun started that attempt, even if the run is no longer followed there."""
         self._attempts_seen.add((message.requeue, message.attempt))

@@ -9,6 +9,10 @@ a new row. A record logged "for all ranks" (a value already reduced, or a framew
 logs on its main process only) completes its step at once. Steps are averaged in order.
 Every averaged step is appended to a JSON-lines file; memory keeps at most
 ``MAX_POINTS`` points per metric for the live chart, thinning old ones by half.
+
+Records come one rank's at a time, or, from a node's relay, as the node's sum and count
+per step and metric (``add_reduced``): the mean is the same, and the kernel's work grows
+with nodes, not ranks.
 """
 
 from __future__ import annotations
@@ -24,12 +28,35 @@ MAX_POINTS = 1000  # even, so thinning by half keeps the newest point
 _RECENT = 10_000  # averaged steps remembered, to recognise late records
 
 
+Partial = tuple[int, tuple[int, ...], dict[str, tuple[float, int]]]
+"""A node's records of one step, reduced by its relay: the step, the ranks whose records
+it holds, and per metric the sum of their values and how many there were."""
+
+
+class _Pending:
+    """A step's records so far: each rank's own values, and nodes' sums."""
+
+    __slots__ = ("ranks", "values", "sums")
+
+    def __init__(self) -> None:
+        self.ranks: set[int] = set()  # every rank heard for this step
+        self.values: dict[str, dict[int, float]] = {}  # name -> rank -> value
+        self.sums: dict[str, list[float]] = {}  # name -> [sum, count]: nodes' sums
+
+    def mean(self, name: str) -> float:
+        values, (total, count) = self.values.get(name, {}), self.sums.get(name, (0.0, 0))
+        return (sum(values.values()) + total) / (len(values) + count)
+
+    def names(self) -> list[str]:
+        return list(dict.fromkeys([*self.values, *self.sums]))
+
+
 class History:
     """Collects ranks' ``log`` records and turns them into one averaged row per step."""
 
     def __init__(self, nprocs: int, path: Path | None = None) -> None:
         self.nprocs, self.path = nprocs, path
-        self._pending: dict[int, dict[str, dict[int, float]]] = {}
+        self._pending: dict[int, _Pending] = {}
         self._first_seen: dict[int, float] = {}
         self._for_all: set[int] = set()  # pending steps that a for-all record completes
         self._latest_step: dict[int, int] = {}
@@ -51,47 +78,81 @@ class History:
             return  # (most batches carry no for-all records: nothing to settle)
         now = time.monotonic()
         for step, metrics in records:
-            if step not in self._pending and self._late(rank, step):
-                self.late_records += 1
+            pending = self._pending_for(step, (rank,), for_all, now)
+            if pending is None:
                 continue
-            if for_all:
-                self._for_all.add(step)
-            slot = self._pending.setdefault(step, {})
-            self._first_seen.setdefault(step, now)
             for name, value in metrics.items():
-                slot.setdefault(name, {})[rank] = value
-            self._latest_step[rank] = max(step, self._latest_step.get(rank, step))
+                pending.values.setdefault(name, {})[rank] = value
         self._settle(now)
 
-    def _late(self, rank: int, step: int) -> bool:
-        """Was ``step`` already averaged without ``rank``? (Not: ``rank`` started over.)"""
+    def add_reduced(self, partials: list[Partial]) -> None:
+        """Nodes' records, each already summed over the node's ranks (by its relay): the
+        mean stays exact. A node's sum for a step and metric that holds a rank already
+        counted there (it logged the same step twice, a moment apart) is dropped."""
+        now = time.monotonic()
+        for step, ranks, sums in partials:
+            pending = self._pending_for(step, ranks, False, now)
+            if pending is None:
+                continue
+            for name, (total, count) in sums.items():
+                counted = pending.values.get(name)
+                if counted and not counted.keys().isdisjoint(ranks):
+                    self.late_records += count
+                    continue
+                into = pending.sums.setdefault(name, [0.0, 0])
+                into[0] += total
+                into[1] += count
+        self._settle(now)
+
+    def _pending_for(self, step: int, ranks: tuple[int, ...], for_all: bool, now: float
+                     ) -> _Pending | None:
+        """Where ``ranks``' records of ``step`` go; None if they are late (dropped)."""
+        if step not in self._pending and self._late(ranks, step):
+            self.late_records += len(ranks)
+            return None
+        if for_all:
+            self._for_all.add(step)
+        pending = self._pending.get(step)
+        if pending is None:
+            pending = self._pending[step] = _Pending()
+            self._first_seen.setdefault(step, now)
+        pending.ranks.update(ranks)
+        latest = self._latest_step
+        for rank in ranks:
+            if step > latest.get(rank, step - 1):
+                latest[rank] = step
+        return pending
+
+    def _late(self, ranks: tuple[int, ...], step: int) -> bool:
+        """Was ``step`` already averaged without these ranks? (Not: they started over.)"""
         if step in self._averaged:
-            return rank not in self._averaged[step]
-        moving_on = step >= self._latest_step.get(rank, step)
+            return not self._averaged[step].issuperset(ranks)
+        latest = self._latest_step
+        moving_on = all(step >= latest.get(rank, step) for rank in ranks)
         return moving_on and self._highest is not None and step <= self._highest
 
     def _settle(self, now: float, everything: bool = False) -> None:
         newest = max(self._latest_step.values(), default=None)
         for step in sorted(self._pending):
-            reported = {rank for values in self._pending[step].values() for rank in values}
+            reported = self._pending[step].ranks
             complete = len(reported) == self.nprocs or step in self._for_all
             stale = now - self._first_seen[step] > STALE_SECONDS and newest is not None \
                 and newest > step
             if not (complete or stale or everything):
                 break  # in order: a later step waits for this one
-            self._finish(step, self._pending.pop(step), reported)
+            self._finish(step, self._pending.pop(step))
             del self._first_seen[step]
             self._for_all.discard(step)
 
-    def _finish(self, step: int, metrics: dict[str, dict[int, float]], ranks: set[int]) -> None:
-        row: dict[str, Any] = {"step": step, "ranks": len(ranks)}
-        self._averaged[step] = frozenset(ranks)
+    def _finish(self, step: int, pending: _Pending) -> None:
+        row: dict[str, Any] = {"step": step, "ranks": len(pending.ranks)}
+        self._averaged[step] = frozenset(pending.ranks)
         self._highest = step if self._highest is None else max(self._highest, step)
         self._averaged.move_to_end(step)
         if len(self._averaged) > _RECENT:
             self._averaged.popitem(last=False)
-        for name, values in metrics.items():
-            row[name] = sum(values.values()) / len(values)
+        for name in pending.names():
+            row[name] = pending.mean(name)
             self._append_point(name, step, row[name])
         self.latest = row
         if self._file is None and self.path is not None:

@@ -16,8 +16,8 @@ that a message names; to and from another machine, the file goes along with the 
                      ShowCollectives
     kernel only      Disconnected (a rank's connection closed)
     relay <-> kernel ToRanks (down), FromRanks (up): a node's ranks' messages, batched
-                     by the node's relay (``_rank.relay``), with RanksPresent and
-                     RanksFinished for what many of them said alike
+                     by the node's relay (``_rank.relay``), with RanksPresent,
+                     RanksFinished and NodeMetrics for what many of them said alike
 """
 
 from __future__ import annotations
@@ -447,6 +447,20 @@ class RanksFinished:
     def results(self) -> list[Result]:
         return [Result(rank, stats=stats)
                 for rank, stats in zip(self.ranks, self.stats, strict=True)]
+
+
+@dataclass(frozen=True)
+class NodeMetrics:
+    """From a node's relay: its ranks' ``Metrics`` since its last batch, reduced. Per step,
+    the ranks heard and per metric the sum and count of their values (a rank's last value
+    of a step and metric, if it sent several); each rank's latest progress position; and
+    the records that speak for every rank, as each rank sent them."""
+
+    partials: list[tuple[int, tuple[int, ...], dict[str, tuple[float, int]]]]
+    positions: dict[int, tuple[int, int | None, str | None]]
+    for_all: list[tuple[int, list[tuple[int, dict[str, float]]]]]
+    attempt: int = 0
+    requeue: int = 0
 
 
 # --- kernel-side events ---------------------------------------------------------------
