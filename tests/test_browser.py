@@ -410,3 +410,41 @@ def test_live_panel_of_a_ray_run_in_jupyterlab(ray_cluster, jupyter_lab, browser
     nodes = dict(re.findall(r"([01]) finished \(on ([^,)]+)", text))
     assert sorted(nodes) == ["0", "1"] and nodes["0"] != nodes["1"], text
     assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
+MANY = """\
+import nbddp, time
+def train(steps):
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    for step in nbddp.progress(range(steps)):
+        nbddp.log(step=step, loss=float(rank))
+        time.sleep(0.2 if rank == 13 else 0.1)  # rank 13: the slowest
+    return "done"
+nbddp.launch(train, nprocs=20, args=(30,))
+"""
+
+
+def test_the_panel_of_many_ranks_counts_them_names_a_few_and_shows_every_one_on_demand(
+        jupyter_lab, browser, tmp_path):
+    """20 ranks: the header says how many are in each state and names the slowest; the
+    "every rank" toggle shows a chip for each, with its note."""
+    from playwright.sync_api import expect
+
+    cell, panel = run_in_jupyterlab(jupyter_lab, browser, tmp_path, MANY)
+    header = panel.locator(".widget-html-content").first
+    text = header.inner_text()
+    assert "ranks: 20: 20 finished" in text, text
+    assert re.search(r"slowest\s+\S+\s*13 finished \(step 29", text), text
+    chips = header.locator("span[title^='rank ']")
+    assert chips.count() <= 3, text  # a few named, not twenty chips
+    assert re.search(r"\b30/30\b", panel.inner_text()), panel.inner_text()  # the bar, as ever
+    toggle = panel.get_by_role("button", name="every rank")
+    expect(toggle).to_be_visible()
+    toggle.click()
+    every = panel.locator("span[title^='rank ']")
+    expect(every).to_have_count(chips.count() + 20)
+    assert re.search(r"\b7 finished \(step 29", panel.inner_text()), panel.inner_text()
+    _screenshot(cell, tmp_path, "many-ranks.png")
+    toggle.click()
+    expect(every).to_have_count(chips.count())

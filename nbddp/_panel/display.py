@@ -13,12 +13,14 @@ import html
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
 from .._notebook.kernel import in_notebook_kernel
 from .._wire.history import History, averaged_over
 from .chart import best, charts_html, compact, direction
+from .many_ranks import MANY_RANKS, counts
 
 _SPLIT_COLORS = (("data", "#ff7f0e"), ("compute", "#1f77b4"), ("collectives", "#9467bd"))
 """The step-time bar's parts, left to right."""
@@ -48,6 +50,10 @@ class PanelState:
     """Per rank, a few words from its stats (step, speed, memory, "behind")."""
     behind: set[int] = field(default_factory=set)
     """Ranks that fall behind the others."""
+    notable: list[tuple[str, int]] = field(default_factory=list)
+    """With many ranks: the few the panel names, and why (``_panel.many_ranks``)."""
+    every_note: Callable[[], dict[int, str]] | None = None
+    """With many ranks: every rank's note, worked out when the user asks to see them."""
     split_bars: dict[int, tuple[float, float, float]] = field(default_factory=dict)
     """Per rank, the shares of its step time waiting for data, computing and waiting in
     collectives (a small stacked bar beside the rank)."""
@@ -239,8 +245,15 @@ class _Widgets:
         self.metrics = w.HTML()
         self.charts = w.HTML()
         self.footer = w.HTML()
-        self.box = w.VBox([self.header, w.HBox([self.bar, self.speed]), self.metrics,
-                           self.charts, self.footer])
+        self.every = w.ToggleButton(description="every rank", value=False,
+                                    tooltip="show each rank's state and note",
+                                    layout=w.Layout(width="max-content", display="none"))
+        self.every_list = w.HTML()
+        self._state: PanelState | None = None
+        self.every.observe(self._show_every, names="value")
+        self.box = w.VBox([self.header, self.every, self.every_list,
+                           w.HBox([self.bar, self.speed]), self.metrics, self.charts,
+                           self.footer])
         self._handle = display(self._bundle("nbddp: running"), raw=True, display_id=True)
 
     def _bundle(self, text: str) -> dict[str, Any]:
@@ -252,6 +265,10 @@ class _Widgets:
 
     def refresh(self, state: PanelState) -> None:
         self.header.value = _header_html(state)
+        self._state = state
+        if len(state.ranks) > MANY_RANKS:
+            self.every.layout.display = ""
+            self._show_every()
         n, total = (state.position or (0, None, None))[:2]
         self.bar.max = max(total or n or 1, 1)
         self.bar.value = min(n, self.bar.max)
@@ -260,6 +277,16 @@ class _Widgets:
         self.speed.value = _speed_html(state)
         self.metrics.value = _metrics_html(state.history.latest)
         self.charts.value = charts_html(state.history.series)
+
+    def _show_every(self, change: Any = None) -> None:
+        """Every rank's chip, with its note, while the toggle is down (worked out then:
+        with many ranks the supervisor notes only the ranks the header names)."""
+        state = self._state
+        if state is None or not self.every.value:
+            self.every_list.value = ""
+            return
+        notes = state.every_note() if state.every_note is not None else state.rank_notes
+        self.every_list.value = every_rank_html(state, notes)
 
     def note(self, state: PanelState, closed: bool) -> None:
         self.footer.value = (f'<small style="color:#666">nbddp: {html.escape(state.footer)}'
@@ -271,7 +298,12 @@ class _Widgets:
 def text_view(state: PanelState) -> str:
     """The panel as plain text: status and ranks, a tqdm meter, the latest averages and
     the best so far of the metrics that have a best (lowest loss, highest accuracy)."""
-    ranks = ", ".join(f"{r} {s}" for r, s in enumerate(state.ranks))
+    if len(state.ranks) > MANY_RANKS:
+        named = "".join(f"; {why} {rank} ({state.rank_notes.get(rank) or state.ranks[rank]})"
+                        for why, rank in state.notable)
+        ranks = f"{len(state.ranks)}: {counts(state.ranks)}{named}"
+    else:
+        ranks = ", ".join(f"{r} {s}" for r, s in enumerate(state.ranks))
     where = f" {state.where}" if state.where else ""
     lines = [f"nbddp: {state.status}{where} (ranks: {ranks})"
              + (f" - {state.message}" if state.message else "")]
@@ -302,10 +334,11 @@ def _best_text(series: dict[str, list[tuple[int, float]]]) -> str:
                      for name, top in tops.items() if top is not None)
 
 
-def _rank_chip(state: PanelState, rank: int, rank_state: str) -> str:
+def _rank_chip(state: PanelState, rank: int, rank_state: str,
+               notes: dict[int, str] | None = None) -> str:
     """``● 1 running (step 12, 3.1 steps/s, 1.2 GB)``; orange when it falls behind."""
     color = "#ff7f0e" if rank in state.behind else _COLORS[rank_state]
-    note = state.rank_notes.get(rank)
+    note = (state.rank_notes if notes is None else notes).get(rank)
     words = f"{rank} {rank_state}" + (f" ({note})" if note else "")
     bar = _split_bar(state.split_bars.get(rank))
     return (f'<span title="rank {rank}: {html.escape(words)}" style="color:{color}">'
@@ -334,7 +367,6 @@ def _lines_html(text: str) -> str:
 def _header_html(state: PanelState) -> str:
     color = {"finished": "#2ca02c", "running": "#1f77b4", "queued": "#999",
              "requeued": "#ff7f0e"}.get(state.status, "#d62728")
-    ranks = " ".join(_rank_chip(state, r, s) for r, s in enumerate(state.ranks))
     message = f" &mdash; {_lines_html(state.message)}" if state.message else ""
     where = f" {html.escape(state.where)}" if state.where else ""
     split = ""
@@ -343,7 +375,22 @@ def _header_html(state: PanelState) -> str:
         split = (f'<br><small>time per step ({legend}): '
                  f'{html.escape(state.split_lines[-1])}</small>')
     return (f'<b style="color:{color}">nbddp: {html.escape(state.status)}</b>{where}{message}'
-            f'<br><small>ranks: {ranks}</small>{split}')
+            f'<br><small>ranks: {_ranks_html(state)}</small>{split}')
+
+
+def _ranks_html(state: PanelState) -> str:
+    """A chip per rank; with many ranks, counts per state and the notable ranks' chips."""
+    if len(state.ranks) <= MANY_RANKS:
+        return every_rank_html(state)
+    named = " ".join(f"{why} {_rank_chip(state, rank, state.ranks[rank])}"
+                     for why, rank in state.notable)
+    return (f"{len(state.ranks)}: {html.escape(counts(state.ranks))}"
+            + (f" &middot; {named}" if named else ""))
+
+
+def every_rank_html(state: PanelState, notes: dict[int, str] | None = None) -> str:
+    """A chip per rank (with ``notes``, those instead of the state's)."""
+    return " ".join(_rank_chip(state, r, s, notes) for r, s in enumerate(state.ranks))
 
 
 def _speed_html(state: PanelState) -> str:

@@ -88,7 +88,26 @@ class Attempt:
             for failure in self.failures)
 
     def states(self, ended: bool = False) -> list[str]:
-        return [self.state(rank, ended) for rank in range(self.nprocs)]
+        """Every rank's ``state``, read from each set once (not rank by rank: a run may
+        have thousands of ranks, and many failures after an interrupt)."""
+        states = ["starting"] * self.nprocs
+        for ranks, state in ((self.started, "stopped" if ended else "running"),
+                             (self.debugging, "debugging"), (self.requeueing, "requeueing")):
+            for rank in tuple(ranks):  # (a copy: the panel may ask while reports come)
+                states[rank] = state
+        failures = list(self.failures)
+        if failures:
+            cause = first_cause(failures).rank
+            raised = {failure.rank for failure in failures
+                      if isinstance(failure, Failure) and not secondary(failure)}
+            stopped = set(self.stopped)
+            for failure in failures:
+                rank = failure.rank
+                states[rank] = "failed" if rank not in stopped and (
+                    rank == cause or rank in raised) else "stopped"
+        for rank in tuple(self.results):
+            states[rank] = "finished"
+        return states
 
     def keep_tracebacks(self, records: Records) -> None:
         """Append what each rank raised to its log, where the next attempt's output

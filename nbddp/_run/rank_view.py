@@ -31,6 +31,8 @@ class RankView:
         """When a rank last started, wrote output or advanced its step."""
         self.running = False
         """A rank has begun the user's code (its first stats came): start-up is no stall."""
+        self.hosts: set[str] = set()
+        """The nodes the ranks said they run on (several: the panel names each rank's)."""
         self._lock = threading.Lock()  # the supervisor writes, the user's thread reads
 
     def add(self, stats: RankStats, now: float | None = None) -> None:
@@ -42,6 +44,7 @@ class RankView:
                                                                       before.output_bytes):
                 self.last_activity = now
             self._stats[stats.rank] = stats
+            self.hosts.add(stats.host)
             samples = self._steps[stats.rank]
             if stats.step is not None:
                 samples.append((now, stats.step))
@@ -58,6 +61,7 @@ class RankView:
             self.running = True
             self.last_activity = now  # (a rank that ended moved)
             self._stats.update((stats.rank, stats) for stats in final)
+            self.hosts.update(stats.host for stats in final)
             for stats in final:
                 if stats.step is not None:
                     self._steps[stats.rank].append((now, stats.step))
@@ -94,24 +98,35 @@ class RankView:
         if rates is None:
             rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
         steps = {r: s.step for r, s in list(self._stats.items()) if s.step is not None}
-        speeds = [rate for r in steps if (rate := rates[r])]
+        speeds = [rate for r in steps if (rate := rates.get(r))]
         if len(steps) < 2 or not speeds:
             return set()
         lead = max(steps.values())
         allowed = max(_BEHIND_MIN_STEPS, _BEHIND_SECONDS * statistics.median(speeds))
         return {r for r, step in steps.items() if lead - step > allowed}
 
-    def ranks(self, states: list[str]) -> dict[int, dict[str, Any]]:
-        """``{rank: {state, step, steps_per_s, rss_mb, gpu_mem_mb, pid, host, behind}}``."""
+    def rates(self) -> dict[int, float | None]:
+        """Each rank's steps per second, where it has two samples or more."""
         with self._lock:
-            return self._ranks(states)
+            return {rank: self.steps_per_s(rank) for rank, samples in self._steps.items()
+                    if len(samples) >= 2}
 
-    def _ranks(self, states: list[str]) -> dict[int, dict[str, Any]]:
-        rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
+    def ranks(self, states: list[str], only: set[int] | None = None,
+              rates: dict[int, float | None] | None = None) -> dict[int, dict[str, Any]]:
+        """``{rank: {state, step, steps_per_s, rss_mb, gpu_mem_mb, pid, host, behind}}``,
+        for every rank or ``only`` those (``rates``: ``rates()``, if already read)."""
+        with self._lock:
+            if rates is None:
+                rates = {r: self.steps_per_s(r) for r in self._steps if len(self._steps[r]) >= 2}
+            return self._ranks(states, rates, range(self.nprocs) if only is None
+                               else sorted(only))
+
+    def _ranks(self, states: list[str], rates: dict[int, float | None],
+               ranks: Any) -> dict[int, dict[str, Any]]:
         behind = self.behind(rates)
         view = {}
-        for rank in range(self.nprocs):
-            stats, rate = self._stats.get(rank), rates[rank]
+        for rank in ranks:
+            stats, rate = self._stats.get(rank), rates.get(rank)
             view[rank] = {
                 "state": states[rank],
                 "step": stats.step if stats else None,

@@ -18,6 +18,7 @@ from typing import Any, Literal, TextIO
 
 from .._errors import NbddpError
 from .._panel.display import Panel, PanelState, WidgetPanel, make_panel
+from .._panel.many_ranks import MANY_RANKS, notable
 from .._panel.output import BoundedOutput, LogTail
 from .._wire.history import History
 from .._wire.messages import (
@@ -379,13 +380,24 @@ class Supervisor:
 
     def _note_ranks(self) -> None:
         """Each rank's state, and its note (step, speed, memory, node) as of its last
-        report: at the run's end, its final one."""
+        report: at the run's end, its final one. With many ranks, the notes of the few
+        the panel names (``_panel.many_ranks``), unless the user asked for every rank."""
         states = self.state.ranks = self.rank_states()
-        ranks = self.view.ranks(states)
-        several_nodes = len({info["host"] for info in ranks.values() if info["host"]}) > 1
-        self.state.rank_notes = {r: self.view.summary(info, several_nodes)
-                                 for r, info in ranks.items()}
-        self.state.behind = {r for r, info in ranks.items() if info["behind"]}
+        rates = self.view.rates()
+        self.state.behind = {r for r in self.view.behind(rates) if states[r] == "running"}
+        only = None
+        if self.config.nprocs > MANY_RANKS:
+            self.state.notable = notable(states, self.state.behind, rates)
+            only = {rank for _, rank in self.state.notable}
+            self.state.every_note = lambda: self._notes(states, rates)
+        self.state.rank_notes = self._notes(states, rates, only)
+
+    def _notes(self, states: list[str], rates: dict[int, float | None],
+               only: set[int] | None = None) -> dict[int, str]:
+        """Each rank's note (``only`` those ranks')."""
+        several_nodes = len(self.view.hosts) > 1
+        return {r: self.view.summary(info, several_nodes)
+                for r, info in self.view.ranks(states, only, rates).items()}
 
     def _refresh_now_and_then(self) -> None:
         """Show the ranks' new output every ``_OUTPUT_INTERVAL`` and redraw the panel
