@@ -10,7 +10,7 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections import deque
+from collections import defaultdict, deque
 from typing import Any
 
 from .._wire.messages import RankStats
@@ -26,7 +26,9 @@ class RankView:
     def __init__(self, nprocs: int) -> None:
         self.nprocs = nprocs
         self._stats: dict[int, RankStats] = {}
-        self._steps: dict[int, deque[tuple[float, int]]] = {r: deque() for r in range(nprocs)}
+        self._steps: defaultdict[int, deque[tuple[float, int]]] = defaultdict(deque)
+        """Per rank that reported a step: its samples (made as ranks report: a run of
+        thousands of ranks that log nothing makes none)."""
         self.last_activity = time.monotonic()
         """When a rank last started, wrote output or advanced its step."""
         self.running = False
@@ -87,7 +89,7 @@ class RankView:
         return (time.monotonic() if now is None else now) - self.last_activity
 
     def steps_per_s(self, rank: int) -> float | None:
-        samples = list(self._steps[rank])
+        samples = list(self._steps.get(rank, ()))
         if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
             return None
         return (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
