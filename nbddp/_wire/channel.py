@@ -63,6 +63,7 @@ MAC_BYTES = 32  # HMAC-SHA256
 MAGIC = b"nbddp-channel/2\n"
 """The kernel's first bytes: a rank connected to something else fails at once."""
 _HANDSHAKE_TIMEOUT = 10.0
+_READ_AHEAD = 64 * 2**10  # bytes a link reads at once when it needs more
 
 
 def new_key() -> bytes:
@@ -76,7 +77,7 @@ def _mac(key: bytes, label: bytes, *parts: bytes | memoryview) -> bytes:
     return mac.digest()
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket | _Reader, n: int) -> bytes:
     chunks, remaining = [], n
     while remaining:
         chunk = sock.recv(min(remaining, 1 << 20))
@@ -85,6 +86,35 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         chunks.append(chunk)
         remaining -= len(chunk)
     return b"".join(chunks)
+
+
+class _Reader:
+    """A socket's incoming bytes, read ahead: a small frame's header, body and check come
+    in one system call, and frames that arrived together are read at once. Large reads (a
+    data file's pieces) go straight into their buffer once what was read ahead is used."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._ahead = bytearray()
+
+    def recv(self, n: int) -> bytes:
+        """Up to ``n`` bytes (``b""``: the peer closed)."""
+        if not self._ahead:
+            if n >= _READ_AHEAD:
+                return self._sock.recv(n)
+            self._ahead += self._sock.recv(_READ_AHEAD)
+        taken = bytes(self._ahead[:n])
+        del self._ahead[:n]
+        return taken
+
+    def recv_into(self, view: memoryview) -> int:
+        """Fill up to ``len(view)`` bytes of ``view``; how many (0: the peer closed)."""
+        if not self._ahead:
+            return self._sock.recv_into(view)
+        n = min(len(view), len(self._ahead))
+        view[:n] = self._ahead[:n]
+        del self._ahead[:n]
+        return n
 
 
 class _Link:
@@ -98,6 +128,7 @@ class _Link:
 
     def __init__(self, sock: socket.socket, send_key: bytes, receive_key: bytes) -> None:
         self.sock = sock
+        self._reader = _Reader(sock)
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             _tune_tcp(sock)
         self._send_key, self._receive_key = send_key, receive_key
@@ -142,7 +173,7 @@ class _Link:
             raise ConnectionError("a data file came on a link that takes none")
         incoming = Incoming(announced, self.inbox)
         try:
-            incoming.receive(self.sock)
+            incoming.receive(self._reader)
             path = incoming.accept(self._receive_frame())
         except BaseException:
             incoming.discard()
@@ -150,8 +181,8 @@ class _Link:
         return _with_file(announced.message, str(path) if path is not None else "")
 
     def _receive_frame(self) -> Any:
-        header = _recv_exact(self.sock, HEADER_SIZE)
-        sealed = memoryview(_recv_exact(self.sock, body_size(header) + MAC_BYTES))
+        header = _recv_exact(self._reader, HEADER_SIZE)
+        sealed = memoryview(_recv_exact(self._reader, body_size(header) + MAC_BYTES))
         body, tag = sealed[:-MAC_BYTES], sealed[-MAC_BYTES:]  # (one read for both)
         expected = _mac(self._receive_key, b"frame", self._received.to_bytes(8, "big"),
                         header, body)

@@ -26,12 +26,11 @@ import contextlib
 import hashlib
 import os
 import secrets
-import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from .dataplane import Packed, layout, place, write_at
 
@@ -115,7 +114,7 @@ class Incoming:
         with contextlib.suppress(OSError):
             self.path, self._fd = _new_file(inbox(announced.size))
 
-    def receive(self, sock: socket.socket) -> None:
+    def receive(self, sock: Readable) -> None:
         """Read every piece off ``sock`` into the file (or, with no room for it, read and
         dropped: the frames after it must still be found). A second thread hashes each
         chunk while this one reads and writes the next (a ring of ``_RING`` chunks)."""
@@ -178,7 +177,13 @@ def _check_pieces(announced: FileFollows) -> None:
             raise ConnectionError("a data file's pieces do not fit its size")
 
 
-def _recv_into(sock: socket.socket, view: memoryview) -> None:
+class Readable(Protocol):
+    """Where a data file's bytes are read from: a socket, or a link's read-ahead."""
+
+    def recv_into(self, view: memoryview) -> int: ...
+
+
+def _recv_into(sock: Readable, view: memoryview) -> None:
     done = 0
     while done < view.nbytes:
         got = sock.recv_into(view[done:])
