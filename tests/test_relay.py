@@ -223,8 +223,6 @@ def test_a_batch_says_once_what_ranks_said_alike_each_rank_s_messages_in_order()
     presents = [Sequenced(9, Present(rank, 5)) for rank in range(3)]
     assert compact([*presents, Sequenced(9, Present(3, 6))]) == [
         RanksPresent((0, 1, 2), 5), RanksPresent((3,), 6)]
-    assert RanksFinished((1, 2), (stats(1), stats(2))).results() == [
-        Result(1, stats=stats(1)), Result(2, stats=stats(2))]
 
 
 def test_a_node_s_metrics_are_summed_per_step_and_name_each_rank_s_last_value_counted():

@@ -17,6 +17,10 @@ from .._wire.messages import Disconnected, Failure, Result
 from .diagnosis import first_cause, secondary
 from .records import Records
 
+NOTHING_BACK = Result(-1)
+"""The result of a rank that returned and had nothing to send back (no value, no names):
+only its rank's place in ``Attempt.results`` says whose it is."""
+
 
 class Attempt:
     """The reports of one start of every rank: requeue ``requeue``, restart ``number``."""
@@ -35,6 +39,12 @@ class Attempt:
         self.stopped: set[int] = set()
         """Ranks that raised or died once the run's end was decided: nbddp (or torchrun,
         after another rank's failure) stopped them."""
+
+    def finished_quietly(self, ranks: tuple[int, ...]) -> None:
+        """``ranks`` returned with nothing to send back (a node's relay says so for its
+        ranks at once): each one's result is ``NOTHING_BACK``, one object for them all,
+        not thousands of the same."""
+        self.results.update(dict.fromkeys(ranks, NOTHING_BACK))
 
     @property
     def key(self) -> tuple[int, int]:

@@ -184,7 +184,7 @@ class Supervisor:
         """A node's ranks finished with nothing to send back: each one's ``Result``, in
         bulk (a node's relay says this for its ranks at once)."""
         self.view.add_final([stats for stats in finished.stats if stats is not None])
-        self.attempt.results.update(zip(finished.ranks, finished.results(), strict=True))
+        self.attempt.finished_quietly(finished.ranks)
         self.debugger.done_all(finished.ranks)
 
     def _failure(self, failure: Failure) -> None:

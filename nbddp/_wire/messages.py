@@ -444,10 +444,6 @@ class RanksFinished:
     attempt: int = 0
     requeue: int = 0
 
-    def results(self) -> list[Result]:
-        return [Result(rank, stats=stats)
-                for rank, stats in zip(self.ranks, self.stats, strict=True)]
-
 
 @dataclass(frozen=True)
 class NodeMetrics:
