@@ -37,9 +37,7 @@ import hmac
 import logging
 import os
 import pickle
-import queue
 import secrets
-import selectors
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -136,7 +134,6 @@ class _Link:
         self._send_key, self._receive_key = send_key, receive_key
         self._sent = self._received = 0
         self._send_lock = threading.Lock()
-        self._pending = bytearray()  # (take_ready's: the start of a frame still coming)
         self.inbox: Inbox | None = None
 
     def send(self, message: Any, data: Outgoing | None = None) -> None:
@@ -183,53 +180,16 @@ class _Link:
             raise
         return _with_file(announced.message, str(path) if path is not None else "")
 
-    def take_ready(self) -> tuple[list[Any], str | None]:
-        """The messages whose frames have arrived whole, read without waiting (for a
-        link that one thread reads among many: ``_ReadLoop``), and why the link is over
-        after them, if it is: the peer closed, a frame failed its check (nothing from it
-        on is unpickled), or a data file came, which such a link does not take."""
-        try:
-            data = self.sock.recv(_READ_AHEAD, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            data = None  # nothing yet (a spurious wake-up)
-        except OSError as exc:
-            return [], f"the connection broke: {exc}"
-        if data is not None:
-            self._pending += data
-        messages: list[Any] = []
-        while len(self._pending) >= HEADER_SIZE:
-            end = HEADER_SIZE + body_size(bytes(self._pending[:HEADER_SIZE])) + MAC_BYTES
-            if len(self._pending) < end:
-                break
-            frame = memoryview(self._pending)[:end]
-            try:
-                message = self._checked(frame[:HEADER_SIZE], frame[HEADER_SIZE:-MAC_BYTES],
-                                        frame[-MAC_BYTES:])
-            except (ConnectionError, EOFError, pickle.UnpicklingError) as exc:
-                return messages, str(exc)
-            finally:
-                frame.release()
-            del self._pending[:end]
-            if isinstance(message, FileFollows):
-                return messages, "a data file came on a link that takes none"
-            messages.append(message)
-        return messages, "closed" if data == b"" else None
-
-    def _checked(self, header: bytes | memoryview, body: memoryview,
-                 tag: memoryview) -> Any:
-        """The message in a frame, once its check holds (numbered: none may be dropped,
-        replayed or reordered)."""
+    def _receive_frame(self) -> Any:
+        header = _recv_exact(self._reader, HEADER_SIZE)
+        sealed = memoryview(_recv_exact(self._reader, body_size(header) + MAC_BYTES))
+        body, tag = sealed[:-MAC_BYTES], sealed[-MAC_BYTES:]  # (one read for both)
         expected = _mac(self._receive_key, b"frame", self._received.to_bytes(8, "big"),
                         header, body)
         if not hmac.compare_digest(tag, expected):
             raise ConnectionError("a frame failed its authentication check")
         self._received += 1
         return decode(body)
-
-    def _receive_frame(self) -> Any:
-        header = _recv_exact(self._reader, HEADER_SIZE)
-        sealed = memoryview(_recv_exact(self._reader, body_size(header) + MAC_BYTES))
-        return self._checked(header, sealed[:-MAC_BYTES], sealed[-MAC_BYTES:])
 
 
 def _with_file(message: Any, file: str) -> Any:
@@ -329,99 +289,13 @@ class _Route:
 
 
 
-class _Peer:
-    """A connection's state in the kernel: its link once the handshake is done, and the
-    ranks that spoke through it."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.link: _Link | None = None
-        self.spoke: dict[int, _Route] = {}
-
-
-class _ReadLoop:
-    """One thread reading every connection that brings no data file: whichever has whole
-    frames, their messages go to ``handle``; a connection that closes, or whose frame
-    fails its check, to ``end``. (A thread per connection costs the kernel a wake-up and
-    a turn of the interpreter lock per message: with a connection per node of a large
-    cluster, most of its time.)"""
-
-    def __init__(self, handle: Callable[[_Peer, Any], None],
-                 end: Callable[[_Peer], None]) -> None:
-        self._handle, self._end = handle, end
-        self._selector = selectors.DefaultSelector()
-        self._wake_read, self._wake = socket.socketpair()
-        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
-        self._added: queue.SimpleQueue[_Peer] = queue.SimpleQueue()
-        self._closed = False
-        self._thread = threading.Thread(target=self._loop, daemon=True,
-                                        name="nbddp-channel-reads")
-        self._thread.start()
-
-    def add(self, peer: _Peer) -> None:
-        """Read ``peer`` from now on (its handshake is done)."""
-        self._added.put(peer)
-        self._wake_up()
-
-    def _wake_up(self) -> None:
-        with contextlib.suppress(OSError):
-            self._wake.send(b"x")
-
-    def _loop(self) -> None:
-        while not (self._closed and not self._peers()):
-            for key, _ in self._selector.select():
-                if key.data is None:
-                    self._take_added()
-                else:
-                    self._read(key.data)
-        self._selector.close()
-        self._wake_read.close()
-
-    def _peers(self) -> list[_Peer]:
-        return [key.data for key in self._selector.get_map().values() if key.data]
-
-    def _take_added(self) -> None:
-        with contextlib.suppress(BlockingIOError):
-            self._wake_read.recv(4096, socket.MSG_DONTWAIT)
-        while True:
-            try:
-                peer = self._added.get_nowait()
-            except queue.Empty:
-                return
-            self._selector.register(peer.sock, selectors.EVENT_READ, peer)
-            self._read(peer)  # (what came before it was registered)
-
-    def _read(self, peer: _Peer) -> None:
-        assert peer.link is not None
-        messages, over = peer.link.take_ready()
-        try:
-            for message in messages:
-                self._handle(peer, message)
-        except Exception:  # noqa: BLE001 - one connection's trouble stops no other
-            logger.exception("a message from a rank could not be taken")
-            over = "a message could not be taken"
-        if over is not None:
-            logger.debug("channel connection ended: %s", over)
-            self._selector.unregister(peer.sock)
-            self._end(peer)
-
-    def close(self) -> None:
-        """Stop once every connection has ended (the server has shut them down)."""
-        self._closed = True
-        self._wake_up()
-        self._thread.join(timeout=5)
-        self._wake.close()
-
-
 class ChannelServer:
     """Accepts authenticated rank connections, hands each message to ``deliver``, and
     sends messages to a rank once it has spoken (its first message names its rank).
 
     ``address`` is a socket path, or a TCP (host, port) to bind (port 0: any free one;
-    ``port`` says which). Each connection's handshake has a thread of its own, so one
-    that says nothing holds up no other (and is dropped after the handshake timeout);
-    then one thread reads them all (``_ReadLoop``), or, where ranks may send data files,
-    its own thread each.
+    ``port`` says which). Each connection is served by a thread of its own, so one
+    that says nothing holds up no other (and is dropped after the handshake timeout).
     A rank's closed connection is delivered as ``Disconnected``. With an ``inbox``,
     ranks may send data files (``_wire.transfer``): they land there.
     """
@@ -441,7 +315,6 @@ class ChannelServer:
         self._peers: dict[int, _Route] = {}
         self._lock = threading.Lock()
         self._closed = False
-        self._reads = _ReadLoop(self._handle, self._end)
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
                                           name="nbddp-channel-accept")
         self._accepter.start()
@@ -456,43 +329,32 @@ class ChannelServer:
                              name="nbddp-channel-reader").start()
 
     def _serve(self, sock: socket.socket) -> None:
-        """A new connection: its handshake, then its messages, read here if it may bring
-        data files (they take a while), by the read loop with every other one if not."""
         with self._lock:
             if self._closed:
                 sock.close()
                 return
             self._connections.add(sock)
-        peer = _Peer(sock)
+        link: _Link | None = None
+        spoke: dict[int, _Route] = {}  # the ranks that spoke through this connection
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
-            peer.link = _challenge_rank(sock, self._key)
-            peer.link.inbox = self._inbox
+            link = _challenge_rank(sock, self._key)
+            link.inbox = self._inbox
             sock.settimeout(None)
-            if self._inbox is None:
-                self._reads.add(peer)
-                return
             while True:
-                self._handle(peer, peer.link.receive())
+                message = link.receive()
+                if isinstance(message, FromRanks):  # a node's relay: its ranks' batch
+                    for each in message.messages:
+                        self._take(each, link, spoke, relayed=True)
+                else:
+                    self._take(message, link, spoke, relayed=False)
         except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
             logger.debug("channel connection ended: %r", exc)
-        self._end(peer)
-
-    def _handle(self, peer: _Peer, message: Any) -> None:
-        assert peer.link is not None
-        if isinstance(message, FromRanks):  # a node's relay: its ranks' batch
-            for each in message.messages:
-                self._take(each, peer.link, peer.spoke, relayed=True)
-        else:
-            self._take(message, peer.link, peer.spoke, relayed=False)
-
-    def _end(self, peer: _Peer) -> None:
-        """The connection is over: each rank that spoke through it (and, for a relay,
-        was still connected to it) is disconnected."""
-        self._forget(peer.sock, peer.spoke)
-        for rank, route in sorted(peer.spoke.items()):
-            self._deliver(Disconnected(rank, route.attempt, route.requeue,
-                                       relay_lost=route.relayed))
+        finally:
+            self._forget(sock, spoke)
+            for rank, route in sorted(spoke.items()):  # (a relay: its ranks still there)
+                self._deliver(Disconnected(rank, route.attempt, route.requeue,
+                                           relay_lost=route.relayed))
 
     def _take(self, message: Any, link: _Link, spoke: dict[int, _Route],
               relayed: bool) -> None:
@@ -581,7 +443,6 @@ class ChannelServer:
                 sock.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self._accepter.join(timeout=5)
-        self._reads.close()
         if isinstance(self.address, Path):
             self.address.unlink(missing_ok=True)
 
