@@ -449,12 +449,24 @@ def test_a_stranger_on_the_standby_channel_changes_nothing(standby_on):
     assert job.warm and job.result() == 2
 
 
+def every_thread_stopped(pid: int) -> bool:
+    """SIGSTOP is taken by each of a process's threads in its own time: until the last
+    has, one may still answer (a rank's listening thread, the roll call)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            states.append(text[text.rindex(")") + 2])
+    return bool(states) and all(state in "Tt" for state in states)
+
+
 def test_a_standby_rank_that_does_not_answer_is_replaced(standby_on, monkeypatch, capsys):
     monkeypatch.setattr(nbddp._run.waiting, "ROLL_CALL_WAIT", 0.5)
     nbddp.launch(world_size, 2)
     pids = wait_ready_here().pids  # torchrun, then the ranks
     waiting = _snapshot(pids)
     os.kill(pids[-1], signal.SIGSTOP)  # alive, but it cannot answer its roll call
+    wait_until(lambda: every_thread_stopped(pids[-1]), timeout=15, interval=0.01)
     job = nbddp.launch(world_size, 2, wait=False, timeout=60)
     assert job.result() == 2 and not job.warm
     out = capsys.readouterr().out

@@ -75,8 +75,10 @@ class NodeRelay:
         before goes too, then the kernel's link closes."""
         while True:
             batch = self._gather()
+            said = compact(batch)
             try:
-                self._up.send(FromRanks(compact(batch)))
+                if said:  # (the end alone says nothing)
+                    self._up.send(FromRanks(said))
             except OSError:
                 break
             if batch[-1] is None:
