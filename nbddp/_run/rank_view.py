@@ -47,11 +47,16 @@ class RankView:
                 self.last_activity = now
             self._stats[stats.rank] = stats
             self.hosts.add(stats.host)
-            samples = self._steps[stats.rank]
-            if stats.step is not None:
-                samples.append((now, stats.step))
-                while samples and now - samples[0][0] > _RATE_WINDOW:
-                    samples.popleft()
+            self._sample(stats, now)
+
+    def _sample(self, stats: RankStats, now: float) -> None:
+        """(Under the lock) ``stats``' step, among the rank's samples of the last seconds."""
+        if stats.step is None:
+            return
+        samples = self._steps[stats.rank]
+        samples.append((now, stats.step))
+        while samples and now - samples[0][0] > _RATE_WINDOW:
+            samples.popleft()
 
     def add_final(self, final: list[RankStats], now: float | None = None) -> None:
         """Ranks' stats as their run ended (a node's, reported together): ``add`` in bulk,
@@ -65,8 +70,7 @@ class RankView:
             self._stats.update((stats.rank, stats) for stats in final)
             self.hosts.update(stats.host for stats in final)
             for stats in final:
-                if stats.step is not None:
-                    self._steps[stats.rank].append((now, stats.step))
+                self._sample(stats, now)
 
     def touch(self) -> None:
         """Something moved (a rank started, the job began to run): not stalled."""
@@ -110,18 +114,19 @@ class RankView:
     def rates(self) -> dict[int, float | None]:
         """Each rank's steps per second, where it has two samples or more."""
         with self._lock:
-            return {rank: self.steps_per_s(rank) for rank, samples in self._steps.items()
-                    if len(samples) >= 2}
+            return self._rates()
+
+    def _rates(self) -> dict[int, float | None]:
+        return {rank: self.steps_per_s(rank) for rank, samples in self._steps.items()
+                if len(samples) >= 2}
 
     def ranks(self, states: list[str], only: set[int] | None = None,
               rates: dict[int, float | None] | None = None) -> dict[int, dict[str, Any]]:
         """``{rank: {state, step, steps_per_s, rss_mb, gpu_mem_mb, pid, host, behind}}``,
         for every rank or ``only`` those (``rates``: ``rates()``, if already read)."""
         with self._lock:
-            if rates is None:
-                rates = {r: self.steps_per_s(r) for r in self._steps if len(self._steps[r]) >= 2}
-            return self._ranks(states, rates, range(self.nprocs) if only is None
-                               else sorted(only))
+            return self._ranks(states, self._rates() if rates is None else rates,
+                               range(self.nprocs) if only is None else sorted(only))
 
     def _ranks(self, states: list[str], rates: dict[int, float | None],
                ranks: Any) -> dict[int, dict[str, Any]]:

@@ -140,21 +140,20 @@ class _Link:
         """Send ``message``; with ``data``, the data file it names goes along."""
         with self._send_lock:
             if data is None:
-                self._send_frame(message)
+                self._send_frame(encode(message))
                 return
-            self._send_frame(data.announce(message))
+            self._send_frame(encode(data.announce(message)))
             for view in data.views():
                 self.sock.sendall(view)
-            self._send_frame(data.seal())
+            self._send_frame(encode(data.seal()))
 
     def send_encoded(self, frame: bytes) -> None:
         """Send a message already ``encode``d (once, for many links)."""
         with self._send_lock:
             self._send_frame(frame)
 
-    def _send_frame(self, message: Any) -> None:
-        """(Under the send lock.) ``message``, or its frame (``bytes``)."""
-        frame = message if isinstance(message, bytes) else encode(message)
+    def _send_frame(self, frame: bytes) -> None:
+        """(Under the send lock.) A message's ``encode``d frame, sealed."""
         tag = _mac(self._send_key, b"frame", self._sent.to_bytes(8, "big"), frame)
         self._sent += 1
         self.sock.sendall(frame + tag)
@@ -288,7 +287,6 @@ class _Route:
     requeue: int = 0
 
 
-
 class ChannelServer:
     """Accepts authenticated rank connections, hands each message to ``deliver``, and
     sends messages to a rank once it has spoken (its first message names its rank).
@@ -386,15 +384,16 @@ class ChannelServer:
     def send(self, rank: int, message: Any, data: Outgoing | None = None) -> bool:
         """Send ``message`` to ``rank`` (with ``data``: the data file it names); False if
         that rank is not connected (any more)."""
+        if data is None:
+            return self.send_encoded(rank, encode(message))
         with self._lock:
             route = self._peers.get(rank)
         if route is None:
             return False
-        if route.relayed and data is not None:
+        if route.relayed:
             raise ValueError("a node's relay takes no data file")
         try:
-            route.link.send(ToRanks((rank,), encode(message)) if route.relayed else message,
-                            data)
+            route.link.send(message, data)
         except OSError:
             return False
         return True
