@@ -37,7 +37,9 @@ import hmac
 import logging
 import os
 import pickle
+import queue
 import secrets
+import selectors
 import socket
 import threading
 from collections.abc import Callable, Iterable
@@ -134,6 +136,7 @@ class _Link:
         self._send_key, self._receive_key = send_key, receive_key
         self._sent = self._received = 0
         self._send_lock = threading.Lock()
+        self._pending = bytearray()  # (take_ready's: the start of a frame still coming)
         self.inbox: Inbox | None = None
 
     def send(self, message: Any, data: Outgoing | None = None) -> None:
@@ -179,16 +182,53 @@ class _Link:
             raise
         return _with_file(announced.message, str(path) if path is not None else "")
 
-    def _receive_frame(self) -> Any:
-        header = _recv_exact(self._reader, HEADER_SIZE)
-        sealed = memoryview(_recv_exact(self._reader, body_size(header) + MAC_BYTES))
-        body, tag = sealed[:-MAC_BYTES], sealed[-MAC_BYTES:]  # (one read for both)
+    def take_ready(self) -> tuple[list[Any], str | None]:
+        """The messages whose frames have arrived whole, read without waiting (for a
+        link that one thread reads among many: ``_ReadLoop``), and why the link is over
+        after them, if it is: the peer closed, a frame failed its check (nothing from it
+        on is unpickled), or a data file came, which such a link does not take."""
+        try:
+            data = self.sock.recv(_READ_AHEAD, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            data = None  # nothing yet (a spurious wake-up)
+        except OSError as exc:
+            return [], f"the connection broke: {exc}"
+        if data is not None:
+            self._pending += data
+        messages: list[Any] = []
+        while len(self._pending) >= HEADER_SIZE:
+            end = HEADER_SIZE + body_size(bytes(self._pending[:HEADER_SIZE])) + MAC_BYTES
+            if len(self._pending) < end:
+                break
+            frame = memoryview(self._pending)[:end]
+            try:
+                message = self._checked(frame[:HEADER_SIZE], frame[HEADER_SIZE:-MAC_BYTES],
+                                        frame[-MAC_BYTES:])
+            except (ConnectionError, EOFError, pickle.UnpicklingError) as exc:
+                return messages, str(exc)
+            finally:
+                frame.release()
+            del self._pending[:end]
+            if isinstance(message, FileFollows):
+                return messages, "a data file came on a link that takes none"
+            messages.append(message)
+        return messages, "closed" if data == b"" else None
+
+    def _checked(self, header: bytes | memoryview, body: memoryview,
+                 tag: memoryview) -> Any:
+        """The message in a frame, once its check holds (numbered: none may be dropped,
+        replayed or reordered)."""
         expected = _mac(self._receive_key, b"frame", self._received.to_bytes(8, "big"),
                         header, body)
         if not hmac.compare_digest(tag, expected):
             raise ConnectionError("a frame failed its authentication check")
         self._received += 1
         return decode(body)
+
+    def _receive_frame(self) -> Any:
+        header = _recv_exact(self._reader, HEADER_SIZE)
+        sealed = memoryview(_recv_exact(self._reader, body_size(header) + MAC_BYTES))
+        return self._checked(header, sealed[:-MAC_BYTES], sealed[-MAC_BYTES:])
 
 
 def _with_file(message: Any, file: str) -> Any:
@@ -287,13 +327,131 @@ class _Route:
     requeue: int = 0
 
 
+
+class _Peer:
+    """A connection's state in the kernel: its link once the handshake is done, and the
+    ranks that spoke through it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.link: _Link | None = None
+        self.spoke: dict[int, _Route] = {}
+
+
+class _ReadLoop:
+    """One thread reading every connection that brings no data file: whichever has whole
+    frames, their messages go to ``handle``; a connection that closes, or whose frame
+    fails its check, to ``end``. (A thread per connection costs the kernel a wake-up and
+    a turn of the interpreter lock per message: with a connection per node of a large
+    cluster, most of its time.)
+
+    Nothing escapes the loop: a callback that raises ends its own connection and no
+    other, so one bad message cannot leave every rank unheard."""
+
+    def __init__(self, handle: Callable[[_Peer, Any], None],
+                 end: Callable[[_Peer], None]) -> None:
+        self._handle, self._end = handle, end
+        self._selector = selectors.DefaultSelector()
+        self._wake_read, self._wake = socket.socketpair()
+        self._wake_read.setblocking(False)
+        self._selector.register(self._wake_read, selectors.EVENT_READ, None)
+        self._added: queue.SimpleQueue[_Peer] = queue.SimpleQueue()
+        self._adding = threading.Lock()  # (an add and the loop's end: one or the other)
+        self._closed = self._stopped = False
+        self._thread = threading.Thread(target=self._loop, daemon=True,
+                                        name="nbddp-channel-reads")
+        self._thread.start()
+
+    def add(self, peer: _Peer) -> None:
+        """Read ``peer`` from now on (its handshake is done); after ``close``, it is ended
+        at once (its connection was shut down with the others)."""
+        with self._adding:
+            if not self._stopped:
+                self._added.put(peer)
+                self._wake_up()
+                return
+        self._finish(peer, "the channel was closed")
+
+    def _wake_up(self) -> None:
+        with contextlib.suppress(OSError):  # (full: a wake-up is pending anyway)
+            self._wake.send(b"x", socket.MSG_DONTWAIT)
+
+    def _loop(self) -> None:
+        while not self._may_stop():
+            for key, _ in self._selector.select():
+                if key.data is None:
+                    self._take_added()
+                else:
+                    self._read(key.data)
+        self._selector.close()
+        self._wake_read.close()
+        self._wake.close()  # (an add from now on ends its peer at once: nothing wakes)
+
+    def _may_stop(self) -> bool:
+        """Closed, and every connection read to its end: then no more are added."""
+        if not self._closed or any(key.data for key in self._selector.get_map().values()):
+            return False
+        with self._adding:
+            if not self._added.empty():
+                return False
+            self._stopped = True
+            return True
+
+    def _take_added(self) -> None:
+        with contextlib.suppress(OSError):
+            while self._wake_read.recv(4096):
+                pass
+        while True:
+            try:
+                peer = self._added.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._selector.register(peer.sock, selectors.EVENT_READ, peer)
+            except (OSError, ValueError) as exc:  # (closed meanwhile)
+                self._finish(peer, f"the connection broke: {exc}")
+                continue
+            self._read(peer)  # (what came before it was registered)
+
+    def _read(self, peer: _Peer) -> None:
+        assert peer.link is not None
+        messages, over = peer.link.take_ready()
+        try:
+            for message in messages:
+                self._handle(peer, message)
+        except Exception:  # noqa: BLE001 - one connection's trouble stops no other
+            logger.exception("a message from a rank could not be taken")
+            over = "a message could not be taken"
+        if over is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(peer.sock)
+            self._finish(peer, over)
+
+    def _finish(self, peer: _Peer, why: str) -> None:
+        logger.debug("channel connection ended: %s", why)
+        try:
+            self._end(peer)
+        except Exception:  # noqa: BLE001 - as in _read
+            logger.exception("the end of a rank's connection could not be taken")
+
+    def close(self) -> None:
+        """Stop once every connection has ended (the server has shut them down); from the
+        loop's own thread (a callback that closes the channel), it stops after this turn."""
+        self._closed = True
+        self._wake_up()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+
 class ChannelServer:
     """Accepts authenticated rank connections, hands each message to ``deliver``, and
     sends messages to a rank once it has spoken (its first message names its rank).
 
     ``address`` is a socket path, or a TCP (host, port) to bind (port 0: any free one;
-    ``port`` says which). Each connection is served by a thread of its own, so one
-    that says nothing holds up no other (and is dropped after the handshake timeout).
+    ``port`` says which). Each connection's handshake has a thread of its own, so one
+    that says nothing holds up no other (and is dropped after the handshake timeout);
+    then one thread reads them all (``_ReadLoop``), or, where ranks may send data files,
+    its own thread each.
     A rank's closed connection is delivered as ``Disconnected``. With an ``inbox``,
     ranks may send data files (``_wire.transfer``): they land there.
     """
@@ -313,6 +471,7 @@ class ChannelServer:
         self._peers: dict[int, _Route] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._reads = _ReadLoop(self._handle, self._end)
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
                                           name="nbddp-channel-accept")
         self._accepter.start()
@@ -327,32 +486,43 @@ class ChannelServer:
                              name="nbddp-channel-reader").start()
 
     def _serve(self, sock: socket.socket) -> None:
+        """A new connection: its handshake, then its messages, read here if it may bring
+        data files (they take a while), by the read loop with every other one if not."""
         with self._lock:
             if self._closed:
                 sock.close()
                 return
             self._connections.add(sock)
-        link: _Link | None = None
-        spoke: dict[int, _Route] = {}  # the ranks that spoke through this connection
+        peer = _Peer(sock)
         try:
             sock.settimeout(_HANDSHAKE_TIMEOUT)
-            link = _challenge_rank(sock, self._key)
-            link.inbox = self._inbox
+            peer.link = _challenge_rank(sock, self._key)
+            peer.link.inbox = self._inbox
             sock.settimeout(None)
+            if self._inbox is None:
+                self._reads.add(peer)
+                return
             while True:
-                message = link.receive()
-                if isinstance(message, FromRanks):  # a node's relay: its ranks' batch
-                    for each in message.messages:
-                        self._take(each, link, spoke, relayed=True)
-                else:
-                    self._take(message, link, spoke, relayed=False)
+                self._handle(peer, peer.link.receive())
         except (OSError, ConnectionError, EOFError, pickle.UnpicklingError) as exc:
             logger.debug("channel connection ended: %r", exc)
-        finally:
-            self._forget(sock, spoke)
-            for rank, route in sorted(spoke.items()):  # (a relay: its ranks still there)
-                self._deliver(Disconnected(rank, route.attempt, route.requeue,
-                                           relay_lost=route.relayed))
+        self._end(peer)
+
+    def _handle(self, peer: _Peer, message: Any) -> None:
+        assert peer.link is not None
+        if isinstance(message, FromRanks):  # a node's relay: its ranks' batch
+            for each in message.messages:
+                self._take(each, peer.link, peer.spoke, relayed=True)
+        else:
+            self._take(message, peer.link, peer.spoke, relayed=False)
+
+    def _end(self, peer: _Peer) -> None:
+        """The connection is over: each rank that spoke through it (and, for a relay,
+        was still connected to it) is disconnected."""
+        self._forget(peer.sock, peer.spoke)
+        for rank, route in sorted(peer.spoke.items()):
+            self._deliver(Disconnected(rank, route.attempt, route.requeue,
+                                       relay_lost=route.relayed))
 
     def _take(self, message: Any, link: _Link, spoke: dict[int, _Route],
               relayed: bool) -> None:
@@ -442,6 +612,7 @@ class ChannelServer:
                 sock.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         self._accepter.join(timeout=5)
+        self._reads.close()
         if isinstance(self.address, Path):
             self.address.unlink(missing_ok=True)
 

@@ -1,0 +1,137 @@
+"""The kernel's one thread that reads every rank connection (``_wire.channel._ReadLoop``),
+over real sockets with the run's key: every connection's messages arrive whole and in
+order, and one connection's trouble (a message the kernel cannot take, a frame cut into
+pieces, the channel closed from inside a delivery) leaves every other one heard."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
+from nbddp._wire.messages import Disconnected, Ready, Sequenced, encode
+
+pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+
+
+@pytest.fixture
+def folder(tmp_path):
+    path = Path(os.path.realpath(tmp_path))
+    path.chmod(0o700)
+    return path
+
+
+def take(delivered: queue.SimpleQueue, count: int, timeout: float = 10.0) -> list:
+    deadline = time.monotonic() + timeout
+    return [delivered.get(timeout=max(0.01, deadline - time.monotonic()))
+            for _ in range(count)]
+
+
+def reading_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("nbddp-channel")]
+
+
+def test_many_connections_each_heard_whole_and_in_order_by_one_thread(folder):
+    key, delivered = new_key(), queue.SimpleQueue()
+    server = ChannelServer(folder / "c.sock", key, delivered.put)
+    ranks = [ChannelClient(folder / "c.sock", key) for _ in range(64)]
+    try:
+        for seq in range(30):
+            for number, rank in enumerate(ranks):
+                rank.send(Sequenced(seq, Ready(number)))
+        got = take(delivered, 64 * 30)
+        for number in range(64):
+            assert [m.seq for m in got if m.message.rank == number] == list(range(30))
+        # one reader for them all (the accept thread and the reader), not one each
+        assert reading_threads().count("nbddp-channel-reads") == 1
+        assert reading_threads().count("nbddp-channel-reader") == 0
+    finally:
+        for rank in ranks:
+            rank.close()
+        server.close()
+    assert "nbddp-channel-reads" not in reading_threads()
+
+
+class Trickle:
+    """A socket that sends a byte at a time, a little apart."""
+
+    def __init__(self, sock) -> None:
+        self._sock = sock
+
+    def sendall(self, data) -> None:
+        for i in range(len(data)):
+            self._sock.sendall(bytes(data[i:i + 1]))
+            time.sleep(0.0005)
+
+
+def test_frames_that_arrive_in_pieces_are_each_taken_once_whole(folder):
+    key, delivered = new_key(), queue.SimpleQueue()
+    server = ChannelServer(folder / "c.sock", key, delivered.put)
+    rank = ChannelClient(folder / "c.sock", key)
+    try:
+        rank._link.sock = Trickle(rank._link.sock)
+        rank.send(Ready(3))
+        rank.send(Sequenced(1, Ready(3)))
+        assert take(delivered, 2) == [Ready(3), Sequenced(1, Ready(3))]
+    finally:
+        rank._link.sock = rank._link.sock._sock
+        rank.close()
+        server.close()
+
+
+def test_a_message_the_kernel_cannot_take_ends_that_connection_only(folder):
+    key, delivered = new_key(), queue.SimpleQueue()
+
+    def deliver(message):
+        if getattr(message, "rank", None) == 0 and isinstance(message, Ready):
+            raise RuntimeError("the kernel cannot take this")
+        delivered.put(message)
+
+    server = ChannelServer(folder / "c.sock", key, deliver)
+    bad, good = (ChannelClient(folder / "c.sock", key) for _ in range(2))
+    try:
+        bad.send(Ready(0))
+        assert take(delivered, 1) == [Disconnected(0)]  # named, not silent
+        with pytest.raises(ConnectionError):
+            bad.receive()  # the kernel hung up on it
+        good.send(Ready(1))
+        assert take(delivered, 1) == [Ready(1)]
+        assert server.send(1, Ready(1))
+    finally:
+        bad.close()
+        good.close()
+        server.close()
+
+
+def test_a_delivery_that_closes_the_channel_closes_it_without_waiting_on_itself(folder):
+    key, delivered = new_key(), queue.SimpleQueue()
+    server: ChannelServer
+
+    def deliver(message):
+        delivered.put(message)
+        if isinstance(message, Ready):
+            server.close()  # (e.g. a group stopped from its own callback)
+
+    server = ChannelServer(folder / "c.sock", key, deliver)
+    ranks = [ChannelClient(folder / "c.sock", key) for _ in range(3)]
+    try:
+        started = time.monotonic()
+        ranks[0].send(Ready(0))
+        got = take(delivered, 1)
+        for rank in ranks:
+            with pytest.raises(ConnectionError):
+                rank.receive()
+        assert got == [Ready(0)] and time.monotonic() - started < 4  # (no 5 s join)
+        deadline = time.monotonic() + 5
+        while "nbddp-channel-reads" in reading_threads() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "nbddp-channel-reads" not in reading_threads()
+        assert not (folder / "c.sock").exists()
+    finally:
+        for rank in ranks:
+            rank.close()
