@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
-from nbddp._wire.messages import Disconnected, Ready, Sequenced, encode
+from nbddp._wire.messages import Disconnected, Ready, Sequenced
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
@@ -135,3 +135,27 @@ def test_a_delivery_that_closes_the_channel_closes_it_without_waiting_on_itself(
     finally:
         for rank in ranks:
             rank.close()
+
+
+def test_a_rank_is_quiet_until_its_link_brings_a_message_and_again_after(folder):
+    """(What lets a cluster session's next cell skip its roll call: every rank's link
+    was heard in the last second.)"""
+    key, delivered = new_key(), queue.SimpleQueue()
+    server = ChannelServer(folder / "c.sock", key, delivered.put)
+    ranks = [ChannelClient(folder / "c.sock", key) for _ in range(2)]
+    try:
+        ranks[0].send(Ready(0))
+        ranks[1].send(Ready(1))
+        take(delivered, 2)
+        middle = time.monotonic()
+        assert server.quiet([0, 1, 7], since=middle - 5) == {7}  # (7 never connected)
+        ranks[1].send(Sequenced(1, Ready(1)))
+        take(delivered, 1)
+        assert server.quiet([0, 1], since=middle) == {0}
+        ranks[1].close()
+        assert take(delivered, 1) == [Disconnected(1)]
+        assert server.quiet([0, 1], since=middle - 5) == {1}  # gone: not connected
+    finally:
+        for rank in ranks:
+            rank.close()
+        server.close()

@@ -13,13 +13,16 @@ ranks' processes (``sees_processes``: they run on this machine) a group that has
 before is not called: a process that died closed its connection, or is gone from (or
 dying in) ``/proc``, which the hand-over checks in a tenth of a round trip's time. (A
 rank stopped by SIGSTOP is not caught there: its run stalls, and the stall note or the
-timeout says where each rank is.)
+timeout says where each rank is.) Nor is a cluster group whose every rank's link was
+heard in the last ``HEARD_LATELY`` seconds (the end of the cell before, at once): a
+roll call would say no more, and costs a round trip to every node.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,6 +49,10 @@ from .shape import GroupShape, Handover
 INLINE_PAYLOAD = 256 * 2**10
 """A payload this small without data buffers travels inside its Start."""
 ROLL_CALL_WAIT = 3.0
+HEARD_LATELY = 1.0
+"""Seconds: a cluster group whose every rank's link brought a message this recently is
+not called before its next run (cells that follow each other at once go without the
+round trip; one typed by hand, seconds later, is called)."""
 """How long a waiting rank may take to answer its roll call. An idle rank answers within
 a millisecond (a few on another node); one that has not answered by then is taken for
 stuck, and its group for unfit to run."""
@@ -186,8 +193,8 @@ class WaitingGroup(RankGroup):
         gets it when it does). Raises ``RanksGone``, and sends no Start, if the waiting
         ranks are not all there. A session's group is handed one run after another: each
         replaces the last one's payload."""
-        seen = self.sees_processes and self._start is not None and len(self._hellos) == \
-            self.nprocs  # (a group that ran before: a session's, for its next run)
+        seen = self._start is not None and len(self._hellos) == self.nprocs and (
+            self.sees_processes or self._heard_lately())  # (a session's, for its next run)
         called = set(self._hellos) if seen else self._roll_call()
         start = self._prepare_start(payload, records, options, handover)
         with self._lock:
@@ -201,6 +208,12 @@ class WaitingGroup(RankGroup):
 
     sees_processes = False
     """The kernel sees whether the ranks' processes live (they run on this machine)."""
+
+    def _heard_lately(self) -> bool:
+        """Every rank's link (its own, or its node relay's) brought a message in the last
+        ``HEARD_LATELY`` seconds: its process answers, as a roll call would show."""
+        return self._server is not None and not self._server.quiet(
+            list(self._hellos), time.monotonic() - HEARD_LATELY)
 
     def _check_still_present(self, ranks: set[int]) -> None:
         """(Under the lock) Raise ``RanksGone`` if a process has stopped, as far as the

@@ -42,6 +42,7 @@ import secrets
 import selectors
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -136,6 +137,7 @@ class _Link:
         self._send_key, self._receive_key = send_key, receive_key
         self._sent = self._received = 0
         self._send_lock = threading.Lock()
+        self.heard = time.monotonic()  # when a frame last came (its peer answers)
         self._pending = bytearray()  # (take_ready's: the start of a frame still coming)
         self.inbox: Inbox | None = None
 
@@ -223,6 +225,7 @@ class _Link:
         if not hmac.compare_digest(tag, expected):
             raise ConnectionError("a frame failed its authentication check")
         self._received += 1
+        self.heard = time.monotonic()
         return decode(body)
 
     def _receive_frame(self) -> Any:
@@ -575,6 +578,13 @@ class ChannelServer:
             route = self._peers.get(rank)
         return route is not None and self._send_on(
             route.link, encode(ToRanks((rank,), frame)) if route.relayed else frame)
+
+    def quiet(self, ranks: Iterable[int], since: float) -> set[int]:
+        """Those of ``ranks`` whose link (their own, or their node relay's) brought no
+        message since ``since`` (``time.monotonic()``), or that are not connected."""
+        with self._lock:
+            routes = [(rank, self._peers.get(rank)) for rank in ranks]
+        return {rank for rank, route in routes if route is None or route.link.heard < since}
 
     def send_to_each(self, ranks: Iterable[int], message: Any) -> set[int]:
         """Send ``message`` to each of ``ranks``, encoded once: to a rank's own connection,
