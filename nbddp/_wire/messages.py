@@ -26,7 +26,7 @@ import pickle
 import struct
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 _HEADER = struct.Struct("!Q")  # any length
 HEADER_SIZE = _HEADER.size
@@ -150,10 +150,11 @@ class Failure:
     """A session's answering rank: the names its code has bound (as a ``Result``'s)."""
 
 
-@dataclass(frozen=True)
-class RankStats:
+class RankStats(NamedTuple):
     """A running rank about once a second: where it runs, its last step (logged, or its
-    progress), its memory, and how much output it has written (for stall detection)."""
+    progress), its memory, and how much output it has written (for stall detection).
+    (A named tuple: each rank's comes back with every cell's end, a node's in one batch,
+    and unpickles in half the time of a dataclass.)"""
 
     rank: int
     host: str
