@@ -16,15 +16,22 @@ The targets the issue set are
 printed beside the figures (kernel CPU per no-op cell at 32 ranks at most 2x that at 4
 ranks on as many nodes; 32 ranks' metrics at 100 steps/s at most 5% of a core).
 
-Run: ``python benchmarks/bench_scale.py [--ranks 2 4 8 16 32] [--json PATH]``.
+With ``--monarch PYTHON`` (an interpreter whose environment has ``torchmonarch``), the
+same rank counts run on Monarch too, in the same run (``peer_monarch.py``), printed beside
+nbddp's session in this process: no-op and all-reduce call, and start.
+
+Run: ``python benchmarks/bench_scale.py [--ranks 2 4 8 16 32] [--monarch PYTHON]
+[--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -60,6 +67,16 @@ def log_for(seconds: float, rate: float) -> int:
     return step
 
 
+def all_reduce() -> float:
+    """The all-reduce cell: one small tensor summed over every rank."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return float(tensor.item())
+
+
 def cpu_and_wall(fn: Any) -> tuple[float, float]:
     """This process's CPU seconds (every thread) and the wall seconds ``fn()`` took."""
     cpu, wall = time.process_time(), time.perf_counter()
@@ -72,9 +89,13 @@ def measure(session: nbddp.Session, cells: int, seconds: float, rate: float
     for _ in range(5):
         session.run(noop)  # warm-up
     per_cell = [cpu_and_wall(lambda: session.run(noop)) for _ in range(cells)]
+    for _ in range(5):
+        session.run(all_reduce)  # warm-up
+    reduces = [cpu_and_wall(lambda: session.run(all_reduce))[1] for _ in range(cells)]
     cpu, wall = cpu_and_wall(lambda: session.run(log_for, seconds, rate))
     return {"cell_cpu_ms": 1000 * statistics.median(c for c, _ in per_cell),
             "cell_wall_ms": 1000 * statistics.median(w for _, w in per_cell),
+            "all_reduce_wall_ms": 1000 * statistics.median(reduces),
             "metrics_cpu_share": cpu / wall}
 
 
@@ -153,6 +174,9 @@ def main() -> None:
                         help="also on this Ray cluster's nodes ('local': two Ray nodes "
                              "started on this machine for the run)")
     parser.add_argument("--nodes", type=int, default=2, help="Ray nodes (with --ray)")
+    parser.add_argument("--monarch", metavar="PYTHON",
+                        help="also Monarch on this host, in the same run: an interpreter "
+                             "whose environment has torchmonarch (peer_monarch.py)")
     parser.add_argument("--json", type=Path, help="write the numbers to this file")
     opts = parser.parse_args()
     if opts.ray == "local":
@@ -186,12 +210,36 @@ def run(opts: argparse.Namespace) -> None:
                 print(f"{ranks:>5} {nodes:>5} {figures['start_s']:>8.1f} "
                       f"{figures['cell_cpu_ms']:>12.2f} {figures['cell_wall_ms']:>13.2f} "
                       f"{100 * figures['metrics_cpu_share']:>11.1f}%", flush=True)
+    if opts.monarch:
+        results["monarch"] = beside_monarch(opts, results["python"])
     results["load_after"] = os.getloadavg()[0]
     for where in ("kernel", "python"):
         print(f"targets, {where}:")
         report_targets(results[where], opts.rate)
     if opts.json:
         write_json(opts.json, results)
+
+
+def beside_monarch(opts: argparse.Namespace, nbddp_figures: dict[str, dict[str, float]]
+                   ) -> dict[str, dict[str, float]]:
+    """Monarch on this host at the same rank counts, run after nbddp's shapes in this
+    run; printed beside nbddp's (``Session.run`` from this process, as Monarch's calls
+    are): no-op and all-reduce call, ms; start, s."""
+    found = subprocess.run([opts.monarch, str(Path(__file__).with_name("peer_monarch.py")),
+                            str(opts.cells), *map(str, opts.ranks)],
+                           capture_output=True, text=True, check=True, timeout=1800)
+    monarch = {f"{f['ranks']}x1": f for f in map(json.loads, found.stdout.splitlines())}
+    print("beside Monarch, one host (no-op / all-reduce call ms; start s):")
+    print(f"{'ranks':>5} {'nbddp':>22} {'Monarch':>22} {'nbddp/Monarch wall':>19}")
+    for key, peer in monarch.items():
+        ours = nbddp_figures[key]
+        print(f"{peer['ranks']:>5} {ours['cell_wall_ms']:>7.2f} / "
+              f"{ours['all_reduce_wall_ms']:>5.2f}; {ours['start_s']:>4.1f} "
+              f"{peer['cell_wall_ms']:>7.2f} / "
+              f"{peer['all_reduce_wall_ms']:>5.2f}; {peer['start_s']:>4.1f} "
+              f"{ours['cell_wall_ms'] / peer['cell_wall_ms']:>8.2f}x / "
+              f"{ours['all_reduce_wall_ms'] / peer['all_reduce_wall_ms']:.2f}x", flush=True)
+    return monarch
 
 
 def report_targets(shapes: dict[str, dict[str, float]], rate: float) -> None:
