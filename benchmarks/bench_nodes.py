@@ -40,6 +40,7 @@ import nbddp  # noqa: E402
 from nbddp._local.backend import LocalBackend  # noqa: E402
 from nbddp._rank.relay import NodeRelay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
+from nbddp._run.records import FolderPerCell  # noqa: E402
 from nbddp._run.shape import GroupShape  # noqa: E402
 from nbddp._run.waiting import WaitingGroup  # noqa: E402
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key  # noqa: E402
@@ -191,6 +192,11 @@ class SimulatedBackend(LocalBackend):
 
     def session_group(self, standby: bool = True) -> WaitingGroup:
         return SimulatedGroup(self.shape, self.nodes, self.per_node, self.mode)
+
+    def session_records(self) -> FolderPerCell:
+        """A cluster session's records: a folder per cell (the ranks' logs are theirs to
+        make, past ``MAKE_LOGS_UP_TO``)."""
+        return FolderPerCell(self.config.nprocs)
 
 
 def simulated_session(nodes: int, per_node: int, mode: str) -> nbddp.Session:

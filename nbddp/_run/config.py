@@ -198,7 +198,9 @@ class RunConfig(RunOptions):
     @property
     def resting_ranks(self) -> list[int]:
         """A session's ranks left at rest by a run given to some ranks only."""
-        return sorted(set(range(self.nprocs)) - set(self.running_ranks))
+        if self.ranks is None:
+            return []  # (every rank runs it: no set of thousands of ranks per cell)
+        return sorted(set(range(self.nprocs)) - set(self.ranks))
 
 
 def check_max_restarts(value: object) -> None:

@@ -103,6 +103,8 @@ class RankView:
         worth of steps (at the ranks' median speed; ``rates``, if already measured)."""
         if rates is None:
             rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
+        if not any(rates.values()):
+            return set()  # (no rank has a speed yet: nobody is behind; no look at each)
         steps = {r: s.step for r, s in list(self._stats.items()) if s.step is not None}
         speeds = [rate for r in steps if (rate := rates.get(r))]
         if len(steps) < 2 or not speeds:

@@ -45,6 +45,10 @@ _LIVE_MARKS = (PAYLOAD, KEY)  # removed when the job (or session) that owns the 
 LIVE_LOCK = "session.lock"
 """Locked by the kernel whose session writes in the folder, while it lives (the lock
 goes with the kernel however it ends)."""
+MAKE_LOGS_UP_TO = 64
+"""Ranks whose logs the kernel makes ahead, in a session's cell folder; past that each
+rank makes its own, on its node (thousands of files per cell would be the kernel's
+largest cost on a large cluster)."""
 CELLS_PER_FOLDER = 1000
 """A session starts a new folder after this many cells, or once a rank's log holds
 ``LOG_TAIL_BYTES``: the old one may then be pruned like any run's."""
@@ -129,10 +133,12 @@ class FolderPerCell:
         """While the ranks run a cell: the oldest runs' records go, and the next cell's
         folder and its ranks' logs are made now (a new file is among a disk's slowest
         calls, 20 to 90 µs on a virtual machine's, and the kernel has nothing else to do
-        meanwhile; a rank then opens its log as it is)."""
+        meanwhile; a rank then opens its log as it is). Past ``MAKE_LOGS_UP_TO`` ranks,
+        each rank makes its own."""
         forget_old_runs()
         ahead = Records.create(forget_old=False)
-        _make_logs(ahead.path, self._nprocs)
+        if self._nprocs <= MAKE_LOGS_UP_TO:
+            _make_logs(ahead.path, self._nprocs)
         with self._lock:
             if self._closed or self._next is not None:
                 shutil.rmtree(ahead.path, ignore_errors=True)
