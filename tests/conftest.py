@@ -91,7 +91,7 @@ WAITING_LANE = {
     "test_docs.py", "test_session.py", "test_security.py", "test_stacks.py",
     "test_rank_view.py", "test_kernel.py", "test_pdb.py", "test_metrics.py",
     "test_models_back.py", "test_slurm_session.py", "test_ray_session.py",
-    "test_ray_lifecycle.py",
+    "test_ray_lifecycle.py", "test_cluster_relay.py",
     "test_setup_hangs.py",
     "cluster_session.ipynb",  # (a notebook: its SLURM jobs queue beside no other test's)
 }

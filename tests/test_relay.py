@@ -236,3 +236,106 @@ def test_a_node_s_metrics_are_summed_per_step_and_name_each_rank_s_last_value_co
                              (2, (0,), {"loss": (0.25, 1)})]
     assert node.positions == {0: (3, 10, None)}
     assert node.for_all == [(1, [(1, {"lr": 0.1})])]
+
+
+@pytest.fixture
+def cluster_node(tmp_path):
+    """A node of a cluster whose kernel is elsewhere: the kernel's server takes data
+    files (its inbox), and the node's relay has an inbox for the kernel's and a landing
+    for its ranks' (TCP up, as across machines)."""
+    from nbddp._rank.relay import Landing
+    from nbddp._wire.transfer import place_in
+
+    folder = Path(os.path.realpath(tmp_path))
+    folder.chmod(0o700)
+    for name in ("kernel-in", "node-in"):
+        (folder / name).mkdir(mode=0o700)
+    key = new_key()
+    delivered: queue.SimpleQueue = queue.SimpleQueue()
+    server = ChannelServer(("127.0.0.1", 0), key, delivered.put,
+                           inbox=place_in(None, folder / "kernel-in"))
+    landing = Landing(None, folder / "landing")
+    relay = node_relay(("127.0.0.1", server.port), folder / "relay.sock", key,
+                       inbox=place_in(None, folder / "node-in"), landing=landing)
+    ranks = [ChannelClient(folder / "relay.sock", key) for _ in range(2)]
+    kernel = Kernel.__new__(Kernel)
+    kernel.delivered, kernel.server = delivered, server
+    try:
+        yield kernel, ranks, folder
+    finally:
+        for rank in ranks:
+            rank.close()
+        relay.close()
+        server.close()
+
+
+def packed_tensor(nbytes: int):
+    import torch
+
+    from nbddp._wire import dataplane
+
+    value = torch.arange(nbytes // 4, dtype=torch.int32)
+    return dataplane.pack({"x": value}), value
+
+
+def test_a_payload_for_a_relayed_rank_lands_on_its_node_and_the_rank_is_told_where(
+        cluster_node):
+    import torch
+
+    from nbddp._wire import dataplane
+    from nbddp._wire.messages import KeepPayload
+    from nbddp._wire.transfer import PIECE, Outgoing
+
+    kernel, ranks, folder = cluster_node
+    say(ranks[1], 1, Ready(1))
+    kernel.take(1)
+    packed, value = packed_tensor(PIECE + 4 * 1000)
+    assert kernel.server.send(1, KeepPayload(), Outgoing(packed))
+    kept = ranks[1].receive()
+    assert isinstance(kept, KeepPayload) and Path(kept.file).parent == folder / "node-in"
+    assert torch.equal(dataplane.read(Path(kept.file)).load()["x"], value)
+
+
+def test_a_relayed_rank_s_result_file_reaches_the_kernel_and_leaves_the_node(cluster_node):
+    import torch
+
+    from nbddp._wire import dataplane
+    from nbddp._wire.messages import PayloadKept
+    from nbddp._wire.transfer import Outgoing
+
+    kernel, ranks, folder = cluster_node
+    say(ranks[0], 0, Ready(0))
+    packed, value = packed_tensor(3 * 2**20)
+    ranks[0].send(Sequenced(1, Result(0)), Outgoing(packed))
+    say(ranks[0], 0, PayloadKept(0, "/dev/shm/a-node-copy"), seq=2)  # (a name, not a file)
+    ready, result, kept = kernel.take(3)
+    assert ready == Sequenced(0, Ready(0)) and kept == Sequenced(2, PayloadKept(
+        0, "/dev/shm/a-node-copy"))
+    assert result.seq == 1 and Path(result.message.file).parent == folder / "kernel-in"
+    assert torch.equal(dataplane.read(Path(result.message.file)).load()["x"], value)
+    assert list((folder / "landing").iterdir()) == []  # (sent on, then removed)
+    assert kernel.server.send(0, RollCall(1))  # (the rank is still reached by its relay)
+    assert ranks[0].receive() == RollCall(1)
+
+
+def test_nbddp_s_torchrun_options_come_in_any_order_before_torchrun_s():
+    """(A Ray agent puts ``--node-data --report FD`` first, and the session adds
+    ``--relay`` to torchrun's arguments after them.)"""
+    from nbddp._rank.torchrun import _own_options
+
+    options = _own_options(["--node-data", "--report", "7", "--relay", "--nnodes", "2"])
+    assert (options.relay, options.node_data, options.report) == (True, True, 7)
+    assert options.torchrun == ["--nnodes", "2"]
+    plain = _own_options(["--nnodes", "1", "--relay"])  # (torchrun's own from the first)
+    assert (plain.relay, plain.node_data, plain.report) == (False, False, None)
+    assert plain.torchrun == ["--nnodes", "1", "--relay"]
+
+
+def test_a_cluster_node_has_a_relay_from_two_ranks():
+    from nbddp._run.config import relay_option
+    from nbddp._slurm.sbatch import session_torchrun
+
+    assert relay_option(1) == [] and relay_option(2) == ["--relay"]
+    assert "--relay" not in session_torchrun("/run", "python", 2, 1)
+    command = session_torchrun("/run", "python", 2, 4)
+    assert command.index("--relay") < command.index("--nnodes")  # (nbddp's, first)

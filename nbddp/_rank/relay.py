@@ -26,6 +26,8 @@ from typing import Any, Protocol
 
 from .._wire.channel import Address, ChannelClient, ChannelServer
 from .._wire.messages import (
+    ForRank,
+    FromRank,
     FromRanks,
     Metrics,
     NodeMetrics,
@@ -35,7 +37,9 @@ from .._wire.messages import (
     Result,
     Sequenced,
     ToRanks,
+    encode,
 )
+from .._wire.transfer import Inbox, Outgoing, place_in
 
 _BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ranks say
 _METRICS_WAIT = 0.05  # seconds a batch of metrics alone waits for the node's other ranks'
@@ -54,9 +58,11 @@ class NodeRelay:
     """Speaks to the kernel over ``up`` for the ranks that ``ranks(deliver)`` makes,
     which hands it what they say."""
 
-    def __init__(self, up: ChannelClient, ranks: Callable[[Callable[[Any], None]], Ranks]
-                 ) -> None:
-        self._up = up
+    def __init__(self, up: ChannelClient, ranks: Callable[[Callable[[Any], None]], Ranks],
+                 landing: Landing | None = None) -> None:
+        self._up, self._landing = up, landing
+        self.address: Path | None = None
+        """Where the node's ranks connect (``node_relay``'s)."""
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         try:
             self._down = ranks(self._outbox.put)
@@ -75,16 +81,39 @@ class NodeRelay:
         before goes too, then the kernel's link closes."""
         while True:
             batch = self._gather()
-            said = compact(batch)
             try:
-                if said:  # (the end alone says nothing)
-                    self._up.send(FromRanks(said))
+                self._send_batch(compact(batch))
             except OSError:
                 break
             if batch[-1] is None:
                 break
         self.close()
         self._up.close()
+
+    def _send_batch(self, said: list[Any]) -> None:
+        """``said`` in one frame, but for a message that came with a data file: it goes
+        on alone with its file (``FromRank``), in its place among the others."""
+        plain: list[Any] = []
+        for message in said:
+            file = self._file_of(message)
+            if not file:
+                plain.append(message)
+                continue
+            if plain:
+                self._up.send(FromRanks(plain))
+                plain = []
+            try:
+                self._up.send(FromRank(message), Outgoing.of_file(Path(file)))
+            finally:
+                Path(file).unlink(missing_ok=True)  # (the kernel has its own copy now)
+        if plain:  # (the end alone says nothing)
+            self._up.send(FromRanks(plain))
+
+    def _file_of(self, message: Any) -> str:
+        """The data file a rank's message came with, if any (landed in ``_landing``)."""
+        inner = message.message if isinstance(message, Sequenced) else message
+        file = getattr(inner, "file", None) or ""
+        return file if self._landing is not None and self._landing.holds(file) else ""
 
     def _gather(self) -> list[Any]:
         """The next batch: whatever waits once a message came. Metrics alone wait up to
@@ -116,6 +145,8 @@ class NodeRelay:
                 if isinstance(message, ToRanks):
                     for rank in message.ranks:
                         self._down.send_encoded(rank, message.frame)
+                elif isinstance(message, ForRank):  # (its data file is on this node)
+                    self._down.send_encoded(message.rank, encode(message.message))
         except (ConnectionError, EOFError):
             pass
         self.close()
@@ -132,11 +163,35 @@ class NodeRelay:
             self._sender.join(wait)
 
 
-def node_relay(kernel: Address, listen: Path, key: bytes) -> NodeRelay:
+class Landing:
+    """Where the data files a relay's ranks send (results, on a cluster's node whose
+    kernel is elsewhere) land on their way to the kernel: folders of the relay's own, in
+    shared memory where a file fits, else on disk. What lands there is sent on, then
+    removed; a message's ``file`` elsewhere (a node's copy of a payload, named to the
+    kernel) is only a name."""
+
+    def __init__(self, shm: Path | None, disk: Path) -> None:
+        self.folders = [folder for folder in (shm, disk) if folder is not None]
+        for folder in self.folders:
+            folder.mkdir(mode=0o700, exist_ok=True)
+        self.inbox = place_in(shm, disk)
+
+    def holds(self, file: str) -> bool:
+        return bool(file) and Path(file).parent in self.folders
+
+
+def node_relay(kernel: Address, listen: Path, key: bytes, inbox: Inbox | None = None,
+               landing: Landing | None = None) -> NodeRelay:
     """The relay of this node's ranks, which connect to ``listen`` with ``key``, to the
-    kernel at ``kernel``."""
-    return NodeRelay(ChannelClient(kernel, key),
-                     lambda deliver: ChannelServer(listen, key, deliver))
+    kernel at ``kernel``. On a cluster's node (the kernel elsewhere) data files cross it
+    both ways: a payload from the kernel lands in ``inbox`` for a rank to keep, and a
+    rank's result lands in ``landing`` on its way to the kernel."""
+    relay = NodeRelay(ChannelClient(kernel, key, inbox),
+                      lambda deliver: ChannelServer(listen, key, deliver,
+                                                    landing.inbox if landing else None),
+                      landing)
+    relay.address = listen
+    return relay
 
 
 def compact(batch: list[Any]) -> list[Any]:

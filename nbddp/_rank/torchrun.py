@@ -45,9 +45,12 @@ from .._wire.rundir import (
     NODE_FOLDER,
     NODE_SHM_ENV,
     RELAY_ENV,
+    RELAY_SOCKET,
     RunDir,
+    parse_address,
 )
-from .relay import NodeRelay, node_relay
+from .link import node_inbox
+from .relay import Landing, NodeRelay, node_relay
 
 _GRACE_SECONDS = 5.0
 _AGENT_CLEAN_UP_WAIT = 60.0  # after the report: how long the agent may take to clean up
@@ -193,13 +196,16 @@ class _Options:
 
 
 def _own_options(argv: list[str]) -> _Options:
-    relay = argv[:1] == ["--relay"]
-    argv = argv[relay:]
-    node_data = argv[:1] == ["--node-data"]
-    argv = argv[node_data:]
-    if argv[:1] == ["--report"]:
-        return _Options(relay, node_data, int(argv[1]), argv[2:])
-    return _Options(relay, node_data, None, argv)
+    """nbddp's own options, in any order, before torchrun's."""
+    relay = node_data = False
+    report = None
+    while argv[:1] in (["--relay"], ["--node-data"], ["--report"]):
+        if argv[0] == "--report":
+            report, argv = int(argv[1]), argv[2:]
+            continue
+        relay, node_data = relay or argv[0] == "--relay", node_data or argv[0] == "--node-data"
+        argv = argv[1:]
+    return _Options(relay, node_data, report, argv)
 
 
 def _leave_the_parent() -> None:
@@ -223,11 +229,9 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    folders: list[Path] = []
-    relay = _start_relay(run_dir) if options.relay else None
+    folders = _node_folders() if options.node_data else []
+    relay = _start_relay(run_dir, remote=options.node_data) if options.relay else None
     try:
-        if options.node_data:
-            folders = _node_folders()
         run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *options.torchrun]))
     except ChildFailedError as error:
         _write_failures(run_dir, error)
@@ -242,14 +246,36 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
     return 0
 
 
-def _start_relay(run_dir: RunDir) -> NodeRelay | None:
+def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
     """This node's relay, its socket named to the ranks; None (they connect to the
-    kernel themselves) if the kernel cannot be reached from here."""
+    kernel themselves) if the kernel cannot be reached from here. ``remote``: a cluster
+    session's node, whose kernel listens on TCP (the address file) and whose data files
+    cross the relay (into the node's folders)."""
     try:
-        relay = node_relay(run_dir.socket, run_dir.relay_socket, run_dir.key.read_bytes())
-    except (OSError, ConnectionError) as exc:
+        if remote:
+            relay = node_relay(parse_address(run_dir.address.read_text()),
+                               _relay_socket(), run_dir.key.read_bytes(),
+                               inbox=node_inbox(run_dir), landing=_landing())
+        else:
+            relay = node_relay(run_dir.socket, run_dir.relay_socket,
+                               run_dir.key.read_bytes())
+    except (OSError, ValueError, ConnectionError) as exc:
         print(f"nbddp: no relay on this node ({exc}); its ranks reach the kernel "
               "themselves", file=sys.stderr)
         return None
-    os.environ[RELAY_ENV] = str(run_dir.relay_socket)
+    os.environ[RELAY_ENV] = str(relay.address)
     return relay
+
+
+def _relay_socket() -> Path:
+    """A cluster node's relay listens in the node's private folder on local disk (the
+    session's folder is shared by every node: a socket there would be one for all)."""
+    return Path(os.environ[NODE_DISK_ENV]) / RELAY_SOCKET
+
+
+def _landing() -> Landing:
+    """Where the ranks' result files land on their way to the kernel: in the node's
+    private folders (removed with them when torchrun ends)."""
+    shm = os.environ.get(NODE_SHM_ENV)
+    return Landing(Path(shm) / "relayed" if shm else None,
+                   Path(os.environ[NODE_DISK_ENV]) / "relayed")

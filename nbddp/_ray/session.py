@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import NbddpError
-from .._run.config import Output
+from .._run.config import Output, relay_option
 from .._run.records import Records, folders, records_root
 from .._run.remote_session import PayloadDelivery, RemoteSessionGroup
 from .._run.shape import GroupShape
@@ -190,7 +190,8 @@ class RaySessionGroup(RemoteSessionGroup):
         return self.placement.tails(lines) or "(nothing)"
 
     def _torchrun_args(self, placement: RayPlacement) -> list[str]:
-        return ["--nnodes", str(self.options.nodes), "--nproc-per-node", str(self.per_node),
+        return [*relay_option(self.per_node),  # (nbddp's torchrun's own, before torchrun's)
+                "--nnodes", str(self.options.nodes), "--nproc-per-node", str(self.per_node),
                 "--max-restarts", "0", "--rdzv-backend", "c10d",
                 "--rdzv-id", f"nbddp-{self.session_id}",
                 "--rdzv-endpoint", placement.rendezvous()]

@@ -211,6 +211,17 @@ def check_max_restarts(value: object) -> None:
         raise ValueError(f"max_restarts must be 0 or more, got {value}")
 
 
+RELAY_FROM_PER_NODE = 2
+"""A cluster session's node speaks to the kernel through a relay (``_rank.relay``) once
+it has this many ranks: one connection, one Start and one batch of reports per node, not
+per rank (one rank alone gains nothing by it)."""
+
+
+def relay_option(nprocs_per_node: int) -> list[str]:
+    """nbddp's torchrun option for a cluster node of ``nprocs_per_node`` ranks."""
+    return ["--relay"] if nprocs_per_node >= RELAY_FROM_PER_NODE else []
+
+
 RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 """For torchrun when it may restart the ranks. By default its workers share the
 rendezvous store, where a restarted attempt reads the failed attempt's addresses and

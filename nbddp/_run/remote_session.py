@@ -127,9 +127,24 @@ class RemoteSessionGroup(WaitingGroup):
         return PayloadDelivery(payload, self.run_dir, self.data_route)
 
     def _send_starts(self, ranks: list[int]) -> None:
-        """(Under the lock) Rank by rank: a node's ranks start once it has the payload."""
+        """(Under the lock) A node's ranks start once it has the payload: those whose Start
+        is known go together (once per node that has a relay), the others rank by rank."""
+        assert self._server is not None and self._start is not None
+        delivery = self._delivery
+        if delivery is None:  # (the payload is inside the Start)
+            self._started.update(ranks)
+            self._server.send_to_each(ranks, self._start)
+            return
+        by_copy: dict[str, list[int]] = {}
         for rank in ranks:
-            self._send_start(rank)
+            copy = delivery.copies.get(self._hellos[rank].node)
+            if copy is None or delivery.cancelled:
+                self._send_start(rank)
+            else:
+                by_copy.setdefault(copy, []).append(rank)
+        for copy, on_node in by_copy.items():
+            self._started.update(on_node)
+            self._server.send_to_each(on_node, dataclasses.replace(self._start, payload=copy))
 
     def _send_start(self, rank: int) -> None:
         assert self._server is not None and self._start is not None
@@ -167,9 +182,7 @@ class RemoteSessionGroup(WaitingGroup):
         delivery.copies[node] = copy
         if len(delivery.copies) == self.nodes:
             delivery.release()
-        for rank, hello in self._hellos.items():
-            if hello.node == node:
-                self._send_start(rank)
+        self._send_starts([rank for rank, hello in self._hellos.items() if hello.node == node])
 
     def _share_for(self, delivery: PayloadDelivery, node: str, rank: int) -> None:
         """Write the payload into the session's folder for ``node``, which had no room

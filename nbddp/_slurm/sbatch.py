@@ -12,7 +12,7 @@ from __future__ import annotations
 import shlex
 from collections.abc import Sequence
 
-from .._run.config import torchrun_environment
+from .._run.config import relay_option, torchrun_environment
 from .._wire.rundir import (
     ADDRESS,
     KEY,
@@ -108,8 +108,9 @@ def session_torchrun(run_dir: str, python: str, nodes: int, nprocs_per_node: int
     """The command each node of a session runs (one task per node, in a batch job or a
     job step of the kernel's allocation), up to its rendezvous options: nbddp's torchrun
     wrapper, with no lifeline (the job outlives a kernel), and folders on the node for
-    the data files the kernel sends."""
-    return [python, "-m", "nbddp._torchrun", run_dir, "-", "--node-data", "--nnodes", str(nodes),
+    the data files the kernel sends; a relay where a node has several ranks."""
+    return [python, "-m", "nbddp._torchrun", run_dir, "-", *relay_option(nprocs_per_node),
+            "--node-data", "--nnodes", str(nodes),
             "--nproc-per-node", str(nprocs_per_node), "--max-restarts", "0",
             "--rdzv-backend", "c10d"]
 

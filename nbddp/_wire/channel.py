@@ -50,6 +50,8 @@ from typing import Any
 from .messages import (
     HEADER_SIZE,
     Disconnected,
+    ForRank,
+    FromRank,
     FromRanks,
     ToRanks,
     body_size,
@@ -235,13 +237,14 @@ class _Link:
 
 
 def _with_file(message: Any, file: str) -> Any:
-    """``message`` (or the one a ``Sequenced`` wraps) naming ``file``."""
+    """``message`` (or the one it wraps: a ``Sequenced``'s, a relay's ``ForRank`` or
+    ``FromRank``) naming ``file``."""
+    if hasattr(message, "file"):
+        return dataclasses.replace(message, file=file)
     inner = getattr(message, "message", None)
-    if inner is not None and hasattr(inner, "file"):
-        return dataclasses.replace(message, message=dataclasses.replace(inner, file=file))
-    if not hasattr(message, "file"):
+    if inner is None or isinstance(inner, (str, bytes)):
         raise ConnectionError(f"a data file came with a {type(message).__name__}")
-    return dataclasses.replace(message, file=file)
+    return dataclasses.replace(message, message=_with_file(inner, file))
 
 
 def _tune_tcp(sock: socket.socket) -> None:
@@ -516,6 +519,8 @@ class ChannelServer:
         if isinstance(message, FromRanks):  # a node's relay: its ranks' batch
             for each in message.messages:
                 self._take(each, peer.link, peer.spoke, relayed=True)
+        elif isinstance(message, FromRank):  # ... and one's message with a data file
+            self._take(message.message, peer.link, peer.spoke, relayed=True)
         else:
             self._take(message, peer.link, peer.spoke, relayed=False)
 
@@ -563,10 +568,8 @@ class ChannelServer:
             route = self._peers.get(rank)
         if route is None:
             return False
-        if route.relayed:
-            raise ValueError("a node's relay takes no data file")
         try:
-            route.link.send(message, data)
+            route.link.send(ForRank(rank, message) if route.relayed else message, data)
         except OSError:
             return False
         return True

@@ -418,6 +418,24 @@ class ToRanks:
 
 
 @dataclass(frozen=True)
+class ForRank:
+    """To a node's relay: hand ``message`` to ``rank``. It came with a data file, which
+    landed on the node (``message.file`` says where): the node's copy of a payload, for
+    the rank to keep."""
+
+    rank: int
+    message: Any
+
+
+@dataclass(frozen=True)
+class FromRank:
+    """From a node's relay: one rank's message that came with a data file, sent on with
+    its file (``message.file``, set where it landed on the kernel's machine)."""
+
+    message: Any
+
+
+@dataclass(frozen=True)
 class FromRanks:
     """From a node's relay: what the node's ranks sent since its last batch, each rank's
     in the order it sent them (``Disconnected`` where a rank's connection to the relay

@@ -1,0 +1,251 @@
+"""Cluster sessions whose nodes each run two ranks: the ranks speak to the kernel through
+their node's relay (``_rank.relay``, in the node's torchrun), on the two-node Ray and
+SLURM test clusters, through a real kernel. What a user checks: the state kept, the
+kernel's mean over every rank's metric, a rank's error named with its traceback, stacks
+from every rank, tensors to the ranks and back over the channel (through the relays),
+and a node whose torchrun (its relay) is killed said to be lost, nothing left."""
+
+from __future__ import annotations
+
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from .conftest import wait_until
+from .kernel_driver import Kernel
+from .ray_cluster import RayCluster, unavailable
+from .slurm import job_ended
+from .test_slurm_session import session_jobs, start_session  # noqa: F401 - fixture
+
+pytestmark = [pytest.mark.slow]
+
+PER_NODE = 2
+RAY_START = f"%ddp_session start --ray --nodes 2 --nprocs {PER_NODE}"
+
+SESSION = "import os\n_session = get_ipython().magics_manager.registry['DDPMagics'].session"
+
+RELAYS = """
+_session.run_all(lambda: (os.environ.get('NBDDP_RELAY'), os.getppid()))
+"""
+
+LOG_STEPS = """
+def log_steps(steps):
+    import torch.distributed as dist
+    import nbddp
+    for step in range(steps):
+        nbddp.log(step=step, loss=dist.get_rank() * 10.0 + step)
+
+_job = _session.submit(log_steps, (20,))
+_job.result(timeout=120)
+[(row['step'], row['ranks'], row['loss']) for row in _job.history]
+"""
+
+DATA_BOTH_WAYS = """
+import torch
+os.environ['NBDDP_SESSION_DATA'] = 'channel'  # (each node's copy over the channel)
+try:
+    _big = torch.arange(2**22, dtype=torch.float32)
+    def _checked(t):
+        import torch.distributed as dist
+        return float(t[-1]) + dist.get_rank()
+    _seen = _session.run_all(_checked, _big)
+    _back = _session.run(lambda: torch.full((2**22,), 2.0))
+finally:
+    del os.environ['NBDDP_SESSION_DATA']
+_seen, float(_back.sum())
+"""
+
+
+def cell(kernel: Kernel, body: str, options: str = "", timeout: float = 90):
+    return kernel.run(f"%%ddp {options}\n{body}", timeout=timeout)
+
+
+def relays_of(kernel: Kernel) -> list[tuple[str | None, int]]:
+    return eval(kernel.run(RELAYS).assert_ok().result())  # noqa: S307 - our own repr
+
+
+def check_every_rank_speaks_through_its_node_s_relay(kernel: Kernel) -> None:
+    relays = relays_of(kernel)
+    assert len(relays) == 2 * PER_NODE
+    sockets = {path for path, _ in relays}
+    assert None not in sockets and len(sockets) == 2, relays  # one relay per node
+    by_node = {}
+    for path, parent in relays:
+        by_node.setdefault(path, set()).add(parent)
+    assert all(len(parents) == 1 for parents in by_node.values())  # (the node's torchrun)
+    cell(kernel, "import torch, torch.distributed as dist\n"
+                 "total = torch.ones(2) * (dist.get_rank() + 1)\n"
+                 "dist.all_reduce(total)").assert_ok()
+    assert cell(kernel, "total.sum().item()").assert_ok().result() == "20.0"
+
+
+def check_metrics_exact(kernel: Kernel) -> None:
+    rows = eval(kernel.run(LOG_STEPS, timeout=180).assert_ok().result())  # noqa: S307
+    ranks = 2 * PER_NODE
+    assert [step for step, _, _ in rows] == list(range(20))
+    for step, heard, loss in rows:
+        assert heard == ranks
+        assert loss == pytest.approx(sum(r * 10.0 + step for r in range(ranks)) / ranks)
+
+
+def check_a_failing_rank_is_named_with_its_traceback(kernel: Kernel) -> None:
+    run = cell(kernel, "kept = 41\n"
+                       "def bad_batch():\n    raise ValueError('bad batch on rank 3')\n"
+                       "if dist.get_rank() == 3:\n    bad_batch()")
+    error = run.error()
+    assert error is not None and error["ename"] == "WorkerError", run.describe()
+    assert "rank 3" in error["evalue"] and "bad batch on rank 3" in run.describe()
+    assert "bad_batch" in run.describe()  # (its traceback, through the relay)
+    assert cell(kernel, "kept + 1").assert_ok().result() == "42"
+
+
+def check_stacks_come_from_every_rank(kernel: Kernel) -> None:
+    run = cell(kernel, "import time\n"
+                       "def wait_here():\n    time.sleep(60)\n"
+                       "wait_here()", options="--timeout 5", timeout=120)
+    text = run.error_text()
+    assert run.error()["ename"] == "TimeoutError", run.describe()
+    for rank in range(2 * PER_NODE):
+        assert re.search(rf"rank {rank}\b.*wait_here", text), text
+
+
+def check_data_crosses_the_relays_both_ways(kernel: Kernel) -> None:
+    run = kernel.run(DATA_BOTH_WAYS, timeout=300).assert_ok()
+    seen, back = eval(run.result())  # noqa: S307 - our own repr
+    assert seen == [2.0**22 - 1 + rank for rank in range(2 * PER_NODE)]
+    assert back == 2.0 * 2**22
+
+
+def kill_the_second_node_s_torchrun(kernel: Kernel) -> None:
+    """SIGKILL the torchrun (and so the relay) of the node rank 3 runs on, mid-cell."""
+    relays = relays_of(kernel)
+    victim = relays[3][1]
+    assert "nbddp._torchrun" in Path(f"/proc/{victim}/cmdline").read_text()
+    run = kernel.submit(f"%%ddp\nimport os, signal, time, torch.distributed as dist\n"
+                        f"if dist.get_rank() == 0:\n"
+                        f"    time.sleep(1)\n    os.kill({victim}, {int(signal.SIGKILL)})\n"
+                        f"time.sleep(60)")
+    run.finish(timeout=90)
+    text = run.error_text()
+    assert run.error() is not None, run.describe()
+    assert "rank 3" in text or "rank 2" in text, text
+    assert "node" in text, text
+
+
+# --- Ray ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = RayCluster()
+    try:
+        yield cluster.start(nodes=2)
+    finally:
+        cluster.stop()
+
+
+def ray_setup(cluster: RayCluster) -> str:
+    return (f"import os\nos.environ['RAY_ADDRESS'] = {cluster.address!r}\n"
+            "import nbddp\n%load_ext nbddp")
+
+
+@pytest.fixture(scope="module")
+def ray_relayed(ray_cluster, tmp_path_factory):
+    kernel = Kernel(tmp_path_factory.mktemp("ray-relay"))
+    try:
+        kernel.run(ray_setup(ray_cluster)).assert_ok()
+        kernel.run(RAY_START, timeout=180).assert_ok()
+        kernel.run(SESSION).assert_ok()
+        yield kernel
+        kernel.run("%ddp_session stop").assert_ok()
+    finally:
+        kernel.shutdown()
+    assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
+@pytest.mark.ray
+def test_ray_every_rank_speaks_through_its_node_s_relay(ray_relayed):
+    check_every_rank_speaks_through_its_node_s_relay(ray_relayed)
+
+
+@pytest.mark.ray
+def test_ray_the_kernel_s_mean_is_over_every_rank(ray_relayed):
+    check_metrics_exact(ray_relayed)
+
+
+@pytest.mark.ray
+def test_ray_a_failing_rank_is_named_with_its_traceback(ray_relayed):
+    check_a_failing_rank_is_named_with_its_traceback(ray_relayed)
+
+
+@pytest.mark.ray
+def test_ray_stacks_come_from_every_rank(ray_relayed):
+    check_stacks_come_from_every_rank(ray_relayed)
+
+
+@pytest.mark.ray
+def test_ray_tensors_cross_the_relays_both_ways(ray_relayed):
+    check_data_crosses_the_relays_both_ways(ray_relayed)
+
+
+@pytest.mark.ray
+def test_ray_a_node_s_relay_killed_is_the_node_lost(ray_relayed):
+    """(Last of the Ray tests: the session's state is gone after it. It is stopped here,
+    and its fixture checks that nothing of it is left on the cluster.)"""
+    kill_the_second_node_s_torchrun(ray_relayed)
+    ray_relayed.run("%ddp_session stop", timeout=120).assert_ok()
+
+
+# --- SLURM --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slurm_relayed(slurm_env, session_jobs, tmp_path_factory):  # noqa: F811
+    kernel = Kernel(tmp_path_factory.mktemp("slurm-relay"))
+    try:
+        start_session(kernel, slurm_env, session_jobs, f"--nprocs {PER_NODE}")
+        kernel.run(SESSION).assert_ok()
+        yield kernel
+        kernel.run("%ddp_session stop").assert_ok()
+    finally:
+        kernel.shutdown()
+
+
+@pytest.mark.slurm
+def test_slurm_every_rank_speaks_through_its_node_s_relay(slurm_relayed):
+    check_every_rank_speaks_through_its_node_s_relay(slurm_relayed)
+
+
+@pytest.mark.slurm
+def test_slurm_the_kernel_s_mean_is_over_every_rank(slurm_relayed):
+    check_metrics_exact(slurm_relayed)
+
+
+@pytest.mark.slurm
+def test_slurm_a_failing_rank_is_named_with_its_traceback(slurm_relayed):
+    check_a_failing_rank_is_named_with_its_traceback(slurm_relayed)
+
+
+@pytest.mark.slurm
+def test_slurm_tensors_cross_the_relays_both_ways(slurm_relayed):
+    check_data_crosses_the_relays_both_ways(slurm_relayed)
+
+
+@pytest.mark.slurm
+def test_slurm_a_node_s_relay_killed_ends_the_job_and_the_next_cell_runs_anew(
+        slurm_relayed, slurm_env, session_jobs):  # noqa: F811
+    status = slurm_relayed.run("%ddp_session").assert_ok().result()
+    job_id = re.search(r"on SLURM job (\d+)", status).group(1)
+    kill_the_second_node_s_torchrun(slurm_relayed)
+    wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
+    assert cell(slurm_relayed, "import torch.distributed as dist\ndist.get_world_size()",
+                timeout=180).assert_ok().result() == str(2 * PER_NODE)
+    check_every_rank_speaks_through_its_node_s_relay(slurm_relayed)  # (the new job's)
+    status = slurm_relayed.run("%ddp_session").assert_ok().result()
+    session_jobs.append(re.search(r"on SLURM job (\d+)", status).group(1))
+    slurm_relayed.run("%ddp_session stop", timeout=120).assert_ok()  # (last: nothing left)
