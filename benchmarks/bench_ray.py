@@ -56,10 +56,11 @@ GIB = 1 << 30
 
 
 class LocalRayCluster:
-    """Two Ray nodes on this machine, started with ``ray start`` and stopped by PID."""
+    """Ray nodes on this machine (two by default), started with ``ray start`` and stopped
+    by PID."""
 
-    def __init__(self, cpus: int) -> None:
-        self.cpus = cpus
+    def __init__(self, cpus: int, nodes: int = 2) -> None:
+        self.cpus, self.nodes = cpus, nodes
         self.temp_dir = Path(tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"))
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
@@ -71,7 +72,7 @@ class LocalRayCluster:
         ray = shutil.which("ray")
         assert ray, "the ray command is not on PATH: pip install 'nbddp[ray]'"
         for where in (["--head", f"--port={self.port}", "--include-dashboard=false"],
-                      [f"--address={self.address}"]):
+                      *[[f"--address={self.address}"]] * (self.nodes - 1)):
             subprocess.run([ray, "start", *where, f"--num-cpus={self.cpus}",
                             "--disable-usage-stats", f"--temp-dir={self.temp_dir}"],
                            check=True, capture_output=True, timeout=120)

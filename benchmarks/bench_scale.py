@@ -171,9 +171,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="of metrics per shape")
     parser.add_argument("--rate", type=float, default=100.0, help="metric steps/s per rank")
     parser.add_argument("--ray", metavar="ADDRESS",
-                        help="also on this Ray cluster's nodes ('local': two Ray nodes "
-                             "started on this machine for the run)")
+                        help="also on this Ray cluster's nodes ('local': --nodes Ray "
+                             "nodes started on this machine for the run)")
     parser.add_argument("--nodes", type=int, default=2, help="Ray nodes (with --ray)")
+    parser.add_argument("--ray-only", action="store_true",
+                        help="with --ray: the Ray shapes alone (not one node's)")
     parser.add_argument("--monarch", metavar="PYTHON",
                         help="also Monarch on this host, in the same run: an interpreter "
                              "whose environment has torchmonarch (peer_monarch.py)")
@@ -182,15 +184,15 @@ def main() -> None:
     if opts.ray == "local":
         from bench_ray import LocalRayCluster
 
-        with LocalRayCluster(cpus=1) as cluster:
-            opts.ray, opts.nodes = cluster.address, 2
+        with LocalRayCluster(cpus=1, nodes=opts.nodes) as cluster:
+            opts.ray = cluster.address
             run(opts)
     else:
         run(opts)
 
 
 def run(opts: argparse.Namespace) -> None:
-    shapes = [(n, 1, None) for n in opts.ranks]
+    shapes = [] if opts.ray and opts.ray_only else [(n, 1, None) for n in opts.ranks]
     if opts.ray:
         shapes += [(n, opts.nodes, opts.ray) for n in opts.ranks if n % opts.nodes == 0]
     results: dict[str, Any] = {"machine": platform.node(), "cpus": os.cpu_count(),
