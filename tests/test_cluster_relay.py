@@ -249,3 +249,41 @@ def test_slurm_a_node_s_relay_killed_ends_the_job_and_the_next_cell_runs_anew(
     status = slurm_relayed.run("%ddp_session").assert_ok().result()
     session_jobs.append(re.search(r"on SLURM job (\d+)", status).group(1))
     slurm_relayed.run("%ddp_session stop", timeout=120).assert_ok()  # (last: nothing left)
+
+
+@pytest.mark.slurm
+def test_slurm_a_new_kernel_attaches_to_relayed_ranks_with_their_state(slurm_env, jobs,
+                                                                       tmp_path):
+    """The first kernel is killed; its relays close their ranks' links with it, and the
+    ranks, with their state, connect to the kernel that attaches, each on its own."""
+    from .test_kernel import _alive, _snapshot
+    from .test_slurm_session import session_pids
+    from .test_slurm_submit import setup_cell
+
+    first = Kernel(tmp_path)
+    try:
+        job_id = start_session(first, slurm_env, jobs, f"--nprocs {PER_NODE}")
+        first.run(SESSION).assert_ok()
+        assert None not in {path for path, _ in relays_of(first)}
+        cell(first, "import torch.distributed as dist\nkept = [dist.get_rank()]").assert_ok()
+        ranks = _snapshot(session_pids(first).values())
+        first.end("killed")
+    finally:
+        first.shutdown()
+    assert not job_ended(slurm_env, job_id) and _alive(ranks)  # they wait for a kernel
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    second = Kernel(elsewhere)
+    try:
+        second.run(setup_cell(slurm_env)).assert_ok()
+        second.run(f"%ddp_session attach {job_id}", timeout=60).assert_ok()
+        again = cell(second, "kept.append(dist.get_rank() + 10)\n"
+                             "everyone = [None] * dist.get_world_size()\n"
+                             "dist.all_gather_object(everyone, kept)\n"
+                             "everyone").assert_ok()
+        assert eval(again.result()) == [[r, r + 10] for r in range(2 * PER_NODE)]  # noqa: S307
+        assert set(session_pids(second).values()) == set(ranks)  # the same processes
+        second.run("%ddp_session stop").assert_ok()
+        wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
+    finally:
+        second.shutdown()
