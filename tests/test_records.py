@@ -166,21 +166,23 @@ def test_a_folder_whose_lock_cannot_be_asked_about_is_kept(tmp_path, monkeypatch
     assert unknown.exists() and not finished.exists()
 
 
-@pytest.mark.parametrize("nprocs", [2, records.MAKE_LOGS_UP_TO + 1])
+@pytest.mark.parametrize("nprocs, make_logs", [(2, True), (records.MAKE_LOGS_UP_TO + 1, True),
+                                               (2, False)])
 def test_a_cluster_cells_folder_has_its_ranks_logs_made_ahead_only_for_a_few_ranks(
-        tmp_path, monkeypatch, nprocs):
-    """Thousands of ranks' logs made by the kernel for every cell would be its largest
-    cost; past MAKE_LOGS_UP_TO each rank makes its own (on its node), as it opens it."""
+        tmp_path, monkeypatch, nprocs, make_logs):
+    """Thousands of ranks' logs made by the kernel for every cell (and pruned later) would
+    be its largest cost; past MAKE_LOGS_UP_TO each rank makes its own (on its node), as
+    it opens it; where the kernel writes what the ranks send (Ray), none is made ahead."""
     monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path / "runs"))
-    cells = records.FolderPerCell(nprocs)
+    cells = records.FolderPerCell(nprocs, make_logs)
     cells.prepare()
     cell = cells.next_cell(1)
     made = sorted(p.name for p in cell.path.iterdir() if p.name.endswith(".log"))
-    if nprocs <= records.MAKE_LOGS_UP_TO:
+    if make_logs and nprocs <= records.MAKE_LOGS_UP_TO:
         assert made == sorted(cell.rank_log(r).name for r in range(nprocs))
     else:
         assert made == []
-        cell.rank_log(3).write_text("rank 3 made its own\n")
-        assert cell.read_logs(nprocs)[3] == "rank 3 made its own\n"
+        cell.rank_log(1).write_text("rank 1 made its own\n")
+        assert cell.read_logs(nprocs)[1] == "rank 1 made its own\n"
         assert cell.read_logs(nprocs)[0] == ""  # (a rank that wrote nothing: empty)
     cells.close()

@@ -16,6 +16,7 @@ from .._errors import NbddpError
 from .._run.backend import Backend, follow
 from .._run.config import RunConfig, RunOptions
 from .._run.job import Job
+from .._run.records import FolderPerCell
 from .._run.shape import GroupShape
 from .._run.waiting import WaitingGroup
 from .._wire.dataplane import Packed
@@ -80,6 +81,12 @@ class RayBackend(Backend):
 
     def hosts(self, group: WaitingGroup, last: Job | None) -> dict[int, str]:
         return group.rank_nodes()
+
+    def session_records(self) -> FolderPerCell:
+        """A folder per cell, its ranks' logs made only as their output comes: the
+        nodes cannot write there, the kernel writes what each rank sends (a no-op cell
+        of many ranks then makes and prunes no file per rank)."""
+        return FolderPerCell(self.config.nprocs, make_logs=False)
 
     def left(self, group: WaitingGroup) -> bool:
         return isinstance(group, RaySessionGroup) and group.detached

@@ -117,8 +117,12 @@ class FolderPerCell:
     may lag behind what they wrote, so a cell's part of a log cannot be found by it).
     The next cell's folder is made while the ranks run this one."""
 
-    def __init__(self, nprocs: int) -> None:
+    def __init__(self, nprocs: int, make_logs: bool = True) -> None:
+        """``make_logs``: the ranks open their logs in the folder (on a shared filesystem),
+        so they are made ahead; not where the kernel writes what the ranks send (a Ray
+        session's), only for the ranks that write."""
         self._nprocs = nprocs
+        self._make_logs = make_logs and nprocs <= MAKE_LOGS_UP_TO
         self._lock = threading.Lock()
         self._next: Records | None = None
         self._closed = False
@@ -137,7 +141,7 @@ class FolderPerCell:
         each rank makes its own."""
         forget_old_runs()
         ahead = Records.create(forget_old=False)
-        if self._nprocs <= MAKE_LOGS_UP_TO:
+        if self._make_logs:
             _make_logs(ahead.path, self._nprocs)
         with self._lock:
             if self._closed or self._next is not None:
