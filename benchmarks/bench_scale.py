@@ -174,6 +174,9 @@ def main() -> None:
                         help="also on this Ray cluster's nodes ('local': --nodes Ray "
                              "nodes started on this machine for the run)")
     parser.add_argument("--nodes", type=int, default=2, help="Ray nodes (with --ray)")
+    parser.add_argument("--without-relay", action="store_true",
+                        help="nbddp alone only, every rank on its own connection (no "
+                             "node relay): the same sessions without the feature")
     parser.add_argument("--ray-only", action="store_true",
                         help="with --ray: the Ray shapes alone (not one node's)")
     parser.add_argument("--monarch", metavar="PYTHON",
@@ -203,7 +206,14 @@ def run(opts: argparse.Namespace) -> None:
               f"{'cell wall ms':>13} {'metrics CPU':>12}")
         os.environ["PYTHONPATH"] = os.pathsep.join(  # (the kernel imports log_for here)
             filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
-        for where, measure_one in (("kernel", in_a_kernel), ("python", one_shape)):
+        ways = [("kernel", in_a_kernel), ("python", one_shape)]
+        if opts.without_relay:  # (in this process only: the kernel's would not see it)
+            import nbddp._local.launcher
+            import nbddp._run.config
+
+            nbddp._local.launcher.RELAY_FROM = nbddp._run.config.RELAY_FROM_PER_NODE = 10**9
+            ways = ways[1:]
+        for where, measure_one in ways:
             print(f"{where}:")
             results[where] = {}
             for ranks, nodes, address in shapes:
@@ -215,7 +225,7 @@ def run(opts: argparse.Namespace) -> None:
     if opts.monarch:
         results["monarch"] = beside_monarch(opts, results["python"])
     results["load_after"] = os.getloadavg()[0]
-    for where in ("kernel", "python"):
+    for where in [w for w in ("kernel", "python") if w in results]:
         print(f"targets, {where}:")
         report_targets(results[where], opts.rate)
     if opts.json:
