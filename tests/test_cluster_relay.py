@@ -15,8 +15,9 @@ import pytest
 
 from .conftest import wait_until
 from .kernel_driver import Kernel
-from .ray_cluster import RayCluster, unavailable
 from .slurm import job_ended
+from .test_ray_session import ray_cluster  # noqa: F401 - the module's own cluster
+from .test_ray_session import setup_cell as ray_setup_cell
 from .test_slurm_session import session_jobs, start_session  # noqa: F401 - fixture
 
 pytestmark = [pytest.mark.slow]
@@ -138,27 +139,10 @@ def kill_the_second_node_s_torchrun(kernel: Kernel) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    reason = unavailable()
-    if reason:
-        pytest.skip(reason)
-    cluster = RayCluster()
-    try:
-        yield cluster.start(nodes=2)
-    finally:
-        cluster.stop()
-
-
-def ray_setup(cluster: RayCluster) -> str:
-    return (f"import os\nos.environ['RAY_ADDRESS'] = {cluster.address!r}\n"
-            "import nbddp\n%load_ext nbddp")
-
-
-@pytest.fixture(scope="module")
-def ray_relayed(ray_cluster, tmp_path_factory):
+def ray_relayed(ray_cluster, tmp_path_factory):  # noqa: F811
     kernel = Kernel(tmp_path_factory.mktemp("ray-relay"))
     try:
-        kernel.run(ray_setup(ray_cluster)).assert_ok()
+        kernel.run(ray_setup_cell(ray_cluster)).assert_ok()
         kernel.run(RAY_START, timeout=180).assert_ok()
         kernel.run(SESSION).assert_ok()
         yield kernel
