@@ -1,4 +1,4 @@
-"""Cluster sessions whose nodes each run two ranks: the ranks speak to the kernel through
+"""Cluster sessions whose nodes each run several ranks: the ranks speak to the kernel through
 their node's relay (``_rank.relay``, in the node's torchrun), on the two-node Ray and
 SLURM test clusters, through a real kernel. What a user checks: the state kept, the
 kernel's mean over every rank's metric, a rank's error named with its traceback, stacks
@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from nbddp._run.config import RELAY_FROM_PER_NODE
+
 from .conftest import wait_until
 from .kernel_driver import Kernel
 from .slurm import job_ended
@@ -22,7 +24,7 @@ from .test_slurm_session import session_jobs, start_session  # noqa: F401 - fixt
 
 pytestmark = [pytest.mark.slow]
 
-PER_NODE = 2
+PER_NODE = RELAY_FROM_PER_NODE  # (the fewest ranks a node has a relay for)
 RAY_START = f"%ddp_session start --ray --nodes 2 --nprocs {PER_NODE}"
 
 SESSION = "import os\n_session = get_ipython().magics_manager.registry['DDPMagics'].session"
@@ -79,7 +81,9 @@ def check_every_rank_speaks_through_its_node_s_relay(kernel: Kernel) -> None:
     cell(kernel, "import torch, torch.distributed as dist\n"
                  "total = torch.ones(2) * (dist.get_rank() + 1)\n"
                  "dist.all_reduce(total)").assert_ok()
-    assert cell(kernel, "total.sum().item()").assert_ok().result() == "20.0"
+    ranks = 2 * PER_NODE
+    assert cell(kernel, "total.sum().item()").assert_ok().result() == \
+        str(2.0 * sum(rank + 1 for rank in range(ranks)))
 
 
 def check_metrics_exact(kernel: Kernel) -> None:
@@ -120,19 +124,22 @@ def check_data_crosses_the_relays_both_ways(kernel: Kernel) -> None:
 
 
 def kill_the_second_node_s_torchrun(kernel: Kernel) -> None:
-    """SIGKILL the torchrun (and so the relay) of the node rank 3 runs on, mid-cell."""
+    """SIGKILL the torchrun (and so the relay) of the last rank's node, mid-cell: the
+    cell names one of that node's ranks as lost with its node."""
     relays = relays_of(kernel)
-    victim = relays[3][1]
+    victim = relays[-1][1]
+    lost = {rank for rank, (_, parent) in enumerate(relays) if parent == victim}
     assert "nbddp._torchrun" in Path(f"/proc/{victim}/cmdline").read_text()
+    killer = min(set(range(len(relays))) - lost)
     run = kernel.submit(f"%%ddp\nimport os, signal, time, torch.distributed as dist\n"
-                        f"if dist.get_rank() == 0:\n"
+                        f"if dist.get_rank() == {killer}:\n"
                         f"    time.sleep(1)\n    os.kill({victim}, {int(signal.SIGKILL)})\n"
                         f"time.sleep(60)")
     run.finish(timeout=90)
     text = run.error_text()
     assert run.error() is not None, run.describe()
-    assert "rank 3" in text or "rank 2" in text, text
-    assert "node" in text, text
+    named = re.search(r"rank (\d+) was lost with its node", text)
+    assert named and int(named.group(1)) in lost, text
 
 
 # --- Ray ----------------------------------------------------------------------------

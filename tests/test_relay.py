@@ -331,11 +331,11 @@ def test_nbddp_s_torchrun_options_come_in_any_order_before_torchrun_s():
     assert plain.torchrun == ["--nnodes", "1", "--relay"]
 
 
-def test_a_cluster_node_has_a_relay_from_two_ranks():
+def test_a_cluster_node_has_a_relay_from_four_ranks():
     from nbddp._run.config import relay_option
     from nbddp._slurm.sbatch import session_torchrun
 
-    assert relay_option(1) == [] and relay_option(2) == ["--relay"]
-    assert "--relay" not in session_torchrun("/run", "python", 2, 1)
+    assert relay_option(1) == relay_option(3) == [] and relay_option(4) == ["--relay"]
+    assert "--relay" not in session_torchrun("/run", "python", 2, 2)
     command = session_torchrun("/run", "python", 2, 4)
     assert command.index("--relay") < command.index("--nnodes")  # (nbddp's, first)

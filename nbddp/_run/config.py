@@ -211,10 +211,12 @@ def check_max_restarts(value: object) -> None:
         raise ValueError(f"max_restarts must be 0 or more, got {value}")
 
 
-RELAY_FROM_PER_NODE = 2
+RELAY_FROM_PER_NODE = 4
 """A cluster session's node speaks to the kernel through a relay (``_rank.relay``) once
 it has this many ranks: one connection, one Start and one batch of reports per node, not
-per rank (one rank alone gains nothing by it)."""
+per rank. Measured on four Ray nodes (``benchmarks/bench_scale.py --without-relay``): at 2
+ranks a node the relay saved the kernel no CPU and cost a hop; from 4 it saves CPU per
+cell, and most of the kernel's CPU while ranks log metrics."""
 
 
 def relay_option(nprocs_per_node: int) -> list[str]:
