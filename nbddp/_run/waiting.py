@@ -49,13 +49,13 @@ from .shape import GroupShape, Handover
 INLINE_PAYLOAD = 256 * 2**10
 """A payload this small without data buffers travels inside its Start."""
 ROLL_CALL_WAIT = 3.0
+"""How long a waiting rank may take to answer its roll call. An idle rank answers within
+a millisecond (a few on another node); one that has not answered by then is taken for
+stuck, and its group for unfit to run."""
 HEARD_LATELY = 1.0
 """Seconds: a cluster group whose every rank's link brought a message this recently is
 not called before its next run (cells that follow each other at once go without the
 round trip; one typed by hand, seconds later, is called)."""
-"""How long a waiting rank may take to answer its roll call. An idle rank answers within
-a millisecond (a few on another node); one that has not answered by then is taken for
-stuck, and its group for unfit to run."""
 
 
 class WaitingGroup(RankGroup):
