@@ -18,14 +18,13 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from .._wire.channel import ChannelClient
 from .._wire.dataplane import Packed
 from .._wire.messages import DebugInput
-from .._wire.rundir import RELAY_ENV, RunDir
-from .link import KernelLink, channel_to
+from .._wire.rundir import RunDir
+from .link import KernelLink, channel_to, to_node_relay
 
 ADDRESS_POLL = 0.5
 """Seconds between two reads of the address file while no kernel is attached."""
@@ -51,9 +50,7 @@ class AttachableLink(KernelLink):
         """Connect to the kernel named in the session's folder (through the node's relay,
         if it has one), and listen to it."""
         address = run_dir.address.read_text()
-        relay = os.environ.get(RELAY_ENV)  # (its data files cross the relay, not here)
-        channel = ChannelClient(Path(relay), run_dir.key.read_bytes()) if relay else \
-            channel_to(address, run_dir)
+        channel = to_node_relay(run_dir) or channel_to(address, run_dir)
         link = cls(rank, channel, run_dir, address, grace)
         link._listen_in_background()
         return link

@@ -89,9 +89,9 @@ class KernelLink:
     def local(cls, run_dir: RunDir, rank: int) -> KernelLink:
         """Connect to the kernel (through the node's relay, if it has one); if it goes
         away while the rank is busy, stop the rank."""
-        relay = os.environ.get(RELAY_ENV)  # the node's relay speaks for its ranks
-        link = cls(rank, ChannelClient(Path(relay) if relay else run_dir.socket,
-                                       run_dir.key.read_bytes()), None, run_dir)
+        channel = to_node_relay(run_dir) or ChannelClient(run_dir.socket,
+                                                          run_dir.key.read_bytes())
+        link = cls(rank, channel, None, run_dir)
         link._listen_in_background()
         return link
 
@@ -267,6 +267,13 @@ def node_inbox(run_dir: RunDir) -> Inbox:
     fit, else its local disk (else the run folder, where the wrapper made neither)."""
     shm, disk = os.environ.get(NODE_SHM_ENV), os.environ.get(NODE_DISK_ENV)
     return place_in(Path(shm) if shm else None, Path(disk) if disk else run_dir.path)
+
+
+def to_node_relay(run_dir: RunDir) -> ChannelClient | None:
+    """A connection to this node's relay, which speaks to the kernel for the node's ranks
+    (``_rank.relay``), if the node has one (its data files cross the relay, not here)."""
+    relay = os.environ.get(RELAY_ENV)
+    return ChannelClient(Path(relay), run_dir.key.read_bytes()) if relay else None
 
 
 def channel_to(address: str, run_dir: RunDir) -> ChannelClient:

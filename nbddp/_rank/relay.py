@@ -61,8 +61,6 @@ class NodeRelay:
     def __init__(self, up: ChannelClient, ranks: Callable[[Callable[[Any], None]], Ranks],
                  landing: Landing | None = None) -> None:
         self._up, self._landing = up, landing
-        self.address: Path | None = None
-        """Where the node's ranks connect (``node_relay``'s)."""
         self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         try:
             self._down = ranks(self._outbox.put)
@@ -186,12 +184,10 @@ def node_relay(kernel: Address, listen: Path, key: bytes, inbox: Inbox | None = 
     kernel at ``kernel``. On a cluster's node (the kernel elsewhere) data files cross it
     both ways: a payload from the kernel lands in ``inbox`` for a rank to keep, and a
     rank's result lands in ``landing`` on its way to the kernel."""
-    relay = NodeRelay(ChannelClient(kernel, key, inbox),
-                      lambda deliver: ChannelServer(listen, key, deliver,
-                                                    landing.inbox if landing else None),
-                      landing)
-    relay.address = listen
-    return relay
+    return NodeRelay(ChannelClient(kernel, key, inbox),
+                     lambda deliver: ChannelServer(listen, key, deliver,
+                                                   landing.inbox if landing else None),
+                     landing)
 
 
 def compact(batch: list[Any]) -> list[Any]:

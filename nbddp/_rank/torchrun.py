@@ -197,15 +197,15 @@ class _Options:
 
 def _own_options(argv: list[str]) -> _Options:
     """nbddp's own options, in any order, before torchrun's."""
-    relay = node_data = False
+    flags: set[str] = set()
     report = None
     while argv[:1] in (["--relay"], ["--node-data"], ["--report"]):
         if argv[0] == "--report":
             report, argv = int(argv[1]), argv[2:]
-            continue
-        relay, node_data = relay or argv[0] == "--relay", node_data or argv[0] == "--node-data"
-        argv = argv[1:]
-    return _Options(relay, node_data, report, argv)
+        else:
+            flags.add(argv[0])
+            argv = argv[1:]
+    return _Options("--relay" in flags, "--node-data" in flags, report, argv)
 
 
 def _leave_the_parent() -> None:
@@ -251,19 +251,19 @@ def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
     kernel themselves) if the kernel cannot be reached from here. ``remote``: a cluster
     session's node, whose kernel listens on TCP (the address file) and whose data files
     cross the relay (into the node's folders)."""
+    listen = _relay_socket() if remote else run_dir.relay_socket
     try:
+        key = run_dir.key.read_bytes()
         if remote:
-            relay = node_relay(parse_address(run_dir.address.read_text()),
-                               _relay_socket(), run_dir.key.read_bytes(),
+            relay = node_relay(parse_address(run_dir.address.read_text()), listen, key,
                                inbox=node_inbox(run_dir), landing=_landing())
         else:
-            relay = node_relay(run_dir.socket, run_dir.relay_socket,
-                               run_dir.key.read_bytes())
+            relay = node_relay(run_dir.socket, listen, key)
     except (OSError, ValueError, ConnectionError) as exc:
         print(f"nbddp: no relay on this node ({exc}); its ranks reach the kernel "
               "themselves", file=sys.stderr)
         return None
-    os.environ[RELAY_ENV] = str(relay.address)
+    os.environ[RELAY_ENV] = str(listen)
     return relay
 
 

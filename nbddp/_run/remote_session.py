@@ -128,40 +128,30 @@ class RemoteSessionGroup(WaitingGroup):
 
     def _send_starts(self, ranks: list[int]) -> None:
         """(Under the lock) A node's ranks start once it has the payload: those whose Start
-        is known go together (once per node that has a relay), the others rank by rank."""
+        is known go together (once per node that has a relay); a node's local rank 0 is
+        first sent the payload to keep, the node's other ranks wait for it."""
         assert self._server is not None and self._start is not None
         delivery = self._delivery
         if delivery is None:  # (the payload is inside the Start)
             self._started.update(ranks)
             self._server.send_to_each(ranks, self._start)
             return
+        if delivery.cancelled:
+            return  # (the run ended before these ranks' nodes had the payload)
         by_copy: dict[str, list[int]] = {}
         for rank in ranks:
-            copy = delivery.copies.get(self._hellos[rank].node)
-            if copy is None or delivery.cancelled:
-                self._send_start(rank)
-            else:
+            hello = self._hellos[rank]
+            copy = delivery.copies.get(hello.node)
+            if copy is not None:
                 by_copy.setdefault(copy, []).append(rank)
+            elif hello.local_rank == 0:
+                delivery.send_to(self._server, rank)
         for copy, on_node in by_copy.items():
             self._started.update(on_node)
             self._server.send_to_each(on_node, dataclasses.replace(self._start, payload=copy))
 
     def _send_start(self, rank: int) -> None:
-        assert self._server is not None and self._start is not None
-        delivery, hello = self._delivery, self._hellos[rank]
-        if delivery is None:
-            self._started.add(rank)
-            self._server.send(rank, self._start)
-            return
-        if delivery.cancelled:
-            return  # (the run ended before this rank's node had the payload)
-        copy = delivery.copies.get(hello.node)
-        if copy is not None:
-            self._started.add(rank)
-            self._server.send(rank, dataclasses.replace(self._start, payload=copy))
-        elif hello.local_rank == 0:
-            delivery.send_to(self._server, rank)
-        # (the node's other ranks get their Start once its rank 0 has kept the payload)
+        self._send_starts([rank])
 
     def _payload_kept(self, kept: PayloadKept) -> None:
         """(Under the lock) A node has the payload: its ranks get their Start. A node that
