@@ -11,6 +11,7 @@ functions that need it, so a plain-torchrun rank never imports it.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -231,7 +232,8 @@ def allreduce_once_cuda() -> float:
 
 def train_conv(steps: int, warmup: int) -> dict[str, float]:
     """Train a small convolutional net with DDP on the rank's GPU, on seeded synthetic
-    32x32 images; return timed steps/s (the GPU synchronised before each clock read)."""
+    32x32 images; return timed steps/s (the GPU synchronised before each clock read), and
+    the threads the rank runs beside it."""
     torch.manual_seed(0)
     device = torch.device("cuda", torch.cuda.current_device())
     net = nn.Sequential(
@@ -258,4 +260,5 @@ def train_conv(steps: int, warmup: int) -> dict[str, float]:
     for i in range(steps):
         step(i)
     torch.cuda.synchronize()
-    return {"steps_per_s": steps / (time.perf_counter() - start)}
+    return {"steps_per_s": steps / (time.perf_counter() - start),
+            "threads": sorted(t.name for t in threading.enumerate())}

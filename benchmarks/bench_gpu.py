@@ -158,13 +158,19 @@ def session_figures(cells: int, repeats: int) -> dict:
             "cuda_1gib_out_gb_per_s": GIB / 1e9 / max(statistics.median(out) - base, 1e-9)}
 
 
+PARTS = ("cold", "warm", "training", "session")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (default 3)")
     parser.add_argument("--steps", type=int, default=300, help="timed training steps")
     parser.add_argument("--cells", type=int, default=50, help="session round trips")
     parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    parser.add_argument("--only", choices=PARTS, action="append",
+                        help="run only this part (may be repeated; default: all)")
     opts = parser.parse_args()
+    parts = set(opts.only or PARTS)
     nbddp.standby(False)
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -175,27 +181,33 @@ def main() -> None:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")
         env = rank_environment(RunConfig(nprocs=1)) | {"BENCH_BACKEND": "nccl"}
         plain = partial(run_torchrun, Path(tmp), env, nprocs=1, timeout=TIMEOUT)
-        print("cold launch + CUDA all_reduce ", end="", flush=True)
         plain(_workloads.allreduce_once_cuda)  # file cache and the driver, not counted
-        nb, tr = alternate(opts.repeats,
-                           partial(timed, nbddp.launch, _workloads.allreduce_once_cuda, gpus=1),
-                           partial(plain, _workloads.allreduce_once_cuda))
-        result["cold_launch_s"] = ratio([s for s, _ in nb], [s for s, _ in tr])
-        report(result, opts.json)
-        print("warm launches, split ", end="", flush=True)
-        result["warm_launch"] = warm_launches(opts.repeats + 2, 2.0)
-        report(result, opts.json)
-        print("conv DDP training ", end="", flush=True)
-        args = (opts.steps, 30)
-        nb, tr = alternate(
-            opts.repeats, partial(timed, nbddp.launch, _workloads.train_conv, gpus=1, args=args),
-            partial(plain, _workloads.train_conv, *args))
-        result["conv_steps_per_s"] = ratio([v["steps_per_s"] for _, v in nb],
-                                           [v["steps_per_s"] for _, v in tr])
-        report(result, opts.json)
-        print("session on the GPU", flush=True)
-        result["session"] = session_figures(opts.cells, opts.repeats)
-        report(result, opts.json)
+        if "cold" in parts:
+            print("cold launch + CUDA all_reduce ", end="", flush=True)
+            nb, tr = alternate(
+                opts.repeats, partial(timed, nbddp.launch, _workloads.allreduce_once_cuda, gpus=1),
+                partial(plain, _workloads.allreduce_once_cuda))
+            result["cold_launch_s"] = ratio([s for s, _ in nb], [s for s, _ in tr])
+            report(result, opts.json)
+        if "warm" in parts:
+            print("warm launches, split ", end="", flush=True)
+            result["warm_launch"] = warm_launches(opts.repeats + 2, 2.0)
+            report(result, opts.json)
+        if "training" in parts:
+            print("conv DDP training ", end="", flush=True)
+            args = (opts.steps, 30)
+            nb, tr = alternate(
+                opts.repeats,
+                partial(timed, nbddp.launch, _workloads.train_conv, gpus=1, args=args),
+                partial(plain, _workloads.train_conv, *args))
+            result["conv_steps_per_s"] = ratio([v["steps_per_s"] for _, v in nb],
+                                               [v["steps_per_s"] for _, v in tr])
+            result["conv_threads"] = {"nbddp": nb[0][1]["threads"], "torchrun": tr[0][1]["threads"]}
+            report(result, opts.json)
+        if "session" in parts:
+            print("session on the GPU", flush=True)
+            result["session"] = session_figures(opts.cells, opts.repeats)
+            report(result, opts.json)
 
 
 def report(result: dict, path: Path | None) -> None:

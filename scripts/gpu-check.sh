@@ -11,7 +11,8 @@
 #    split into hand-over, CUDA context, NCCL set-up and user code), conv DDP steps/s,
 #    a session's round trip, a 1 GiB CUDA tensor each way.
 # Everything it prints is also kept in $OUT (default: a new temp dir); BENCH_ARGS go to
-# bench_gpu.py (e.g. BENCH_ARGS="--repeats 2"). It takes about 7 minutes on one H100.
+# bench_gpu.py (e.g. BENCH_ARGS="--repeats 2", or "--only training --steps 3000" for one
+# part). It takes about 7 minutes on one H100.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT_DIR=${OUT:-$(mktemp -d)}
