@@ -2,13 +2,15 @@
 their node's relay (``_rank.relay``, in the node's torchrun), on the two-node Ray and
 SLURM test clusters, through a real kernel. What a user checks: the state kept, the
 kernel's mean over every rank's metric, a rank's error named with its traceback, stacks
-from every rank, tensors to the ranks and back over the channel (through the relays),
-and a node whose torchrun (its relay) is killed said to be lost, nothing left."""
+from every rank, tensors to the ranks and back over the channel (through the relays), an
+interrupt that reaches every rank, a killed rank named (the session starts again), and a
+node whose torchrun (its relay) is killed said to be lost, nothing left."""
 
 from __future__ import annotations
 
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -123,6 +125,44 @@ def check_data_crosses_the_relays_both_ways(kernel: Kernel) -> None:
     assert back == 2.0 * 2**22
 
 
+def check_an_interrupt_reaches_every_rank_and_keeps_the_state(kernel: Kernel) -> None:
+    cell(kernel, "ticks = 0").assert_ok()
+    run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\n"
+                        "while True:\n    ticks += 1\n    time.sleep(0.01)")
+    run.wait_for_output("working")
+    time.sleep(1)  # (every rank is in its loop)
+    kernel.km.interrupt_kernel()
+    run.finish(timeout=60)
+    assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
+    assert "back at rest, with their state" in run.error_text(), run.describe()
+    ticks = eval(cell(kernel, "import torch.distributed as dist\n"  # noqa: S307
+                              "everyone = [None] * dist.get_world_size()\n"
+                              "dist.all_gather_object(everyone, ticks)\n"
+                              "everyone").assert_ok().result())
+    assert len(ticks) == 2 * PER_NODE and min(ticks) >= 1, ticks
+
+
+def kill_a_rank_on_the_second_node(kernel: Kernel) -> str:
+    """SIGKILL the last rank (on the second node, behind its relay) mid-cell, from a rank
+    on the first: the cell names it and says the state is gone; the next cell runs on
+    new ranks, through relays again. The cell's error text."""
+    kernel.run("lost = True").assert_ok()
+    relays = relays_of(kernel)
+    pids = eval(kernel.run("_session.run_all(os.getpid)").assert_ok().result())  # noqa: S307
+    victim = len(pids) - 1
+    run = cell(kernel, f"import os, signal, time, torch.distributed as dist\n"
+                       f"if dist.get_rank() == 0:\n"
+                       f"    time.sleep(1)\n    os.kill({pids[victim]}, {int(signal.SIGKILL)})\n"
+                       f"time.sleep(60)", timeout=120)
+    text = run.error_text()
+    assert run.error() is not None, run.describe()
+    assert re.search(rf"rank {victim}\b", text), text
+    assert relays[victim][1] != relays[0][1]  # (the victim was behind the other relay)
+    assert cell(kernel, "'lost' in dir()", timeout=180).assert_ok().result() == "False"
+    check_every_rank_speaks_through_its_node_s_relay(kernel)
+    return text
+
+
 def kill_the_second_node_s_torchrun(kernel: Kernel) -> None:
     """SIGKILL the torchrun (and so the relay) of the last rank's node, mid-cell: the
     cell names one of that node's ranks as lost with its node."""
@@ -185,9 +225,18 @@ def test_ray_tensors_cross_the_relays_both_ways(ray_relayed):
 
 
 @pytest.mark.ray
-def test_ray_a_node_s_relay_killed_is_the_node_lost(ray_relayed):
-    """(Last of the Ray tests: the session's state is gone after it. It is stopped here,
-    and its fixture checks that nothing of it is left on the cluster.)"""
+def test_ray_an_interrupt_reaches_every_rank_and_keeps_the_state(ray_relayed):
+    check_an_interrupt_reaches_every_rank_and_keeps_the_state(ray_relayed)
+
+
+@pytest.mark.ray
+def test_ray_a_killed_rank_starts_the_session_again_and_a_killed_relay_is_the_node_lost(
+        ray_relayed):
+    """(Last of the Ray tests: the session's state is gone after it, and its ranks are
+    new ones. It is stopped here, and its fixture checks that nothing of it is left on
+    the cluster.)"""
+    text = kill_a_rank_on_the_second_node(ray_relayed)
+    assert "variables defined in earlier cells are gone" in text, text
     kill_the_second_node_s_torchrun(ray_relayed)
     ray_relayed.run("%ddp_session stop", timeout=120).assert_ok()
 
@@ -228,10 +277,20 @@ def test_slurm_tensors_cross_the_relays_both_ways(slurm_relayed):
 
 
 @pytest.mark.slurm
-def test_slurm_a_node_s_relay_killed_ends_the_job_and_the_next_cell_runs_anew(
+def test_slurm_an_interrupt_reaches_every_rank_and_keeps_the_state(slurm_relayed):
+    check_an_interrupt_reaches_every_rank_and_keeps_the_state(slurm_relayed)
+
+
+@pytest.mark.slurm
+def test_slurm_a_killed_rank_or_relay_ends_the_job_and_the_next_cell_runs_anew(
         slurm_relayed, slurm_env, session_jobs):  # noqa: F811
+    """(Last of the module session's tests: each kill starts the session anew as a new
+    job, and the session is stopped here.)"""
+    text = kill_a_rank_on_the_second_node(slurm_relayed)
+    assert "SIGKILL" in text and "the session was restarted" in text, text
     status = slurm_relayed.run("%ddp_session").assert_ok().result()
     job_id = re.search(r"on SLURM job (\d+)", status).group(1)
+    session_jobs.append(job_id)
     kill_the_second_node_s_torchrun(slurm_relayed)
     wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
     assert cell(slurm_relayed, "import torch.distributed as dist\ndist.get_world_size()",
