@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from nbddp._run.config import RELAY_FROM_PER_NODE
+from nbddp._wire.rundir import parse_address
 
 from .conftest import wait_until
 from .kernel_driver import Kernel
@@ -69,6 +70,20 @@ def cell(kernel: Kernel, body: str, options: str = "", timeout: float = 90):
 
 def relays_of(kernel: Kernel) -> list[tuple[str | None, int]]:
     return eval(kernel.run(RELAYS).assert_ok().result())  # noqa: S307 - our own repr
+
+
+def kernel_connections(kernel: Kernel) -> int:
+    """How many connections the kernel's channel holds now (the nodes are this machine:
+    its TCP table has the kernel's end of each), at the port in the session's folder."""
+    folder = Path(kernel.run("str(_session._group.run_dir.path)").assert_ok().result()
+                  .strip("'"))
+    _, port = parse_address((folder / "channel.address").read_text())
+    held = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            held += int(local.rsplit(":", 1)[1], 16) == port and state == "01"  # ESTABLISHED
+    return held
 
 
 def check_every_rank_speaks_through_its_node_s_relay(kernel: Kernel) -> None:
@@ -304,8 +319,9 @@ def test_slurm_a_killed_rank_or_relay_ends_the_job_and_the_next_cell_runs_anew(
 @pytest.mark.slurm
 def test_slurm_a_new_kernel_attaches_to_relayed_ranks_with_their_state(slurm_env, jobs,
                                                                        tmp_path):
-    """The first kernel is killed; its relays close their ranks' links with it, and the
-    ranks, with their state, connect to the kernel that attaches, each on its own."""
+    """The first kernel is killed; its relays close their ranks' links with it, connect to
+    the kernel that attaches, and the ranks, with their state, speak to it through them
+    again: the new kernel holds one connection per node, as the first did."""
     from .test_kernel import _alive, _snapshot
     from .test_slurm_session import session_pids
     from .test_slurm_submit import setup_cell
@@ -315,6 +331,7 @@ def test_slurm_a_new_kernel_attaches_to_relayed_ranks_with_their_state(slurm_env
         job_id = start_session(first, slurm_env, jobs, f"--nprocs {PER_NODE}")
         first.run(SESSION).assert_ok()
         assert None not in {path for path, _ in relays_of(first)}
+        assert kernel_connections(first) == 2
         cell(first, "import torch.distributed as dist\nkept = [dist.get_rank()]").assert_ok()
         ranks = _snapshot(session_pids(first).values())
         first.end("killed")
@@ -333,6 +350,8 @@ def test_slurm_a_new_kernel_attaches_to_relayed_ranks_with_their_state(slurm_env
                              "everyone").assert_ok()
         assert eval(again.result()) == [[r, r + 10] for r in range(2 * PER_NODE)]  # noqa: S307
         assert set(session_pids(second).values()) == set(ranks)  # the same processes
+        second.run(SESSION).assert_ok()
+        assert kernel_connections(second) == 2  # (a node's relay each, not a rank's link)
         second.run("%ddp_session stop").assert_ok()
         wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
     finally:

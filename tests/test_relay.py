@@ -4,6 +4,7 @@ per node, hears the node's ranks in batches, and learns of every rank that goes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -162,6 +163,66 @@ def test_the_kernel_gone_closes_every_rank_s_link(node):
     for rank in ranks:
         with pytest.raises(ConnectionError):
             rank.receive()
+
+
+def connect_when_listening(path: Path, key: bytes, timeout: float = 10.0) -> ChannelClient:
+    """A rank's connection to the relay, once it listens (as ``attachable`` retries)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ChannelClient(path, key)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def test_a_relay_that_reattaches_serves_the_next_kernel_and_says_nothing_stale(tmp_path):
+    """A cluster session's relay outlives its kernel: the ranks' links close with it,
+    the relay connects to the next kernel, and the ranks, through it again, speak to
+    that one only: neither their last words to the one that went nor the end of their
+    old links reach it."""
+    folder = Path(os.path.realpath(tmp_path))
+    folder.chmod(0o700)
+    key = new_key()
+    first = Kernel(folder, key)
+    (folder / "next").mkdir(mode=0o700)
+    second = Kernel(folder / "next", key)
+    reattached = []
+
+    def reattach() -> ChannelClient:
+        reattached.append(True)
+        return ChannelClient(second.server.address, key)
+
+    relay = node_relay(first.server.address, folder / "relay.sock", key, reattach=reattach)
+    ranks = [ChannelClient(folder / "relay.sock", key) for _ in range(2)]
+    try:
+        for number, rank in enumerate(ranks):
+            say(rank, number, Ready(number))
+        assert sorted(event.message.rank for event in first.take(2)) == [0, 1]
+        first.server.close()
+        with contextlib.suppress(OSError):  # (a rank's last word, as its kernel goes)
+            say(ranks[0], 0, Present(0, 1), seq=1)
+        for rank in ranks:  # the ranks see their kernel gone (and settle)
+            with pytest.raises(ConnectionError):
+                rank.receive()
+            rank.close()
+        ranks = [connect_when_listening(folder / "relay.sock", key) for _ in range(2)]
+        assert reattached == [True]
+        for number, rank in enumerate(ranks):
+            say(rank, number, Ready(number), seq=5)
+        heard = second.take(2)
+        assert sorted((event.seq, event.message.rank) for event in heard) == [(5, 0), (5, 1)]
+        assert second.server.send_to_each(range(2), RollCall(3)) == set()
+        assert [rank.receive() for rank in ranks] == [RollCall(3), RollCall(3)]
+        time.sleep(0.2)
+        assert second.delivered.empty()  # (no Disconnected of the old links, no copy)
+    finally:
+        for rank in ranks:
+            rank.close()
+        relay.close()
+        first.server.close()
+        second.server.close()
 
 
 def test_what_the_ranks_say_at_once_crosses_in_few_frames_each_rank_s_in_order(node):

@@ -7,7 +7,9 @@ kernel that attaches listens anew and replaces the address. A rank whose channel
 closed stops its run if one was going (as an interrupt would: the state stays), then
 reads the address file until it names a kernel it has not tried, connects with the key
 (which the kernel must prove too), and greets it again: hello, ready, and rank 0's
-names. When the grace period passes with no kernel, the rank ends (and so the job).
+names. A rank on a node with a relay connects through it again, once the relay has
+connected to the new kernel (``_rank.relay``). When the grace period passes with no
+kernel, the rank ends (and so the job).
 """
 
 from __future__ import annotations
@@ -106,26 +108,39 @@ class AttachableLink(KernelLink):
 
     def _next_kernel(self) -> ChannelClient | None:
         """Wait for a kernel at another address than the one that went, within the grace
-        period (one that cannot be reached yet is tried again)."""
+        period: through the node's relay where it has one (which connects to the new
+        kernel first), else straight to it."""
         deadline = None if self._grace is None else time.monotonic() + self._grace
-        said = None
-        while deadline is None or time.monotonic() < deadline:
-            time.sleep(ADDRESS_POLL)
-            try:
-                address = self._run_dir.address.read_text()
-            except OSError:
-                continue  # (the last kernel removed it as it went)
-            if address == self._served:
-                continue
-            try:
-                channel = channel_to(address, self._run_dir)
-            except (OSError, ValueError, ConnectionError) as exc:
-                if said != address:
-                    said = address
-                    print(f"nbddp: cannot attach to the kernel at {address.strip()} yet: "
-                          f"{exc}", file=sys.stderr)
-                continue
-            self._served = address
-            return channel
-        return None
+        run_dir = self._run_dir
+        found = next_kernel(run_dir, self._served, deadline, lambda address: to_node_relay(
+            run_dir) or channel_to(address, run_dir))
+        if found is None:
+            return None
+        channel, self._served = found
+        return channel
+
+
+def next_kernel(run_dir: RunDir, served: str, deadline: float | None,
+                connect: Callable[[str], ChannelClient]
+                ) -> tuple[ChannelClient, str] | None:
+    """Read the session's address file until it names a kernel other than ``served``
+    that ``connect`` reaches (one that cannot be reached yet is tried again), before
+    ``deadline`` (``time.monotonic()``; None: no end). The channel, and the address."""
+    said = None
+    while deadline is None or time.monotonic() < deadline:
+        time.sleep(ADDRESS_POLL)
+        try:
+            address = run_dir.address.read_text()
+        except OSError:
+            continue  # (the last kernel removed it as it went)
+        if address == served:
+            continue
+        try:
+            return connect(address), address
+        except (OSError, ValueError, ConnectionError) as exc:
+            if said != address:
+                said = address
+                print(f"nbddp: cannot attach to the kernel at {address.strip()} yet: "
+                      f"{exc}", file=sys.stderr)
+    return None
 

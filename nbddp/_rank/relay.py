@@ -13,6 +13,12 @@ messages name many ranks. When the kernel's link closes, the relay closes its ra
 links (a busy rank then stops, as it would were it connected to the kernel itself);
 when the relay dies, its torchrun process died, and the ranks die with it (each rank
 dies with its parent): the kernel sees every rank of the node disconnected.
+
+A cluster session's ranks outlive their kernel, for a new one to attach (``attachable``).
+Its relay does too (``reattach``): once its ranks' links are closed it waits for the
+next kernel, connects to it, and only then listens for its ranks again; they connect
+through it, greet the new kernel as they greeted the last, and the node keeps its one
+connection. What a rank said to the kernel that went, read late, goes to none.
 """
 
 from __future__ import annotations
@@ -59,11 +65,15 @@ class NodeRelay:
     which hands it what they say."""
 
     def __init__(self, up: ChannelClient, ranks: Callable[[Callable[[Any], None]], Ranks],
-                 landing: Landing | None = None) -> None:
-        self._up, self._landing = up, landing
-        self._outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+                 landing: Landing | None = None,
+                 reattach: Callable[[], ChannelClient | None] | None = None) -> None:
+        """``reattach``, if given: once the kernel's link closes, wait for the next
+        kernel and connect to it (None: no kernel came; the relay ends)."""
+        self._up, self._landing, self._ranks, self._reattach = up, landing, ranks, reattach
+        self._outbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._kernel = 0  # which kernel the ranks' links speak to: one more each attach
         try:
-            self._down = ranks(self._outbox.put)
+            self._down = ranks(self._said_to(0))
         except BaseException:
             up.close()
             raise
@@ -74,15 +84,22 @@ class NodeRelay:
         self._sender.start()
         threading.Thread(target=self._hand_down, daemon=True, name="nbddp-relay-down").start()
 
+    def _said_to(self, kernel: int) -> Callable[[Any], None]:
+        """How the ranks' links of ``kernel`` (the relay's count) hand on what they say."""
+        return lambda message: self._outbox.put((kernel, message))
+
     def _send_up(self) -> None:
         """Send what the ranks said, batched (``_gather``). Once closed, what was said
-        before goes too, then the kernel's link closes."""
+        before goes too, then the kernel's link closes. A batch the kernel did not take
+        (it went) goes to no other, but the relay goes on if it waits for the next."""
         while True:
             batch = self._gather()
             try:
                 self._send_batch(compact(batch))
             except OSError:
-                break
+                if batch[-1] is None or self._reattach is None or self._closed:
+                    break
+                continue
             if batch[-1] is None:
                 break
         self.close()
@@ -117,29 +134,45 @@ class NodeRelay:
         """The next batch: whatever waits once a message came. Metrics alone wait up to
         ``_METRICS_WAIT`` more for the node's other ranks' (each rank sends its own about
         ten times a second): they are reduced together."""
-        batch = [self._outbox.get()]
+        batch = [self._next_said(None)]
         deadline = time.monotonic() + _METRICS_WAIT
         only_metrics = _is_metrics(batch[0])
         while batch[-1] is not None and len(batch) < _BATCH_MOST:
+            wait = deadline - time.monotonic() if only_metrics else 0.0
             try:
-                batch.append(self._outbox.get_nowait())
+                batch.append(self._next_said(max(0.0, wait)))
             except queue.Empty:
-                wait = deadline - time.monotonic()
-                if not only_metrics or wait <= 0:
-                    break
-                try:
-                    batch.append(self._outbox.get(timeout=wait))
-                except queue.Empty:
-                    break
+                break
             only_metrics = only_metrics and _is_metrics(batch[-1])
         return batch
 
+    def _next_said(self, wait: float | None) -> Any:
+        """The next thing said to the kernel of the moment (None: the relay closes);
+        ``wait``: seconds at most (0: what is there), or ``queue.Empty``."""
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                kernel, message = self._outbox.get_nowait()
+            else:
+                kernel, message = self._outbox.get(timeout=left)
+            if message is None or kernel == self._kernel:
+                return message
+
     def _hand_down(self) -> None:
         """Hand each of the kernel's messages to the ranks it is for, until the kernel's
-        link closes; then close the ranks' links."""
+        link closes; then close the ranks' links (and, with ``reattach``, serve the next
+        kernel: again and again)."""
+        while True:
+            self._serve(self._up)
+            if self._reattach is None or not self._next_kernel():
+                break
+        self.close()
+
+    def _serve(self, up: ChannelClient) -> None:
         try:
             while True:
-                message = self._up.receive()
+                message = up.receive()
                 if isinstance(message, ToRanks):
                     for rank in message.ranks:
                         self._down.send_encoded(rank, message.frame)
@@ -147,7 +180,29 @@ class NodeRelay:
                     self._down.send_encoded(message.rank, encode(message.message))
         except (ConnectionError, EOFError):
             pass
-        self.close()
+
+    def _next_kernel(self) -> bool:
+        """The kernel went: close the ranks' links (they stop their run and wait for a
+        kernel), connect to the next kernel, then listen for the ranks again. False if
+        the relay closed meanwhile, or no kernel came."""
+        assert self._reattach is not None
+        with self._closing:
+            if self._closed:
+                return False
+            self._kernel += 1  # (what the old links still hand on goes nowhere)
+            gone = self._down
+        gone.close()
+        self._up.close()
+        up = self._reattach()
+        if up is None:
+            return False
+        with self._closing:
+            if self._closed:
+                up.close()
+                return False
+            self._up = up
+            self._down = self._ranks(self._said_to(self._kernel))
+        return True
 
     def close(self, wait: float = 0.0) -> None:
         """Close the ranks' links; what they said goes to the kernel, then its link
@@ -156,7 +211,7 @@ class NodeRelay:
             if not self._closed:
                 self._closed = True
                 self._down.close()
-                self._outbox.put(None)
+                self._outbox.put((self._kernel, None))
         if wait and threading.current_thread() is not self._sender:
             self._sender.join(wait)
 
@@ -179,15 +234,17 @@ class Landing:
 
 
 def node_relay(kernel: Address, listen: Path, key: bytes, inbox: Inbox | None = None,
-               landing: Landing | None = None) -> NodeRelay:
+               landing: Landing | None = None,
+               reattach: Callable[[], ChannelClient | None] | None = None) -> NodeRelay:
     """The relay of this node's ranks, which connect to ``listen`` with ``key``, to the
     kernel at ``kernel``. On a cluster's node (the kernel elsewhere) data files cross it
     both ways: a payload from the kernel lands in ``inbox`` for a rank to keep, and a
-    rank's result lands in ``landing`` on its way to the kernel."""
+    rank's result lands in ``landing`` on its way to the kernel. ``reattach``: how it
+    reaches the next kernel, when one attaches (``NodeRelay``)."""
     return NodeRelay(ChannelClient(kernel, key, inbox),
                      lambda deliver: ChannelServer(listen, key, deliver,
                                                    landing.inbox if landing else None),
-                     landing)
+                     landing, reattach)
 
 
 def compact(batch: list[Any]) -> list[Any]:

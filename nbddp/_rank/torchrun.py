@@ -36,8 +36,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from .._wire.channel import ChannelClient
 from .._wire.dataplane import shm_root
 from .._wire.rundir import (
     LIFELINE_GO,
@@ -49,6 +51,8 @@ from .._wire.rundir import (
     RunDir,
     parse_address,
 )
+from .._wire.transfer import Inbox
+from .attachable import next_kernel
 from .link import node_inbox
 from .relay import Landing, NodeRelay, node_relay
 
@@ -255,8 +259,10 @@ def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
     try:
         key = run_dir.key.read_bytes()
         if remote:
-            relay = node_relay(parse_address(run_dir.address.read_text()), listen, key,
-                               inbox=node_inbox(run_dir), landing=_landing())
+            address, inbox = run_dir.address.read_text(), node_inbox(run_dir)
+            relay = node_relay(parse_address(address), listen, key, inbox=inbox,
+                               landing=_landing(),
+                               reattach=_next_kernel(run_dir, address, key, inbox))
         else:
             relay = node_relay(run_dir.socket, listen, key)
     except (OSError, ValueError, ConnectionError) as exc:
@@ -265,6 +271,24 @@ def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
         return None
     os.environ[RELAY_ENV] = str(listen)
     return relay
+
+
+def _next_kernel(run_dir: RunDir, address: str, key: bytes, inbox: Inbox
+                 ) -> Callable[[], ChannelClient | None]:
+    """How a cluster node's relay reaches the next kernel that attaches to the session
+    (the first is at ``address``): it waits as long as its ranks do (they end when the
+    grace period passes, and this torchrun with them)."""
+    served = [address]
+
+    def reattach() -> ChannelClient | None:
+        found = next_kernel(run_dir, served[0], None, lambda new: ChannelClient(
+            parse_address(new), key, inbox))
+        if found is None:
+            return None
+        channel, served[0] = found
+        return channel
+
+    return reattach
 
 
 def _relay_socket() -> Path:
