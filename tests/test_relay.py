@@ -190,8 +190,8 @@ def test_a_relay_that_reattaches_serves_the_next_kernel_and_says_nothing_stale(t
     second = Kernel(folder / "next", key)
     reattached = []
 
-    def reattach() -> ChannelClient:
-        reattached.append(True)
+    def reattach(closed) -> ChannelClient:
+        reattached.append(closed())
         return ChannelClient(second.server.address, key)
 
     relay = node_relay(first.server.address, folder / "relay.sock", key, reattach=reattach)
@@ -208,7 +208,7 @@ def test_a_relay_that_reattaches_serves_the_next_kernel_and_says_nothing_stale(t
                 rank.receive()
             rank.close()
         ranks = [connect_when_listening(folder / "relay.sock", key) for _ in range(2)]
-        assert reattached == [True]
+        assert reattached == [False]  # (the relay had not closed)
         for number, rank in enumerate(ranks):
             say(rank, number, Ready(number), seq=5)
         heard = second.take(2)

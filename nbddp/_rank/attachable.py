@@ -25,7 +25,7 @@ from typing import Any
 from .._wire.channel import ChannelClient
 from .._wire.dataplane import Packed
 from .._wire.messages import DebugInput
-from .._wire.rundir import RunDir
+from .._wire.rundir import RELAY_ENV, RunDir
 from .link import KernelLink, channel_to, to_node_relay
 
 ADDRESS_POLL = 0.5
@@ -112,22 +112,28 @@ class AttachableLink(KernelLink):
         kernel first), else straight to it."""
         deadline = None if self._grace is None else time.monotonic() + self._grace
         run_dir = self._run_dir
-        found = next_kernel(run_dir, self._served, deadline, lambda address: to_node_relay(
-            run_dir) or channel_to(address, run_dir))
+        if os.environ.get(RELAY_ENV):  # the relay listens once it reached a new kernel
+            found = next_kernel(run_dir, None, deadline, lambda _: to_node_relay(run_dir),
+                                quiet=True)
+        else:
+            found = next_kernel(run_dir, self._served, deadline,
+                                lambda address: channel_to(address, run_dir))
         if found is None:
             return None
         channel, self._served = found
         return channel
 
 
-def next_kernel(run_dir: RunDir, served: str, deadline: float | None,
-                connect: Callable[[str], ChannelClient]
+def next_kernel(run_dir: RunDir, served: str | None, deadline: float | None,
+                connect: Callable[[str], ChannelClient | None],
+                stopped: Callable[[], bool] = lambda: False, quiet: bool = False
                 ) -> tuple[ChannelClient, str] | None:
     """Read the session's address file until it names a kernel other than ``served``
-    that ``connect`` reaches (one that cannot be reached yet is tried again), before
-    ``deadline`` (``time.monotonic()``; None: no end). The channel, and the address."""
+    that ``connect`` reaches (one that cannot be reached yet is tried again; ``quiet``:
+    without saying so), before ``deadline`` (``time.monotonic()``; None: no end) and
+    until ``stopped()``. The channel, and the address."""
     said = None
-    while deadline is None or time.monotonic() < deadline:
+    while (deadline is None or time.monotonic() < deadline) and not stopped():
         time.sleep(ADDRESS_POLL)
         try:
             address = run_dir.address.read_text()
@@ -136,11 +142,14 @@ def next_kernel(run_dir: RunDir, served: str, deadline: float | None,
         if address == served:
             continue
         try:
-            return connect(address), address
+            channel = connect(address)
         except (OSError, ValueError, ConnectionError) as exc:
-            if said != address:
+            if said != address and not quiet:
                 said = address
                 print(f"nbddp: cannot attach to the kernel at {address.strip()} yet: "
                       f"{exc}", file=sys.stderr)
+            continue
+        if channel is not None:
+            return channel, address
     return None
 

@@ -24,9 +24,10 @@ connection. What a rank said to the kernel that went, read late, goes to none.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -51,6 +52,11 @@ _BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ra
 _METRICS_WAIT = 0.05  # seconds a batch of metrics alone waits for the node's other ranks'
 
 
+Reattach = Callable[[Callable[[], bool]], ChannelClient | None]
+"""How a relay reaches the next kernel that attaches: it waits for one, and connects to it
+(None: none came, or the relay closed meanwhile, which the function it is given says)."""
+
+
 class Ranks(Protocol):
     """The relay's side towards its node's ranks: where it hands them the kernel's
     messages (``ChannelServer``, or a simulation of ranks: ``benchmarks/bench_nodes.py``)."""
@@ -65,10 +71,9 @@ class NodeRelay:
     which hands it what they say."""
 
     def __init__(self, up: ChannelClient, ranks: Callable[[Callable[[Any], None]], Ranks],
-                 landing: Landing | None = None,
-                 reattach: Callable[[], ChannelClient | None] | None = None) -> None:
+                 landing: Landing | None = None, reattach: Reattach | None = None) -> None:
         """``reattach``, if given: once the kernel's link closes, wait for the next
-        kernel and connect to it (None: no kernel came; the relay ends)."""
+        kernel and connect to it (``Reattach``)."""
         self._up, self._landing, self._ranks, self._reattach = up, landing, ranks, reattach
         self._outbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._kernel = 0  # which kernel the ranks' links speak to: one more each attach
@@ -77,7 +82,7 @@ class NodeRelay:
         except BaseException:
             up.close()
             raise
-        self._closing = threading.Lock()
+        self._closing = threading.Lock()  # (and ``_kernel``, ``_up`` and ``_down`` change)
         self._closed = False
         self._sender = threading.Thread(target=self._send_up, daemon=True,
                                         name="nbddp-relay-up")
@@ -89,23 +94,29 @@ class NodeRelay:
         return lambda message: self._outbox.put((kernel, message))
 
     def _send_up(self) -> None:
-        """Send what the ranks said, batched (``_gather``). Once closed, what was said
-        before goes too, then the kernel's link closes. A batch the kernel did not take
-        (it went) goes to no other, but the relay goes on if it waits for the next."""
+        """Send what the ranks said, batched (``_gather``), to the kernel they said it to.
+        Once closed, what was said before goes too, then the kernel's link closes. What
+        was said to a kernel that went goes to no other (its data files are removed),
+        and the relay goes on if it waits for the next."""
         while True:
-            batch = self._gather()
+            said = self._gather()
+            with self._closing:
+                kernel, up = self._kernel, self._up
+            batch = [message for to, message in said if to == kernel or message is None]
+            self._drop(message for to, message in said if to != kernel and message is not None)
             try:
-                self._send_batch(compact(batch))
+                self._send_batch(compact(batch), up)
             except OSError:
-                if batch[-1] is None or self._reattach is None or self._closed:
+                self._drop(batch)
+                if said[-1][1] is None or self._reattach is None or self._closed:
                     break
                 continue
-            if batch[-1] is None:
+            if said[-1][1] is None:
                 break
         self.close()
         self._up.close()
 
-    def _send_batch(self, said: list[Any]) -> None:
+    def _send_batch(self, said: list[Any], up: ChannelClient) -> None:
         """``said`` in one frame, but for a message that came with a data file: it goes
         on alone with its file (``FromRank``), in its place among the others."""
         plain: list[Any] = []
@@ -115,14 +126,21 @@ class NodeRelay:
                 plain.append(message)
                 continue
             if plain:
-                self._up.send(FromRanks(plain))
+                up.send(FromRanks(plain))
                 plain = []
             try:
-                self._up.send(FromRank(message), Outgoing.of_file(Path(file)))
+                up.send(FromRank(message), Outgoing.of_file(Path(file)))
             finally:
                 Path(file).unlink(missing_ok=True)  # (the kernel has its own copy now)
         if plain:  # (the end alone says nothing)
-            self._up.send(FromRanks(plain))
+            up.send(FromRanks(plain))
+
+    def _drop(self, messages: Iterable[Any]) -> None:
+        """Messages that go to no kernel: the data files they came with are removed."""
+        for message in messages:
+            file = self._file_of(message)
+            if file:
+                Path(file).unlink(missing_ok=True)
 
     def _file_of(self, message: Any) -> str:
         """The data file a rank's message came with, if any (landed in ``_landing``)."""
@@ -130,34 +148,27 @@ class NodeRelay:
         file = getattr(inner, "file", None) or ""
         return file if self._landing is not None and self._landing.holds(file) else ""
 
-    def _gather(self) -> list[Any]:
-        """The next batch: whatever waits once a message came. Metrics alone wait up to
-        ``_METRICS_WAIT`` more for the node's other ranks' (each rank sends its own about
-        ten times a second): they are reduced together."""
-        batch = [self._next_said(None)]
+    def _gather(self) -> list[tuple[int, Any]]:
+        """The next batch, each message with the kernel it was said to: whatever waits
+        once a message came. Metrics alone wait up to ``_METRICS_WAIT`` more for the
+        node's other ranks' (each rank sends its own about ten times a second): they
+        are reduced together."""
+        batch = [self._outbox.get()]
         deadline = time.monotonic() + _METRICS_WAIT
-        only_metrics = _is_metrics(batch[0])
-        while batch[-1] is not None and len(batch) < _BATCH_MOST:
-            wait = deadline - time.monotonic() if only_metrics else 0.0
+        only_metrics = _is_metrics(batch[0][1])
+        while batch[-1][1] is not None and len(batch) < _BATCH_MOST:
             try:
-                batch.append(self._next_said(max(0.0, wait)))
+                batch.append(self._outbox.get_nowait())
             except queue.Empty:
-                break
-            only_metrics = only_metrics and _is_metrics(batch[-1])
+                wait = deadline - time.monotonic()
+                if not only_metrics or wait <= 0:
+                    break
+                try:
+                    batch.append(self._outbox.get(timeout=wait))
+                except queue.Empty:
+                    break
+            only_metrics = only_metrics and _is_metrics(batch[-1][1])
         return batch
-
-    def _next_said(self, wait: float | None) -> Any:
-        """The next thing said to the kernel of the moment (None: the relay closes);
-        ``wait``: seconds at most (0: what is there), or ``queue.Empty``."""
-        deadline = None if wait is None else time.monotonic() + wait
-        while True:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                kernel, message = self._outbox.get_nowait()
-            else:
-                kernel, message = self._outbox.get(timeout=left)
-            if message is None or kernel == self._kernel:
-                return message
 
     def _hand_down(self) -> None:
         """Hand each of the kernel's messages to the ranks it is for, until the kernel's
@@ -184,7 +195,8 @@ class NodeRelay:
     def _next_kernel(self) -> bool:
         """The kernel went: close the ranks' links (they stop their run and wait for a
         kernel), connect to the next kernel, then listen for the ranks again. False if
-        the relay closed meanwhile, or no kernel came."""
+        the relay closed meanwhile, or no kernel came, or the ranks' socket cannot be
+        made again."""
         assert self._reattach is not None
         with self._closing:
             if self._closed:
@@ -193,15 +205,21 @@ class NodeRelay:
             gone = self._down
         gone.close()
         self._up.close()
-        up = self._reattach()
+        up = self._reattach(lambda: self._closed)
         if up is None:
             return False
         with self._closing:
             if self._closed:
                 up.close()
                 return False
+            try:
+                self._down = self._ranks(self._said_to(self._kernel))
+            except OSError as exc:
+                print(f"nbddp: this node's relay cannot listen for its ranks again ({exc});"
+                      " they reach no kernel", file=sys.stderr)
+                up.close()
+                return False
             self._up = up
-            self._down = self._ranks(self._said_to(self._kernel))
         return True
 
     def close(self, wait: float = 0.0) -> None:
@@ -234,8 +252,8 @@ class Landing:
 
 
 def node_relay(kernel: Address, listen: Path, key: bytes, inbox: Inbox | None = None,
-               landing: Landing | None = None,
-               reattach: Callable[[], ChannelClient | None] | None = None) -> NodeRelay:
+               landing: Landing | None = None, reattach: Reattach | None = None
+               ) -> NodeRelay:
     """The relay of this node's ranks, which connect to ``listen`` with ``key``, to the
     kernel at ``kernel``. On a cluster's node (the kernel elsewhere) data files cross it
     both ways: a payload from the kernel lands in ``inbox`` for a rank to keep, and a

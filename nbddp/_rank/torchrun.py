@@ -54,7 +54,7 @@ from .._wire.rundir import (
 from .._wire.transfer import Inbox
 from .attachable import next_kernel
 from .link import node_inbox
-from .relay import Landing, NodeRelay, node_relay
+from .relay import Landing, NodeRelay, Reattach, node_relay
 
 _GRACE_SECONDS = 5.0
 _AGENT_CLEAN_UP_WAIT = 60.0  # after the report: how long the agent may take to clean up
@@ -273,16 +273,15 @@ def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
     return relay
 
 
-def _next_kernel(run_dir: RunDir, address: str, key: bytes, inbox: Inbox
-                 ) -> Callable[[], ChannelClient | None]:
+def _next_kernel(run_dir: RunDir, address: str, key: bytes, inbox: Inbox) -> Reattach:
     """How a cluster node's relay reaches the next kernel that attaches to the session
     (the first is at ``address``): it waits as long as its ranks do (they end when the
-    grace period passes, and this torchrun with them)."""
+    grace period passes, and this torchrun, which closes the relay, with them)."""
     served = [address]
 
-    def reattach() -> ChannelClient | None:
+    def reattach(closed: Callable[[], bool]) -> ChannelClient | None:
         found = next_kernel(run_dir, served[0], None, lambda new: ChannelClient(
-            parse_address(new), key, inbox))
+            parse_address(new), key, inbox), stopped=closed)
         if found is None:
             return None
         channel, served[0] = found
