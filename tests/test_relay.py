@@ -62,10 +62,16 @@ def node(tmp_path):
     try:
         yield kernel, relay, ranks
     finally:
-        for rank in ranks:
-            rank.close()
-        relay.close()
-        kernel.server.close()
+        close_all(ranks, relay, kernel.server)
+
+
+def close_all(ranks: list[ChannelClient], relay, *servers: ChannelServer) -> None:
+    """The ranks' links, then the relay, then the kernels' servers."""
+    for rank in ranks:
+        rank.close()
+    relay.close()
+    for server in servers:
+        server.close()
 
 
 def say(rank: ChannelClient, number: int, message, seq: int = 0) -> None:
@@ -218,11 +224,7 @@ def test_a_relay_that_reattaches_serves_the_next_kernel_and_says_nothing_stale(t
         time.sleep(0.2)
         assert second.delivered.empty()  # (no Disconnected of the old links, no copy)
     finally:
-        for rank in ranks:
-            rank.close()
-        relay.close()
-        first.server.close()
-        second.server.close()
+        close_all(ranks, relay, first.server, second.server)
 
 
 def test_what_the_ranks_say_at_once_crosses_in_few_frames_each_rank_s_in_order(node):
@@ -324,10 +326,7 @@ def cluster_node(tmp_path):
     try:
         yield kernel, ranks, folder
     finally:
-        for rank in ranks:
-            rank.close()
-        relay.close()
-        server.close()
+        close_all(ranks, relay, server)
 
 
 def packed_tensor(nbytes: int):

@@ -104,14 +104,13 @@ class NodeRelay:
                 kernel, up = self._kernel, self._up
             batch = [message for to, message in said if to == kernel or message is None]
             self._drop(message for to, message in said if to != kernel and message is not None)
+            ends = said[-1][1] is None
             try:
                 self._send_batch(compact(batch), up)
             except OSError:
                 self._drop(batch)
-                if said[-1][1] is None or self._reattach is None or self._closed:
-                    break
-                continue
-            if said[-1][1] is None:
+                ends = ends or self._reattach is None or self._closed
+            if ends:
                 break
         self.close()
         self._up.close()
