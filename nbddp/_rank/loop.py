@@ -126,6 +126,7 @@ class Rank:
         self.interrupts = Interrupts(in_run)
         self.reloader: Reloader | None = None  # made when a session's run first asks for it
         self._final_stats: RankStats | None = None  # this run's, as it ended
+        self._records: str | None = None  # the records folder the log was last moved to
 
     def run(self, start: Start, send: Callable[[Any], None]) -> Report:
         """Take up ``start``'s run, run it, and say how it went (never raises); the
@@ -230,10 +231,12 @@ class Rank:
                 f"this rank runs nbddp {__version__} ({sys.executable}), but the notebook "
                 f"sent its code with nbddp {start.version}: install the same nbddp where "
                 "the ranks run")
-        log = Path(start.records) / self.log.name
-        if log != self.log:
-            self._move_log(self.log, log)
-            self.log = log
+        if start.records != self._records:  # (a session's cells share a folder)
+            log = Path(start.records) / self.log.name
+            if log != self.log:
+                self._move_log(self.log, log)
+                self.log = log
+            self._records = start.records
         if start.cwd is not None and start.cwd != os.getcwd():
             started_in = os.getcwd()
             os.chdir(start.cwd)

@@ -52,6 +52,8 @@ def make_whole(value: Any, all_ranks: bool = False, name: str = "the return valu
     """``value`` with its models and DTensors whole, on rank 0 (on every rank with
     ``all_ranks``). Call it on every rank, with each rank's own value: see the module's
     docstring. ``name`` says what ``value`` is, in errors."""
+    if type(value) in _ATOMS:
+        return value  # (as a walk would: a session's quick cell need not look for torch)
     kinds = _Kinds.loaded()
     if kinds is None:
         return value  # no torch, no tensors

@@ -46,7 +46,7 @@ class Debugger:
 
     def __init__(self, send: Callable[[int, Any], object], note: Callable[[str], None]) -> None:
         self._send, self._note = send, note
-        self._prompts: queue.Queue[DebugPrompt] = queue.Queue()
+        self._prompts: queue.SimpleQueue[DebugPrompt] = queue.SimpleQueue()
         self._at_prompt: dict[int, DebugPrompt] = {}  # ranks that wait for a line
         self._told: dict[int, float] = {}  # ranks given a line, not yet answered: when
         self._last_stop = 0.0  # when a rank last stopped (not: answered a line)

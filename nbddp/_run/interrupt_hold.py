@@ -34,7 +34,8 @@ class InterruptHold:
     def __init__(self) -> None:
         self.pressed = False
         self._previous: object = None
-        if (threading.current_thread() is threading.main_thread()
+        if (InterruptHold._current is None  # (inside another hold: nothing to hold)
+                and threading.current_thread() is threading.main_thread()
                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
             self._previous = signal.signal(signal.SIGINT, self._note)
             InterruptHold._current = self
