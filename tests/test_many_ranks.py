@@ -1,6 +1,8 @@
 """Sessions of 16 ranks on this machine, whose ranks talk to the kernel through their
 node's relay (``_rank.relay``): state kept, metrics exact, stacks from every rank, and
-a rank that fails, a rank killed and the relay killed each named clearly, nothing left."""
+a rank that fails, a rank killed and the relay killed each named clearly, nothing left.
+The relay is used where the machine has a core for it beside each rank: these tests take
+the machine for one that has (a CI machine has two cores), but the last one."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import pytest
 
 import nbddp
+from nbddp._local import launcher
 from nbddp._local.launcher import RELAY_FROM
 
 from .conftest import descendants, wait_until
@@ -25,8 +28,16 @@ def relay_socket() -> str | None:
     return os.environ.get("NBDDP_RELAY")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cores_to_spare():
+    """The machine's CPU affinity as on one with a core for the relay beside every rank."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launcher, "usable_cores", lambda: 64)
+        yield
+
+
 @pytest.fixture(scope="module")
-def session():
+def session(cores_to_spare):
     os.environ["NBDDP_DISPLAY"] = "text"
     s = nbddp.Session(nprocs=RANKS, output="none")
     try:
@@ -166,3 +177,15 @@ def world_sum() -> tuple[int, float]:
 def test_a_launch_of_32_ranks_runs_through_the_relay(monkeypatch):
     monkeypatch.setenv("NBDDP_DISPLAY", "text")
     assert nbddp.launch(world_sum, 32, output="none") == (32, sum(range(32)))
+
+
+def test_ranks_that_fill_the_machine_s_cores_speak_to_the_kernel_without_a_relay(monkeypatch):
+    """There the relay would take CPU from the ranks: every cell would be slower."""
+    monkeypatch.setattr(launcher, "usable_cores", lambda: RANKS)
+    monkeypatch.setenv("NBDDP_DISPLAY", "text")
+    s = nbddp.Session(nprocs=RANKS, output="none")
+    try:
+        assert s.run_all(relay_socket) == [None] * RANKS
+        assert s.run(world_sum) == (RANKS, sum(range(RANKS)))
+    finally:
+        s.close()

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from nbddp._errors import NbddpError
+from nbddp._local import launcher
 from nbddp._local.launcher import LocalLauncher, ProcessWatch
 from nbddp._run.shape import GroupShape
 from nbddp._wire.rundir import RunDir
@@ -166,3 +167,21 @@ def test_a_torchrun_ended_by_the_ctrl_c_that_reached_it_as_it_started_is_the_int
     finally:
         launcher.stop()
         run_dir.remove()
+
+
+def test_a_relay_serves_many_ranks_where_the_machine_has_a_core_for_it(monkeypatch):
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 64)
+    assert not launcher.uses_relay(launcher.RELAY_FROM - 1)  # (few ranks: the hop costs)
+    assert launcher.uses_relay(launcher.RELAY_FROM)
+    assert launcher.uses_relay(63) and not launcher.uses_relay(64)  # (a core for it)
+    monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
+    assert not launcher.uses_relay(launcher.RELAY_FROM)  # (it would take CPU from ranks)
+
+
+def test_a_kernel_held_to_one_core_counts_one():
+    """As in a SLURM step or a container given one core of a larger machine."""
+    code = ("import os; from nbddp._local.launcher import usable_cores; "
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(usable_cores())")
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=60)
+    assert found.stdout.split() == ["1"]
