@@ -8,6 +8,7 @@ import time
 import pytest
 
 import nbddp
+from nbddp._rank.reporter import until_next_beat
 from nbddp._wire.history import History, read_history
 
 
@@ -19,6 +20,18 @@ def train_and_log(steps):
     for step in nbddp.progress(range(steps), desc="epoch"):
         nbddp.log(step=step, loss=torch.tensor(float(step * 10 + rank)), lr=0.1)
     return "trained"
+
+
+@pytest.mark.fast
+def test_every_rank_sends_on_the_same_beat_of_the_clock():
+    """Ranks that started at different moments send together: the kernel wakes for
+    their reports once per beat, not once per rank."""
+    for now in (1000.0, 1000.03, 1000.0999, 1000.05, 1234.5678):
+        wait = until_next_beat(now)
+        beat = round((now + wait) * 10)
+        assert now + wait == pytest.approx(beat / 10, abs=1e-6)  # (on a tenth of a second)
+        assert 0.01 < wait <= 0.11  # (never twice at once, never a beat skipped for long)
+    assert until_next_beat(1000.0999) == pytest.approx(0.1001)  # (too close: the next one)
 
 
 @pytest.mark.fast
