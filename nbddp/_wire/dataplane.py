@@ -48,6 +48,7 @@ _MAGIC = b"NBDDP-1\0"
 _HEAD = struct.Struct("<8sQQ")  # magic, pickle length, buffer count
 _SPAN = struct.Struct("<QQ")  # a buffer's offset and length
 _CHUNK = 1 << 30  # bytes per write call (Linux writes at most about 2 GiB at once)
+_PLAIN_VALUES = frozenset({type(None), bool, int, float})  # (no buffer, no code in them)
 
 
 @dataclass
@@ -88,6 +89,8 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
     (unless ``out_of_band`` is false); ``to_cpu`` moves device tensors to the CPU first
     (for the kernel, which has no GPU). Large tensors' storages go by their ``kept``
     copies, where given (for ranks on this machine): made now, or still current."""
+    if kept is None and type(value) in _PLAIN_VALUES:  # (a quick cell's None: the same
+        return Packed(pickle.dumps(value, protocol=5))  # bytes, without a pickler made)
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
