@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from nbddp._errors import NbddpError
-from nbddp._local import launcher
+from nbddp._local import launcher as local_launcher
 from nbddp._local.launcher import LocalLauncher, ProcessWatch
 from nbddp._run.shape import GroupShape
 from nbddp._wire.rundir import RunDir
@@ -170,12 +170,13 @@ def test_a_torchrun_ended_by_the_ctrl_c_that_reached_it_as_it_started_is_the_int
 
 
 def test_a_relay_serves_many_ranks_where_the_machine_has_a_core_for_it(monkeypatch):
-    monkeypatch.setattr(launcher, "usable_cores", lambda: 64)
-    assert not launcher.uses_relay(launcher.RELAY_FROM - 1)  # (few ranks: the hop costs)
-    assert launcher.uses_relay(launcher.RELAY_FROM)
-    assert launcher.uses_relay(63) and not launcher.uses_relay(64)  # (a core for it)
-    monkeypatch.setattr(launcher, "usable_cores", lambda: 2)
-    assert not launcher.uses_relay(launcher.RELAY_FROM)  # (it would take CPU from ranks)
+    uses_relay, fewest = local_launcher.uses_relay, local_launcher.RELAY_FROM
+    monkeypatch.setattr(local_launcher, "usable_cores", lambda: 64)
+    assert not uses_relay(fewest - 1)  # (few ranks: the hop costs more than it saves)
+    assert uses_relay(fewest)
+    assert uses_relay(63) and not uses_relay(64)  # (a core for it beside every rank)
+    monkeypatch.setattr(local_launcher, "usable_cores", lambda: 2)
+    assert not uses_relay(fewest)  # (it would take CPU from the ranks)
 
 
 def test_a_kernel_held_to_one_core_counts_one():
