@@ -11,6 +11,7 @@ import pytest
 
 from nbddp._errors import NbddpError
 from nbddp._local import launcher as local_launcher
+from nbddp._local.cores import cpu_quota, usable_cores
 from nbddp._local.launcher import LocalLauncher, ProcessWatch
 from nbddp._run.shape import GroupShape
 from nbddp._wire.rundir import RunDir
@@ -180,9 +181,28 @@ def test_a_relay_serves_many_ranks_where_the_machine_has_a_core_for_it(monkeypat
 
 
 def test_a_kernel_held_to_one_core_counts_one():
-    """As in a SLURM step or a container given one core of a larger machine."""
-    code = ("import os; from nbddp._local.launcher import usable_cores; "
+    """As in a SLURM step or a cpuset given one core of a larger machine."""
+    code = ("import os; from nbddp._local.cores import usable_cores; "
             "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); print(usable_cores())")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True, timeout=60)
     assert found.stdout.split() == ["1"]
+
+
+def test_a_container_s_cpu_quota_caps_the_cores(tmp_path):
+    """A container's ``--cpus 2.5`` (cgroup v2) on a larger machine: 3 cores, whatever
+    its affinity shows; no quota (``max``, v1's ``-1``): the affinity."""
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota(tmp_path) == 2.5
+    assert usable_cores(tmp_path) == min(3, affinity)
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota(tmp_path) is None and usable_cores(tmp_path) == affinity
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota(v1) is None
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("50000\n")
+    assert cpu_quota(v1) == 0.5 and usable_cores(v1) == 1
+    assert cpu_quota(tmp_path / "none") is None  # (no cgroup files: nothing known)

@@ -23,6 +23,7 @@ from .._errors import NbddpError
 from .._run.config import torchrun_environment
 from .._run.shape import GroupShape
 from .._wire.rundir import LIFELINE_ABANDON, LIFELINE_GO, RunDir
+from .cores import usable_cores
 
 _PF_EXITING = 0x4  # a process's flags (/proc/PID/stat) while it exits
 _SIGKILL = 1 << (signal.SIGKILL - 1)  # in a pending-signals mask
@@ -37,19 +38,13 @@ on a machine with a core to spare for it (``uses_relay``)."""
 
 def uses_relay(nprocs: int) -> bool:
     """Whether a group of ``nprocs`` ranks on this machine talks to the kernel through a
-    relay: from ``RELAY_FROM`` ranks, where the machine has more cores than ranks. The
-    relay takes the kernel's work per rank and cell (a Start sent, a report read) into a
-    process of its own, which pays where that process has a core; where the ranks fill
-    every core it takes CPU from them, and every cell is slower (2 cores: a no-op cell
-    of 16 ranks 2.6-2.9 ms without, 2.9-3.4 ms with; of 32 ranks 4.9-6.6 / 6.7-7.5 ms)."""
+    relay: from ``RELAY_FROM`` ranks, where this process may use more cores than there
+    are ranks (``_local.cores``). The relay takes the kernel's work per rank and cell (a
+    Start sent, a report read) into a process of its own, which pays where that process
+    has a core; where the ranks fill every core it takes CPU from them, and every cell
+    is slower (2 cores: a no-op cell of 16 ranks 2.6-2.9 ms without, 2.9-3.4 ms with; of
+    32 ranks 4.9-6.6 / 6.7-7.5 ms)."""
     return nprocs >= RELAY_FROM and usable_cores() > nprocs
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity: a SLURM step's or a
-    container's share, not the whole machine's), or the machine's where that is not known."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def torchrun_command(run_dir: RunDir, shape: GroupShape, lifeline: int) -> list[str]:
