@@ -18,7 +18,6 @@ run is handed to the ranks the same way.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,7 +27,7 @@ from ._backends import Ray, Slurm, attached_session, session_backend
 from ._errors import NbddpError
 from ._notebook.ipython_autoreload import notebook_autoreloads
 from ._run.backend import Backend
-from ._run.config import DEFAULT_STALL_AFTER, RunConfig, RunOptions
+from ._run.config import DEFAULT_STALL_AFTER, ConfigPerRun, RunConfig, RunOptions
 from ._run.group import RanksGone
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
@@ -115,7 +114,7 @@ class Session:
         """Reload the user's edited modules on the ranks before each run: True, False, or
         None, as the notebook's own ``%autoreload 2`` does (see ``reloads``)."""
         self._started = time.monotonic()
-        self._last_config: tuple[RunConfig, dict[str, Any], RunConfig] | None = None
+        self._configs = ConfigPerRun()
 
     def _new_group(self, standby: bool = True) -> WaitingGroup:
         group = self._where.session_group(standby)
@@ -167,23 +166,15 @@ class Session:
         opens pdb in the notebook at the failing frame first (as ``launch``'s);
         ``ranks``: the ranks that run it (as ``run``'s)."""
         __tracebackhide__ = True
-        config = self._run_config(all_ranks=all_ranks, output=output or self.config.output,
-                                  timeout=timeout or self.config.timeout,
-                                  stall_after=stall_after, pdb=pdb,
-                                  ranks=chosen_ranks(ranks, self.config.nprocs),
-                                  autoreload=self.reloads)
+        config = self._configs.for_run(self.config, all_ranks=all_ranks,
+                                       output=output or self.config.output,
+                                       timeout=timeout or self.config.timeout,
+                                       stall_after=stall_after, pdb=pdb,
+                                       ranks=chosen_ranks(ranks, self.config.nprocs),
+                                       autoreload=self.reloads)
         here = self._where.kernels_copies()
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(here)
         return Job.started_held(lambda: self._start(config, payload, stdout))._handed_back()
-
-    def _run_config(self, **run: Any) -> RunConfig:
-        """The session's config for one run with ``run``'s settings: the last run's again,
-        if it had the same (a session's cells mostly do; one made anew is checked)."""
-        made = self._last_config
-        if made is None or made[0] is not self.config or made[1] != run:
-            made = self._last_config = (self.config, run, dataclasses.replace(self.config,
-                                                                              **run))
-        return made[2]
 
     def _start(self, config: RunConfig, payload: Packed, stdout: TextIO | None) -> Job:
         """Hand the ranks the run, unless they are busy; its ``Job``."""

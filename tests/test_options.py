@@ -22,7 +22,7 @@ from nbddp._export.script import export
 from nbddp._launch import launch
 from nbddp._magic import DDPMagics, _usage_error, _values
 from nbddp._ray.options import Ray
-from nbddp._run.config import RunConfig, RunOptions
+from nbddp._run.config import ConfigPerRun, RunConfig, RunOptions
 from nbddp._run.devices import GpusNotVisible
 from nbddp._run.flags import decided, defaults, flagged
 from nbddp._session import Session
@@ -204,3 +204,18 @@ def test_the_gpu_check_is_one_and_the_magic_says_it_in_flags(monkeypatch):
             f"--gpus {typed} asks for more GPUs than the 0 visible; to run on the CPU, use "
             "%%ddp --nprocs N (gloo ranks) instead of --gpus")
     assert str(_usage_error(ValueError("timeout must be"), "2")) == "timeout must be"
+
+
+def test_a_session_s_run_reuses_its_config_only_for_the_very_same_settings():
+    """A session's quick cells do not check their settings again and again; a setting
+    that compares equal but is not the same (``True`` for ``1``) is checked, and the
+    session's ``env`` changed in place reaches the next run."""
+    configs, session = ConfigPerRun(), RunConfig(nprocs=2, env={"SEED": "1"})
+    first = configs.for_run(session, stall_after=1, ranks=None)
+    assert first.stall_after == 1 and configs.for_run(session, stall_after=1,
+                                                      ranks=None) is first
+    with pytest.raises(ValueError, match="stall_after must be a positive"):
+        configs.for_run(session, stall_after=True, ranks=None)
+    assert configs.for_run(session, stall_after=1, ranks=(1,)).ranks == (1,)
+    session.env["SEED"] = "2"
+    assert configs.for_run(session, stall_after=1, ranks=(1,)).env == {"SEED": "2"}

@@ -10,6 +10,7 @@ their GPUs (``devices`` checks them): a ``RunConfig``, what the rest of nbddp ru
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
@@ -201,6 +202,24 @@ class RunConfig(RunOptions):
         if self.ranks is None:
             return []  # (every rank runs it: no set of thousands of ranks per cell)
         return sorted(set(range(self.nprocs)) - set(self.ranks))
+
+
+class ConfigPerRun:
+    """A session's config for each of its runs: the session's own with the run's settings
+    (``dataclasses.replace``, which checks them). A run with the very same settings as
+    the last, on the same config with the same ``env``, gets the last one's again: a
+    session's cells mostly have the same, and each check costs the quick cell time."""
+
+    def __init__(self) -> None:
+        self._last: tuple[RunConfig, list[tuple[str, type, Any]], RunConfig] | None = None
+
+    def for_run(self, config: RunConfig, **settings: Any) -> RunConfig:
+        typed = [(name, type(value), value) for name, value in settings.items()]  # (1, True)
+        last = self._last
+        if last is None or last[0] is not config or last[1] != typed \
+                or last[2].env != config.env:  # (a dict: it may have been changed in place)
+            last = self._last = (config, typed, dataclasses.replace(config, **settings))
+        return last[2]
 
 
 def check_max_restarts(value: object) -> None:
