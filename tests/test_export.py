@@ -156,6 +156,47 @@ def test_the_script_runs_as_plain_python(exported):
                                                               exported)
 
 
+LEAVING = """
+import nbddp
+
+def leave():
+    import atexit, ctypes, threading, time
+    import torch.distributed as dist
+    rank = dist.get_rank()
+    libc = ctypes.CDLL("libc.so.6")  # an abort among the C library's exit handlers, where
+    getattr(libc, "__cxa_atexit")(libc.abort, None, None)  # gloo's destructors may abort
+
+    def late():
+        time.sleep(0.5)
+        open(f"thread-{rank}.txt", "w").write("waited for")
+
+    threading.Thread(target=late).start()
+    atexit.register(lambda: open(f"atexit-{rank}.txt", "w").write("ran"))
+    return rank
+
+[p.name for p in nbddp.export(leave, "leaving/leave.py")]
+"""
+
+
+def test_a_clean_run_ends_well_though_a_library_would_abort_at_exit(kernel, tmp_path):
+    """torch's gloo can abort in C++ static destructors after a clean run (torchrun then
+    reports the job failed, SLURM too): the script leaves before them, once its threads
+    are done and its exit handlers have run."""
+    kernel.run(f"import os; _was = os.getcwd(); os.chdir({str(tmp_path)!r})").assert_ok()
+    try:
+        kernel.run(LEAVING).assert_ok()
+    finally:
+        kernel.run("os.chdir(_was)").assert_ok()
+    folder = tmp_path / "leaving"
+    for ranks, command in ((2, ["-m", "torch.distributed.run", "--standalone",
+                                "--nproc_per_node", "2", "leave.py"]), (1, ["leave.py"])):
+        run_script([sys.executable, *command], folder)
+        for rank in range(ranks):
+            assert (folder / f"thread-{rank}.txt").read_text() == "waited for"
+            assert (folder / f"atexit-{rank}.txt").read_text() == "ran"
+            (folder / f"thread-{rank}.txt").unlink()
+
+
 def test_the_sbatch_file_asks_for_what_was_exported(exported):
     text = (exported / "train.sbatch").read_text()
     assert "#SBATCH --nodes=2" in text and "--nproc_per_node 2" in text

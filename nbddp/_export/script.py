@@ -56,6 +56,24 @@ def _start_process_group():
         store = torch.distributed.HashStore()
         torch.distributed.init_process_group(backend, store=store, rank=0, world_size=1)
     return torch.distributed
+
+
+def _leave() -> None:
+    """End the process once the run is over, as Python would (its other threads waited
+    for, its exit handlers run: nbddp's last metrics), but without C++ static destructors:
+    torch's gloo can abort in them after a clean run ("terminate called without an active
+    exception"), and torchrun and SLURM would report the job as failed."""
+    import atexit
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 '''
 
 _FUNCTION_MAIN = '''
@@ -71,6 +89,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    _leave()
 '''
 
 _CELL_MAIN = '''
@@ -82,6 +101,7 @@ _process_group = _start_process_group()
 # --- end of the cell -----------------------------------------------------------------
 
 _process_group.destroy_process_group()
+_leave()
 '''
 
 

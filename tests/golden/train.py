@@ -65,6 +65,24 @@ def _start_process_group():
     return torch.distributed
 
 
+def _leave() -> None:
+    """End the process once the run is over, as Python would (its other threads waited
+    for, its exit handlers run: nbddp's last metrics), but without C++ static destructors:
+    torch's gloo can abort in them after a clean run ("terminate called without an active
+    exception"), and torchrun and SLURM would report the job as failed."""
+    import atexit
+    import sys
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def main() -> None:
     """Call train on every rank; print rank 0's result."""
     dist = _start_process_group()
@@ -76,3 +94,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    _leave()
