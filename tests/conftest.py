@@ -172,6 +172,19 @@ LEFTOVER_GRACE = 30.0
 
 
 @pytest.fixture(autouse=True)
+def no_interrupt_hold_left():
+    """Fail the test if it leaves Ctrl-C held: a hold inside one in force holds nothing
+    itself, so one never released would leave every later start unheld."""
+    yield
+    from nbddp._run.interrupt_hold import InterruptHold  # (nbddp is imported after the setup)
+
+    left = InterruptHold._current
+    if left is not None:
+        left.restore()  # (Ctrl-C raises again for the next test)
+    assert left is None, "an interrupt hold was left in force"
+
+
+@pytest.fixture(autouse=True)
 def no_leftovers():
     """Fail the test if it leaves a process, a run dir or a socket behind.
 
