@@ -20,13 +20,14 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from .._wire.channel import ChannelClient
 from .._wire.dataplane import Packed
 from .._wire.messages import DebugInput
 from .._wire.rundir import RELAY_ENV, RunDir
-from .link import KernelLink, channel_to, to_node_relay
+from .link import KernelLink, channel_to, relay_channel, to_node_relay
 
 ADDRESS_POLL = 0.5
 """Seconds between two reads of the address file while no kernel is attached."""
@@ -112,9 +113,10 @@ class AttachableLink(KernelLink):
         kernel first), else straight to it."""
         deadline = None if self._grace is None else time.monotonic() + self._grace
         run_dir = self._run_dir
-        if os.environ.get(RELAY_ENV):  # the relay listens once it reached a new kernel
-            found = next_kernel(run_dir, None, deadline, lambda _: to_node_relay(run_dir),
-                                quiet=True)
+        relay = os.environ.get(RELAY_ENV)
+        if relay:  # the relay listens once it reached a new kernel
+            found = next_kernel(run_dir, None, deadline,
+                                lambda _: relay_channel(Path(relay), run_dir), quiet=True)
         else:
             found = next_kernel(run_dir, self._served, deadline,
                                 lambda address: channel_to(address, run_dir))
@@ -125,7 +127,7 @@ class AttachableLink(KernelLink):
 
 
 def next_kernel(run_dir: RunDir, served: str | None, deadline: float | None,
-                connect: Callable[[str], ChannelClient | None],
+                connect: Callable[[str], ChannelClient],
                 stopped: Callable[[], bool] = lambda: False, quiet: bool = False
                 ) -> tuple[ChannelClient, str] | None:
     """Read the session's address file until it names a kernel other than ``served``
@@ -142,14 +144,11 @@ def next_kernel(run_dir: RunDir, served: str | None, deadline: float | None,
         if address == served:
             continue
         try:
-            channel = connect(address)
+            return connect(address), address
         except (OSError, ValueError, ConnectionError) as exc:
             if said != address and not quiet:
                 said = address
                 print(f"nbddp: cannot attach to the kernel at {address.strip()} yet: "
                       f"{exc}", file=sys.stderr)
-            continue
-        if channel is not None:
-            return channel, address
     return None
 

@@ -273,7 +273,12 @@ def to_node_relay(run_dir: RunDir) -> ChannelClient | None:
     """A connection to this node's relay, which speaks to the kernel for the node's ranks
     (``_rank.relay``), if the node has one (its data files cross the relay, not here)."""
     relay = os.environ.get(RELAY_ENV)
-    return ChannelClient(Path(relay), run_dir.key.read_bytes()) if relay else None
+    return relay_channel(Path(relay), run_dir) if relay else None
+
+
+def relay_channel(socket: Path, run_dir: RunDir) -> ChannelClient:
+    """A connection to the node's relay listening at ``socket``, with the run's key."""
+    return ChannelClient(socket, run_dir.key.read_bytes())
 
 
 def channel_to(address: str, run_dir: RunDir) -> ChannelClient:
