@@ -30,6 +30,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import select
 import shutil
 import signal
 import sys
@@ -223,8 +224,8 @@ def _leave_the_parent() -> None:
 
 def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
          lost: threading.Event, ended: threading.Event) -> int:
-    if lifeline_arg != "-":
-        lifeline = int(lifeline_arg)
+    lifeline = None if lifeline_arg == "-" else int(lifeline_arg)
+    if lifeline is not None:
         if not _wait_for_run_dir(lifeline, run_dir):
             lost.set()
             return 0
@@ -243,11 +244,19 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
     finally:
         if relay is not None:  # (its ranks are gone: what they said last goes first)
             relay.close(wait=_RELAY_FLUSH_WAIT)
-        if lost.is_set():  # nobody else is left to clean up: torchrun stopped its ranks
-            run_dir.remove()
+        if lost.is_set() or (lifeline is not None and _closed(lifeline)):
+            run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
     return 0
+
+
+def _closed(lifeline: int) -> bool:
+    """The kernel has let go of the lifeline (it died): its end reads at once. Asked as
+    torchrun ends, whose ranks a dying kernel ends too (they lose its channel): the
+    lifeline's watcher, a daemon thread, may then be removing the run dir, and would die
+    with this process mid-way (a run dir half removed was seen)."""
+    return bool(select.select([lifeline], [], [], 0)[0])
 
 
 def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
