@@ -21,6 +21,8 @@ the line right above a fence make the page check more than that:
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,11 +116,13 @@ def test_every_fence_is_understood():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("page", _page_params())
-def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch):
+def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch, request):
     # The page's kernel, its runs and any torchrun a page starts by hand (which leaves
-    # its log folder behind) use a temp dir of the page's own.
-    private_tmp = tmp_path / "tmp"
-    private_tmp.mkdir()
+    # its log folder behind) use a temp dir of the page's own, with a path short enough
+    # for the run dirs' sockets (a longer one puts them in /tmp, where the check below
+    # would not see them).
+    private_tmp = Path(tempfile.mkdtemp(prefix="docs-", dir="/tmp"))
+    request.addfinalizer(lambda: shutil.rmtree(private_tmp, ignore_errors=True))
     monkeypatch.setenv("TMPDIR", str(private_tmp))
     work = tmp_path / "work"
     work.mkdir()
