@@ -102,6 +102,44 @@ def another_port():
     dist.init_process_group("gloo")
 
 
+def another_address():
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["MASTER_ADDR"] = "10.255.255.1"  # (nobody answers there)
+    dist.init_process_group("gloo")
+
+
+def a_trainer_whose_cluster_says_rank_0_everywhere():
+    """A framework's own set-up broken as perceptrain's is: its cluster environment says
+    rank 0 on every rank, and Lightning passes that to init_process_group."""
+    import lightning.pytorch as pl
+    import torch
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+
+    class EveryRankIsRankZero(TorchElasticEnvironment):
+        def global_rank(self) -> int:
+            return 0
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, _):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)))
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=1,
+                         plugins=[EveryRankIsRankZero()], logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False)
+    trainer.fit(Tiny(), data)
+
+
 def an_address_of_its_own():
     import os
 
@@ -172,6 +210,28 @@ def test_a_master_port_the_rank_changed_is_named():
                      r"torchrun \(TORCHELASTIC_USE_AGENT_STORE=True\) every rank looks for "
                      r"torchrun's store there, and none hosts one", report), report
     assert "rank 1 changed MASTER_PORT" in report, report
+
+
+@pytest.mark.slow
+def test_a_master_addr_the_rank_changed_is_named():
+    report = timeout_report(another_address)
+    assert re.search(r"rank 0 changed MASTER_ADDR from \S+ \(torchrun's\) to 10.255.255.1: "
+                     r"under torchrun \(TORCHELASTIC_USE_AGENT_STORE=True\) every rank "
+                     r"looks for torchrun's store there", report), report
+    assert "rank 1 changed MASTER_ADDR" in report, report
+
+
+@pytest.mark.slow
+def test_a_frameworks_own_broken_set_up_is_named_with_the_cause():
+    """Lightning's Trainer makes the call (a frame of the framework's, not the user's):
+    the summary still names init_process_group, and the report the cause."""
+    pytest.importorskip("lightning")
+    report = timeout_report(a_trainer_whose_cluster_says_rank_0_everywhere)
+    assert "rank 0: waiting in init_process_group" in report, report
+    assert "rank 1: waiting in init_process_group" in report, report
+    assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" in report
+    assert "ranks 0 and 1 both joined as rank 0" in report, report
+    assert "_new_process_group_helper (" not in report, report
 
 
 @pytest.mark.slow
