@@ -183,6 +183,43 @@ def test_a_timeouts_report_is_shown_once_and_its_ranks_as_stopped(ddp):
     assert "failed" not in header and "did not finish within 8 s" in header, header
 
 
+def _summary_lines(run: Execution) -> list[str]:
+    """nbddp's own lines in the cell's streamed output (its one-line summary)."""
+    return [line for line in run.stream_text().splitlines() if line.startswith("nbddp: ")]
+
+
+def _last_panel_header(run: Execution, status: str) -> str:
+    """The first line of the panel's last state that says ``status``."""
+    panel = [o.content["data"]["text/plain"] for o in run.outputs
+             if o.msg_type in ("display_data", "update_display_data")
+             and status in o.content.get("data", {}).get("text/plain", "")]
+    assert panel, run.describe()
+    return panel[-1].splitlines()[0]
+
+
+def test_a_failures_traceback_is_shown_once_and_the_rank_it_stopped_as_stopped(ddp):
+    """A rank's traceback is in the error IPython shows, once (the one-line summaries
+    name the error); the streamed summary is one line; the rank nbddp stopped because
+    of it is ``stopped``, the one that raised ``failed``."""
+    run = ddp.run("""
+        %%ddp --nprocs 2
+        import time
+        import torch.distributed as dist
+        if dist.get_rank() == 1:
+            raise ValueError("shard 17 is empty")
+        time.sleep(120)
+    """)
+    assert run.error() is not None, run.describe()
+    error = run.error_text()
+    assert "ValueError: shard 17 is empty" in error, error
+    everything = run.shown_text() + error
+    assert everything.count("Traceback (most recent call last)") == 1, everything
+    assert everything.count('raise ValueError("shard 17 is empty")') == 1, everything
+    assert len(_summary_lines(run)) == 1, run.describe()
+    header = _last_panel_header(run, "nbddp: failed")
+    assert "0 stopped" in header and "1 failed" in header, header
+
+
 def test_more_gpus_than_visible_is_a_usage_error_naming_nprocs(ddp):
     ddp.run("""
         import os as _probe_os
@@ -504,6 +541,9 @@ def test_interrupt_stops_every_process_and_the_next_cell_works(fresh_kernel):
     procs, _ = _wait_for_ranks(fresh_kernel, run)
 
     interrupt_and_check(fresh_kernel, run, procs)
+    assert len(_summary_lines(run)) == 1, run.describe()
+    header = _last_panel_header(run, "nbddp: interrupted")
+    assert "(ranks: 0 stopped, 1 stopped)" in header, header  # by nbddp: not failed
 
     again = fresh_kernel.run("%%ddp --nprocs 2\n'still here'").assert_ok()
     assert again.result() == "'still here'"
