@@ -16,6 +16,8 @@ import nbddp
 from nbddp._run.setup_report import setup_report
 from nbddp._wire.messages import Collectives, SetupLook
 
+from .conftest import wait_until
+
 # --- the report, from the ranks' looks ----------------------------------------------------
 
 
@@ -193,6 +195,24 @@ def test_two_ranks_that_join_as_rank_0_are_named_with_the_cause():
     assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" in report
     assert "ranks 0 and 1 both joined as rank 0" in report, report
     assert "_new_process_group_helper (" not in report  # torch's helper is no summary
+
+
+@pytest.mark.slow
+def test_asked_while_it_hangs_the_job_names_the_call_and_the_cause():
+    """Asked for (``job.stacks()``, ``job.hang_report()``), before any timeout: each
+    rank's stack names init_process_group, and the report the cause."""
+    job = nbddp.launch(same_rank_everywhere, 2, init=False, wait=False, output="none")
+    try:
+        report = wait_until(lambda: (said if "both joined as rank 0" in
+                                     (said := job.hang_report()) else None), timeout=60)
+        assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" \
+            in report, report
+        stacks = job.stacks()
+        for rank in (0, 1):
+            assert stacks[rank].startswith(f"rank {rank}: waiting in init_process_group "
+                                           "(test_setup_hangs.py"), stacks[rank]
+    finally:
+        job.cancel()
 
 
 @pytest.mark.slow
