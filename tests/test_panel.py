@@ -150,7 +150,8 @@ def test_a_failed_run_turns_the_panel_red_and_names_the_rank(executed):
     html = " ".join(m["value"] for m in models["HTMLModel"])
     assert "nbddp: failed" in html
     assert "rank 1 raised RuntimeError: diverged" in html
-    assert "1 failed" in html  # the per-rank state
+    assert "1 failed (step 5" in html, html  # where it ended: its report's own stats
+    assert "0 stopped" in html, html  # nbddp stopped it: it did not fail
     (error,) = [o for o in executed.cells[1].outputs if o.output_type == "error"]
     assert error.ename == "WorkerError"
     (shown,) = [o for o in executed.cells[1].outputs if o.output_type == "display_data"]
