@@ -35,7 +35,7 @@ def inside(rank: int | None, torchrun_rank: int, world_size: int | None = None,
 @pytest.mark.fast
 def test_ranks_that_join_as_the_same_rank_are_named():
     report = setup_report(looks(r0=inside(0, 0), r1=inside(0, 1)))
-    assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" in report
+    assert "rank 1 called init_process_group(rank=0); torchrun made it rank 1" in report
     assert "ranks 0 and 1 both joined as rank 0" in report
     assert "rank 0 called" not in report  # rank 0 is where torchrun put it
 
@@ -192,7 +192,7 @@ def test_two_ranks_that_join_as_rank_0_are_named_with_the_cause():
     assert re.search(r"rank 0: waiting in init_process_group \(test_setup_hangs.py, line \d+",
                      report), report
     assert "rank 1: waiting in init_process_group" in report, report
-    assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" in report
+    assert "rank 1 called init_process_group(rank=0); torchrun made it rank 1" in report
     assert "ranks 0 and 1 both joined as rank 0" in report, report
     assert "_new_process_group_helper (" not in report  # torch's helper is no summary
 
@@ -205,7 +205,7 @@ def test_asked_while_it_hangs_the_job_names_the_call_and_the_cause():
     try:
         report = wait_until(lambda: (said if "both joined as rank 0" in
                                      (said := job.hang_report()) else None), timeout=60)
-        assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" \
+        assert "rank 1 called init_process_group(rank=0); torchrun made it rank 1" \
             in report, report
         stacks = job.stacks()
         for rank in (0, 1):
@@ -249,7 +249,7 @@ def test_a_frameworks_own_broken_set_up_is_named_with_the_cause():
     report = timeout_report(a_trainer_whose_cluster_says_rank_0_everywhere)
     assert "rank 0: waiting in init_process_group" in report, report
     assert "rank 1: waiting in init_process_group" in report, report
-    assert "rank 1 called init_process_group as rank 0; torchrun made it rank 1" in report
+    assert "rank 1 called init_process_group(rank=0); torchrun made it rank 1" in report
     assert "ranks 0 and 1 both joined as rank 0" in report, report
     assert "_new_process_group_helper (" not in report, report
 

@@ -41,7 +41,7 @@ def _world_lines(rank: int, look: SetupLook) -> list[str]:
     lines = []
     if look.rank is not None and look.torchrun_rank is not None and \
             look.rank != look.torchrun_rank:
-        lines.append(f"rank {rank} called init_process_group as rank {look.rank}; torchrun "
+        lines.append(f"rank {rank} called init_process_group(rank={look.rank}); torchrun "
                      f"made it rank {look.torchrun_rank}")
     if look.world_size is not None and look.torchrun_world_size is not None and \
             look.world_size != look.torchrun_world_size:
