@@ -133,12 +133,23 @@ def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
     assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
-def test_a_session_with_grace_is_attached_again_with_its_state(ray_cluster, tmp_path):
+USERS_OWN_RAY_INIT = "import ray\nray.init(address=os.environ['RAY_ADDRESS'])"
+"""A notebook that connected to Ray itself first: its driver is in a namespace of its own
+(anonymous), not nbddp's."""
+
+
+@pytest.mark.parametrize("own_init", [False, True], ids=["nbddp-connects", "users-ray-init"])
+def test_a_session_with_grace_is_attached_again_with_its_state(ray_cluster, tmp_path,
+                                                               own_init):
+    """Whether nbddp connected the kernel to Ray or the notebook did (each kernel in a
+    namespace of its own), a new kernel finds the session and attaches to it."""
     (tmp_path / "first").mkdir()
     (tmp_path / "second").mkdir()
     first = Kernel(tmp_path / "first")
     try:
         first.run(setup_cell(ray_cluster)).assert_ok()
+        if own_init:
+            first.run(USERS_OWN_RAY_INIT, timeout=60).assert_ok()
         first.run(f"{START} --grace 120", timeout=180).assert_ok()
         cell(first, "import torch.distributed as dist\nweights = [1, 2, 3]").assert_ok()
     finally:
@@ -147,6 +158,8 @@ def test_a_session_with_grace_is_attached_again_with_its_state(ray_cluster, tmp_
     second = Kernel(tmp_path / "second")
     try:
         second.run(setup_cell(ray_cluster)).assert_ok()
+        if own_init:
+            second.run(USERS_OWN_RAY_INIT, timeout=60).assert_ok()
         attached = second.run("%ddp_session attach", timeout=120).assert_ok()
         assert "attached to Ray session" in attached.stream_text()
         assert cell(second, "sum(weights) * dist.get_world_size()").assert_ok().result() \

@@ -74,14 +74,22 @@ class RayPlacement:
                                 name=placement_name(session_id), lifetime=_lifetime(options))
         return cls(ray, session_id, options, group, [])
 
-    @classmethod
-    def found(cls, ray: ModuleType, session_id: str, options: Ray) -> RayPlacement:
-        """The placement group and agents of a running session (a kernel that attaches);
-        NbddpError if they are gone."""
-        from ray.util.placement_group import get_placement_group
+    @property
+    def group_id(self) -> str:
+        """The placement group's id, which finds it from any driver (its name is known
+        only in the namespace of the driver that made it: a notebook's own ``ray.init``
+        puts that in a namespace of its own)."""
+        return self.placement_group.id.hex()
 
+    @classmethod
+    def found(cls, ray: ModuleType, session_id: str, options: Ray,
+              group_id: str) -> RayPlacement:
+        """The placement group (``group_id``) and agents of a running session (a kernel
+        that attaches); NbddpError if they are gone."""
+        group = held_group(group_id)
         try:
-            group = get_placement_group(placement_name(session_id))
+            if group is None:
+                raise ValueError(group_id)
             agents = [ray.get_actor(agent_name(session_id, index), namespace=NAMESPACE)
                       for index in range(options.nodes)]
         except ValueError:
@@ -90,17 +98,6 @@ class RayPlacement:
         placement = cls(ray, session_id, options, group, agents)
         placement.nodes = placement._where()
         return placement
-
-    @staticmethod
-    def exists(ray: ModuleType, session_id: str) -> bool:
-        """Whether Ray still holds session ``session_id``'s placement group."""
-        from ray.util.placement_group import get_placement_group
-
-        try:
-            group = get_placement_group(placement_name(session_id))
-        except ValueError:
-            return False
-        return not _placement_removed(group)
 
     def wait_placed(self, timeout: float) -> bool:
         """Whether Ray placed every bundle within ``timeout`` seconds."""
@@ -254,6 +251,19 @@ def _node_alive(ray: ModuleType, node_id: str) -> bool:
             if node.get("NodeID") == node_id:
                 return bool(node.get("Alive"))
     return False
+
+
+def held_group(group_id: str) -> Any | None:
+    """The placement group ``group_id`` (hex), if Ray still holds it (made, not removed)."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    try:
+        group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
+        state = placement_group_table(group).get("state")
+    except Exception:  # noqa: BLE001 - no such id, or Ray's own error: none held
+        return None
+    return None if state in (None, "REMOVED") else group
 
 
 def _placement_removed(group: Any) -> bool:

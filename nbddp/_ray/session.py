@@ -38,7 +38,7 @@ from .._wire.rundir import RunDir, read_own_key
 from .cluster import connect, kernel_address
 from .object_store import OBJECT_STORE, ObjectStoreDelivery
 from .options import Ray
-from .placement import NodeInfo, RayPlacement
+from .placement import NodeInfo, RayPlacement, held_group
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,8 @@ class RaySessionRecord:
     output: Output
     started: float
     """When the session started (seconds since the epoch)."""
+    placement_group: str = ""
+    """Its placement group's id (hex): found by id, from whatever namespace."""
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -111,7 +113,8 @@ class RaySessionGroup(RemoteSessionGroup):
             group.placement = RayPlacement.request(ray, session_id, options)
             group.run_dir.write_private(group.run_dir.ray_session, RaySessionRecord(
                 session_id, options, shape.nprocs, shape.backend, shape.init,
-                started=time.time(), **settings).to_json())
+                started=time.time(), placement_group=group.placement.group_id,
+                **settings).to_json())
             group._place_in_background()
         except BaseException:
             group.stop()
@@ -210,7 +213,8 @@ class RaySessionGroup(RemoteSessionGroup):
         group = cls(shape, record.options, record.nprocs // record.options.nodes, run_dir,
                     record.session_id)
         try:
-            group.placement = RayPlacement.found(ray, record.session_id, record.options)
+            group.placement = RayPlacement.found(ray, record.session_id, record.options,
+                                                 record.placement_group)
             group._placed_on(group.placement.nodes)
             group._listen(kernel_address(ray))
             group.placement.attach(group.run_dir.address.read_bytes())
@@ -262,9 +266,9 @@ def kept_ray_sessions(session_id: str | None = None
 def still_placed(record: RaySessionRecord, run_dir: RunDir) -> bool:
     """Whether Ray still holds the session's placement group; if not, its folder's
     secrets go (a kernel that died could not remove them; nobody can attach now)."""
-    ray = connect(record.options.address)
-    if RayPlacement.exists(ray, record.session_id):
-        return True
+    connect(record.options.address)
+    if not record.placement_group or held_group(record.placement_group) is not None:
+        return True  # (no id: an earlier nbddp's session, left as it is)
     run_dir.remove()
     return False
 
