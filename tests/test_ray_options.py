@@ -1,8 +1,15 @@
 """What a Ray run or session is asked, checked before anything starts: ``nbddp.Ray``,
 the ranks per node, and the magics' ``--ray`` flags. Pure logic: no cluster, no ray
-import (``import nbddp`` never imports ray)."""
+import (``import nbddp`` never imports ray); where nbddp must connect, in a process of
+its own, with no cluster to be found."""
 
 from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 from IPython.core.error import UsageError
@@ -78,3 +85,47 @@ def test_the_magic_flags_make_the_options():
 def test_flags_that_do_not_go_together_are_refused(line, message):
     with pytest.raises(UsageError, match=message):
         _check_combination(_parsed(line))
+
+
+CONNECT = """
+import nbddp
+try:
+    nbddp.launch(print, nprocs=1, ray=nbddp.Ray(nodes=2, address=ADDRESS))
+except nbddp.NbddpError as error:
+    print(error)
+"""
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]  # (closed again: nothing listens there)
+
+
+NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
+                               reason="ray is not installed")
+
+
+def _launch_says(address: str | None, ray_address: str) -> str:
+    """What a launch on Ray at ``address`` prints, in a process of its own."""
+    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    return subprocess.run([sys.executable, "-c", CONNECT.replace("ADDRESS", repr(address))],
+                          env=env, timeout=60, capture_output=True, text=True).stdout
+
+
+@NEEDS_RAY
+@pytest.mark.parametrize("where", ["address", "RAY_ADDRESS"])
+def test_no_cluster_at_the_address_given_is_a_clear_error_at_once(where):
+    """Given where nothing answers, the launch says so, and how to start a cluster, before
+    anything starts (``ray.init`` would retry for minutes)."""
+    address = f"127.0.0.1:{_closed_port()}"
+    said = _launch_says(address, "") if where == "address" else _launch_says(None, address)
+    assert f"no Ray cluster reachable at '{address}' (nothing answers there" in said, said
+    assert "start one (`ray start --head` on this machine" in said, said
+
+
+@NEEDS_RAY
+def test_a_ray_client_address_in_ray_address_is_refused_with_the_reason():
+    said = _launch_says(None, "ray://head:10001")
+    assert "RAY_ADDRESS=ray://head:10001 is a Ray Client address: nbddp needs the kernel " \
+        "inside the cluster" in said, said

@@ -12,9 +12,12 @@ so that every rank's ``breakpoint()`` still opens in the notebook.
 from __future__ import annotations
 
 import os
+import socket
 from types import ModuleType
 
 from .._errors import NbddpError
+
+_PROBE_WAIT = 5.0  # seconds for a cluster's GCS to accept a connection
 
 NAMESPACE = "nbddp"
 """The Ray namespace of every session's placement group and agents (named there, so a
@@ -41,18 +44,35 @@ def connect(address: str | None) -> ModuleType:
     if target.startswith("ray://"):
         raise NbddpError(f"RAY_ADDRESS={target} is a Ray Client address: nbddp needs the "
                          "kernel inside the cluster (give the GCS address, host:port)")
+    _check_answers(target)
     breakpoint_hook = os.environ.get("PYTHONBREAKPOINT")
     try:
         ray.init(address=target, namespace=NAMESPACE, log_to_driver=False,
                  logging_level="WARNING", configure_logging=False)
     except ConnectionError as exc:
-        raise NbddpError(
-            f"no Ray cluster reachable at {target!r} ({exc}); start one (`ray start "
-            "--head` on this machine, or run the notebook on a cluster's head node) or "
-            "give its address: nbddp.Ray(address='HOST:6379')") from None
+        raise _unreachable(target, str(exc)) from None
     finally:  # (ray.init points breakpoint() at Ray's debugger: the notebook's is kept)
         _restore("PYTHONBREAKPOINT", breakpoint_hook)
     return ray
+
+
+def _check_answers(target: str) -> None:
+    """An address given as ``HOST:PORT`` where nothing answers raises at once: ``ray.init``
+    would wait minutes for it, retrying."""
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        return  # ("auto": Ray looks for a cluster on this machine itself, at once)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_WAIT).close()
+    except OSError as exc:
+        raise _unreachable(target, f"nothing answers there: {exc.strerror or exc}") from None
+
+
+def _unreachable(target: str, why: str) -> NbddpError:
+    return NbddpError(
+        f"no Ray cluster reachable at {target!r} ({why}); start one (`ray start --head` "
+        "on this machine, or run the notebook on a cluster's head node) or give its "
+        "address: nbddp.Ray(address='HOST:6379')")
 
 
 def _restore(name: str, value: str | None) -> None:
