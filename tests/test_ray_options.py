@@ -129,3 +129,11 @@ def test_a_ray_client_address_in_ray_address_is_refused_with_the_reason():
     said = _launch_says(None, "ray://head:10001")
     assert "RAY_ADDRESS=ray://head:10001 is a Ray Client address: nbddp needs the kernel " \
         "inside the cluster" in said, said
+
+
+def test_without_ray_installed_a_ray_run_says_how_to_install_it():
+    said = subprocess.run([sys.executable, "-c", "import sys; sys.modules['ray'] = None\n"
+                           + CONNECT.replace("ADDRESS", "None")],
+                          timeout=60, capture_output=True, text=True).stdout
+    assert "ray is not installed in this kernel's environment: pip install 'nbddp[ray]'" \
+        in said, said
