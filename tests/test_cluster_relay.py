@@ -63,6 +63,22 @@ finally:
 _seen, float(_back.sum())
 """
 
+ONCE_PER_NODE = """
+import torch
+_big = torch.arange(2**22, dtype=torch.float32)
+def _mapped(t):
+    import os
+    address = t.data_ptr()
+    for line in open('/proc/self/maps'):
+        parts = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in parts[0].split('-'))
+        if start <= address < end:
+            where = parts[5].strip() if len(parts) > 5 else ''
+            return (int(os.environ['GROUP_RANK']), parts[3], parts[4],
+                    os.path.basename(os.path.dirname(where))[:11], float(t[-1]))
+_session.run_all(_mapped, _big)
+"""
+
 
 def cell(kernel: Kernel, body: str, options: str = "", timeout: float = 90):
     return kernel.run(f"%%ddp {options}\n{body}", timeout=timeout)
@@ -237,6 +253,22 @@ def test_ray_stacks_come_from_every_rank(ray_relayed):
 @pytest.mark.ray
 def test_ray_tensors_cross_the_relays_both_ways(ray_relayed):
     check_data_crosses_the_relays_both_ways(ray_relayed)
+
+
+@pytest.mark.ray
+def test_ray_an_argument_crosses_once_per_node_through_the_object_store(ray_relayed):
+    """Ray's object store route (the default): each node's agent writes the argument into
+    the node's shared memory once, and every rank of that node maps that one file (the
+    same inode), a file of its own node's (another inode on the other node)."""
+    run = ray_relayed.run(ONCE_PER_NODE, timeout=300).assert_ok()
+    mapped = eval(run.result())  # noqa: S307 - our own repr
+    assert [value for *_, value in mapped] == [2.0**22 - 1] * (2 * PER_NODE)
+    files = {node: {(device, inode) for n, device, inode, _, _ in mapped if n == node}
+             for node in (0, 1)}
+    assert all(len(on_node) == 1 for on_node in files.values()), mapped  # once a node
+    assert files[0] != files[1], mapped  # each node its own copy
+    assert {folder for *_, folder, _ in mapped} == {"nbddp-node-"}, mapped
+    assert [node for node, *_ in mapped] == [rank // PER_NODE for rank in range(2 * PER_NODE)]
 
 
 @pytest.mark.ray
