@@ -133,6 +133,27 @@ def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
     assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
+def test_a_session_whose_grace_runs_out_leaves_nothing(ray_cluster, tmp_path):
+    """No kernel comes back within the grace: the agents stop their ranks and remove the
+    placement group themselves, and a new kernel finds no session to attach to."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = Kernel(tmp_path / "first")
+    try:
+        first.run(setup_cell(ray_cluster)).assert_ok()
+        first.run(f"{START} --grace 20", timeout=180).assert_ok()
+        cell(first, "kept = 1").assert_ok()
+    finally:
+        first.end("killed")
+        first.shutdown()
+    assert ray_cluster.state()["placement_groups"], "the grace keeps the session a while"
+    assert ray_cluster.wait_empty(timeout=120) == {"actors": [], "placement_groups": []}
+    with ray_kernel(ray_cluster, tmp_path / "second", start=None) as (second, _):
+        run = second.run("%ddp_session attach", timeout=120)
+        assert run.error() is not None and "no Ray session is running for this account" \
+            in run.error_text(), run.describe()
+
+
 USERS_OWN_RAY_INIT = "import ray\nray.init(address=os.environ['RAY_ADDRESS'])"
 """A notebook that connected to Ray itself first: its driver is in a namespace of its own
 (anonymous), not nbddp's."""
