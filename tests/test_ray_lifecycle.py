@@ -133,6 +133,23 @@ def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
     assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
+def test_a_ddp_cell_on_ray_that_hangs_in_a_collective_says_who_waits_for_whom(ray_cluster,
+                                                                          tmp_path):
+    """``%%ddp --ray``, a one-off run: rank 0 waits in a barrier that rank 1, on the other
+    node, never enters; the timeout's report says so, and nothing is left."""
+    with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
+        run = kernel.run("%%ddp --ray --nodes 2 --nprocs 1 --timeout 10\n"
+                         "import time, torch.distributed as dist\n"
+                         "if dist.get_rank() == 0:\n    dist.barrier()\n"
+                         "else:\n    time.sleep(120)", timeout=240)
+        assert run.error() is not None and run.error()["ename"] == "TimeoutError", \
+            run.describe()
+        text = run.error_text()
+        assert "rank 0: waiting in barrier" in text, text
+        assert re.search(r"barrier #\d+ waits for rank 1", text), text
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
 def test_a_session_whose_grace_runs_out_leaves_nothing(ray_cluster, tmp_path):
     """No kernel comes back within the grace: the agents stop their ranks and remove the
     placement group themselves, and a new kernel finds no session to attach to."""

@@ -132,6 +132,32 @@ x + 2
     assert run.result() == "42"  # rank 0's value
 
 
+def test_a_cells_options_work_as_in_a_local_session(ray_session):
+    """``--ranks`` (the others keep their state), ``--all-ranks`` (every rank's output,
+    labelled) and ``--out``, on a Ray session's ranks."""
+    cell(ray_session, "import torch.distributed as dist\nmark = 'both'").assert_ok()
+    cell(ray_session, "mark = 'second only'", options="--ranks 1").assert_ok()
+    marks = cell(ray_session, "print('mark:', mark, flush=True)", options="--all-ranks")
+    said = marks.assert_ok().stream_text()
+    assert "[rank 0] mark: both" in said and "[rank 1] mark: second only" in said, said
+    cell(ray_session, "brought = [dist.get_rank(), mark]", options="--out brought").assert_ok()
+    assert ray_session.run("brought").assert_ok().result() == "[0, 'both']"
+
+
+def test_post_mortem_on_the_second_nodes_rank_with_ddp_debug(ray_session):
+    """A failed cell's rank keeps its failure; ``%ddp_debug`` opens pdb at its frame,
+    answered in the notebook, and the session's state is kept."""
+    cell(ray_session, "import torch.distributed as dist\nx = 40 + dist.get_rank()").assert_ok()
+    failed = cell(ray_session, "if dist.get_rank() == 1:\n    y = x / 0")
+    assert failed.error()["ename"] == "WorkerError", failed.describe()
+    debugging = ray_session.submit("%ddp_debug")
+    answer(debugging, "[rank 1] (Pdb) ", "p x")
+    answer(debugging, "[rank 1] (Pdb) ", "q")
+    debugging.finish(timeout=60).assert_ok()
+    assert "\n41\n" in debugging.stream_text(), debugging.describe()
+    assert cell(ray_session, "x").assert_ok().result() == "40"
+
+
 MAPPED_FROM = """
 def mapped_from(t):
     import os
