@@ -121,6 +121,40 @@ def test_a_placement_group_removed_from_outside_names_the_cause(ray_cluster, tmp
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
+FAILS = """
+def fails():
+    import torch.distributed as dist
+    if dist.get_rank() == 1:
+        raise ValueError("bad shard")
+    dist.barrier()
+nbddp.launch(fails, nprocs=1, ray=nbddp.Ray(nodes=2))
+"""
+
+SLEEPS = """
+def sleeps():
+    import time
+    print("sleeping", flush=True)
+    time.sleep(120)
+nbddp.launch(sleeps, nprocs=1, ray=nbddp.Ray(nodes=2))
+"""
+
+
+def test_a_launch_that_fails_or_is_interrupted_leaves_nothing(ray_cluster, tmp_path):
+    with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
+        failed = kernel.run(FAILS, timeout=180)
+        assert failed.error() is not None and failed.error()["ename"] == "WorkerError", \
+            failed.describe()
+        assert "rank 1 raised ValueError: bad shard" in failed.error_text()
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+        run = kernel.submit(SLEEPS)
+        run.wait_for_output("sleeping", timeout=180)
+        kernel.km.interrupt_kernel()
+        run.finish(timeout=120)
+        assert run.error() is not None and run.error()["ename"] == "KeyboardInterrupt", \
+            run.describe()
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
 def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
     kernel = Kernel(tmp_path)
     try:
@@ -248,5 +282,6 @@ def test_a_node_lost_mid_cell_ends_the_cell_naming_the_node(ray_cluster, tmp_pat
             assert re.search(r"Ray node \S+ was lost \(its raylet is gone\)", text), text
             assert "variables defined in earlier cells are gone" in text, text
             kernel.run("%ddp_session stop", timeout=120).assert_ok()
+            assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
     finally:
         ray_cluster.remove_sessions()
