@@ -434,3 +434,33 @@ def test_a_kernel_whose_name_does_not_resolve_opens_no_port(monkeypatch):
     finally:
         group.stop()
         group.close()
+
+
+@pytest.mark.parametrize("loosened", ["folder others can write to", "key others can read",
+                                      "key a symlink"])
+def test_a_ray_session_folder_someone_else_could_have_made_is_not_attached(
+        tmp_path, monkeypatch, loosened):
+    """A Ray session is attached from its folder in the user's records (its key, its
+    record): a folder another user made or can write to, or a key not the user's alone,
+    could hold a key of theirs, which would let them in. Such a folder is not offered."""
+    from nbddp._ray.options import Ray
+    from nbddp._ray.session import RaySessionRecord, kept_ray_sessions
+    from nbddp._run.records import Records
+    from nbddp._wire.rundir import RunDir
+
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path / "runs"))
+    run_dir = RunDir.of_job(Records.create().path)
+    run_dir.write_private(run_dir.key, b"k" * 32)
+    run_dir.write_private(run_dir.ray_session, RaySessionRecord(
+        "ray-0123abcd", Ray(), 2, None, True, None, "rank0", started=0.0,
+        placement_group="00" * 18).to_json())
+    assert [record.session_id for record, _ in kept_ray_sessions()] == ["ray-0123abcd"]
+    if loosened == "folder others can write to":
+        run_dir.path.chmod(0o777)
+    elif loosened == "key others can read":
+        run_dir.key.chmod(0o644)
+    else:
+        (tmp_path / "theirs").write_bytes(b"t" * 32)
+        run_dir.key.unlink()
+        run_dir.key.symlink_to(tmp_path / "theirs")
+    assert kept_ray_sessions() == []
