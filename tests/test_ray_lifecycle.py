@@ -184,6 +184,40 @@ def test_a_ddp_cell_on_ray_that_hangs_in_a_collective_says_who_waits_for_whom(ra
         assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
+PLACEMENT = """
+import ray
+[(g["strategy"], g["bundles"]) for g in ray.util.placement_group_table().values()
+ if g["name"].startswith("nbddp-") and g["state"] != "REMOVED"]
+"""
+
+
+def test_the_python_api_places_attaches_and_closes(ray_cluster, tmp_path):
+    """``nbddp.Session(ray=...)``: one placement group of a bundle per node, spread over
+    distinct nodes; ``Session.attach()`` in a new kernel (with ``grace``) finds its state;
+    ``close`` leaves nothing."""
+    (tmp_path / "first").mkdir()
+    (tmp_path / "second").mkdir()
+    first = Kernel(tmp_path / "first")
+    try:
+        first.run(setup_cell(ray_cluster)).assert_ok()
+        first.run("s = nbddp.Session(nprocs=1, ray=nbddp.Ray(nodes=2, grace=120))\n"
+                  "s.run(lambda: globals().update(kept=41))", timeout=180).assert_ok()
+        placed = first.run(PLACEMENT, timeout=60).assert_ok().result()
+        assert eval(placed) == [("STRICT_SPREAD", {0: {"CPU": 1.0}, 1: {"CPU": 1.0}})]  # noqa: S307
+    finally:
+        first.end("killed")
+        first.shutdown()
+    try:
+        with ray_kernel(ray_cluster, tmp_path / "second", start=None) as (second, _):
+            run = second.run("s = nbddp.Session.attach()\n"
+                             "s.run(lambda: kept + 1)", timeout=120).assert_ok()
+            assert run.result() == "42"
+            second.run("s.close()", timeout=120).assert_ok()
+            assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+    finally:
+        ray_cluster.remove_sessions()
+
+
 def test_a_session_whose_grace_runs_out_leaves_nothing(ray_cluster, tmp_path):
     """No kernel comes back within the grace: the agents stop their ranks and remove the
     placement group themselves, and a new kernel finds no session to attach to."""
