@@ -238,3 +238,42 @@ def test_a_rank_failing_in_a_nccl_collective_frees_its_peer_quickly():
     with pytest.raises(nbddp.WorkerError, match="rank 1 gives up"):
         nbddp.launch(fails, gpus=2)
     assert time.monotonic() - start < 60
+
+
+RAY_GPUS = """
+def seen():
+    import os
+    import torch
+    on = torch.ones(1, device="cuda")
+    return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count(), on.device.type
+nbddp.launch(seen, nprocs=1, backend="gloo", all_ranks=True,
+             ray=nbddp.Ray(nodes=2, gpus_per_node=1))
+"""
+
+
+@needs_gpu
+@pytest.mark.ray
+def test_ray_ranks_use_the_gpu_ray_assigned_to_their_bundle(tmp_path):
+    """Each node's ranks see the GPUs Ray gave the node's bundle, and only those. (Both
+    test nodes detect this machine's GPUs, so each bundle gets one: gloo, as NCCL would
+    refuse two ranks on one device.)"""
+    from .kernel_driver import Kernel
+    from .ray_cluster import RayCluster, unavailable
+    from .test_ray_session import setup_cell
+
+    if unavailable():
+        pytest.skip(unavailable())
+    cluster = RayCluster().start(nodes=2)
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(setup_cell(cluster)).assert_ok()
+        run = kernel.run(RAY_GPUS, timeout=300).assert_ok()
+        seen = eval(run.result())  # noqa: S307 - our own repr
+        assert len(seen) == 2, seen
+        for visible, count, device in seen:
+            assert visible is not None and len(visible.split(",")) == 1, seen
+            assert (count, device) == (1, "cuda"), seen
+        assert cluster.wait_empty() == {"actors": [], "placement_groups": []}
+    finally:
+        kernel.shutdown()
+        cluster.stop()
