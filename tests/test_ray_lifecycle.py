@@ -169,10 +169,13 @@ def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
 
 def test_a_ddp_cell_on_ray_that_hangs_in_a_collective_says_who_waits_for_whom(ray_cluster,
                                                                           tmp_path):
-    """``%%ddp --ray``, a one-off run: rank 0 waits in a barrier that rank 1, on the other
-    node, never enters; the timeout's report says so, and nothing is left."""
+    """``%%ddp --ray``, a one-off run on the cluster ``--address`` names: rank 0 waits in a
+    barrier that rank 1, on the other node, never enters; the timeout's report says so,
+    and nothing is left."""
     with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
-        run = kernel.run("%%ddp --ray --nodes 2 --nprocs 1 --timeout 10\n"
+        kernel.run("del os.environ['RAY_ADDRESS']").assert_ok()  # (the option's alone)
+        run = kernel.run(f"%%ddp --ray --nodes 2 --nprocs 1 --address {ray_cluster.address} "
+                         "--timeout 10\n"
                          "import time, torch.distributed as dist\n"
                          "if dist.get_rank() == 0:\n    dist.barrier()\n"
                          "else:\n    time.sleep(120)", timeout=240)
