@@ -224,21 +224,15 @@ def test_a_world_size_of_its_own_is_named():
 
 
 @pytest.mark.slow
-def test_a_master_port_the_rank_changed_is_named():
-    report = timeout_report(another_port)
-    assert re.search(r"rank 0 changed MASTER_PORT from \d+ \(torchrun's\) to \d+: under "
+@pytest.mark.parametrize("changes, name, to", [(another_port, "MASTER_PORT", r"\d+"),
+                                               (another_address, "MASTER_ADDR", "10.255.255.1")],
+                         ids=["port", "address"])
+def test_a_master_port_or_address_the_rank_changed_is_named(changes, name, to):
+    report = timeout_report(changes)
+    assert re.search(rf"rank 0 changed {name} from \S+ \(torchrun's\) to {to}: under "
                      r"torchrun \(TORCHELASTIC_USE_AGENT_STORE=True\) every rank looks for "
                      r"torchrun's store there, and none hosts one", report), report
-    assert "rank 1 changed MASTER_PORT" in report, report
-
-
-@pytest.mark.slow
-def test_a_master_addr_the_rank_changed_is_named():
-    report = timeout_report(another_address)
-    assert re.search(r"rank 0 changed MASTER_ADDR from \S+ \(torchrun's\) to 10.255.255.1: "
-                     r"under torchrun \(TORCHELASTIC_USE_AGENT_STORE=True\) every rank "
-                     r"looks for torchrun's store there", report), report
-    assert "rank 1 changed MASTER_ADDR" in report, report
+    assert f"rank 1 changed {name}" in report, report
 
 
 @pytest.mark.slow
