@@ -21,7 +21,10 @@ from nbddp._wire.rundir import parse_address
 from .conftest import wait_until
 from .kernel_driver import Kernel
 from .slurm import job_ended
-from .test_ray_session import ray_cluster  # noqa: F401 - the module's own cluster
+from .test_ray_session import (
+    MAPPED_FROM,
+    ray_cluster,  # noqa: F401 - the module's own cluster
+)
 from .test_ray_session import setup_cell as ray_setup_cell
 from .test_slurm_session import session_jobs, start_session  # noqa: F401 - fixture
 
@@ -68,14 +71,9 @@ import torch
 _big = torch.arange(2**22, dtype=torch.float32)
 def _mapped(t):
     import os
-    address = t.data_ptr()
-    for line in open('/proc/self/maps'):
-        parts = line.split(maxsplit=5)
-        start, end = (int(x, 16) for x in parts[0].split('-'))
-        if start <= address < end:
-            where = parts[5].strip() if len(parts) > 5 else ''
-            return (int(os.environ['GROUP_RANK']), parts[3], parts[4],
-                    os.path.basename(os.path.dirname(where))[:11], float(t[-1]))
+    device, inode, path = mapping_of(t)
+    return (int(os.environ['GROUP_RANK']), device, inode,
+            os.path.basename(os.path.dirname(path))[:11], float(t[-1]))
 _session.run_all(_mapped, _big)
 """
 
@@ -260,6 +258,7 @@ def test_ray_an_argument_crosses_once_per_node_through_the_object_store(ray_rela
     """Ray's object store route (the default): each node's agent writes the argument into
     the node's shared memory once, and every rank of that node maps that one file (the
     same inode), a file of its own node's (another inode on the other node)."""
+    ray_relayed.run(MAPPED_FROM).assert_ok()
     run = ray_relayed.run(ONCE_PER_NODE, timeout=300).assert_ok()
     mapped = eval(run.result())  # noqa: S307 - our own repr
     assert [value for *_, value in mapped] == [2.0**22 - 1] * (2 * PER_NODE)

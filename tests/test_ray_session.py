@@ -159,16 +159,22 @@ def test_post_mortem_on_the_second_nodes_rank_with_ddp_debug(ray_session):
 
 
 MAPPED_FROM = """
-def mapped_from(t):
+def mapping_of(t):
     import os
     address = t.data_ptr()
     for line in open("/proc/self/maps"):
         parts = line.split(maxsplit=5)
         start, end = (int(x, 16) for x in parts[0].split("-"))
         if start <= address < end:
-            path = parts[5].strip() if len(parts) > 5 else ""
-            return os.path.basename(os.path.dirname(path))[:11], os.path.basename(path)[:8]
+            return parts[3], parts[4], parts[5].strip() if len(parts) > 5 else ""
+
+def mapped_from(t):
+    import os
+    path = mapping_of(t)[2]
+    return os.path.basename(os.path.dirname(path))[:11], os.path.basename(path)[:8]
 """
+"""Cell code: the device, inode and path of the file a tensor's memory maps
+(``mapping_of``), and its folder's and name's beginnings (``mapped_from``)."""
 
 
 def test_a_gib_argument_and_result_cross_once_per_node(ray_session):
