@@ -42,6 +42,20 @@ def ray_kernel(cluster: RayCluster, path: Path, start: str | None = START
         kernel.shutdown()
 
 
+@contextlib.contextmanager
+def dying_kernel(cluster: RayCluster, path: Path) -> Iterator[Kernel]:
+    """A kernel pointed at ``cluster`` with nbddp loaded, killed at the end, as a kernel
+    that dies (``path`` is made for it)."""
+    path.mkdir(exist_ok=True)
+    kernel = Kernel(path)
+    try:
+        kernel.run(setup_cell(cluster)).assert_ok()
+        yield kernel
+    finally:
+        kernel.end("killed")
+        kernel.shutdown()
+
+
 def test_a_launch_runs_on_both_nodes_and_leaves_nothing(ray_cluster, tmp_path):
     with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
         run = kernel.run("""
@@ -156,14 +170,9 @@ def test_a_launch_that_fails_or_is_interrupted_leaves_nothing(ray_cluster, tmp_p
 
 
 def test_a_kernel_that_dies_leaves_nothing_without_grace(ray_cluster, tmp_path):
-    kernel = Kernel(tmp_path)
-    try:
-        kernel.run(setup_cell(ray_cluster)).assert_ok()
+    with dying_kernel(ray_cluster, tmp_path) as kernel:
         kernel.run(START, timeout=180).assert_ok()
         assert ray_cluster.state()["placement_groups"]
-    finally:
-        kernel.end("killed")
-        kernel.shutdown()
     assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
@@ -198,18 +207,12 @@ def test_the_python_api_places_attaches_and_closes(ray_cluster, tmp_path):
     """``nbddp.Session(ray=...)``: one placement group of a bundle per node, spread over
     distinct nodes; ``Session.attach()`` in a new kernel (with ``grace``) finds its state;
     ``close`` leaves nothing."""
-    (tmp_path / "first").mkdir()
-    (tmp_path / "second").mkdir()
-    first = Kernel(tmp_path / "first")
-    try:
-        first.run(setup_cell(ray_cluster)).assert_ok()
+    with dying_kernel(ray_cluster, tmp_path / "first") as first:
         first.run("s = nbddp.Session(nprocs=1, ray=nbddp.Ray(nodes=2, grace=120))\n"
                   "s.run(lambda: globals().update(kept=41))", timeout=180).assert_ok()
         placed = first.run(PLACEMENT, timeout=60).assert_ok().result()
         assert eval(placed) == [("STRICT_SPREAD", {0: {"CPU": 1.0}, 1: {"CPU": 1.0}})]  # noqa: S307
-    finally:
-        first.end("killed")
-        first.shutdown()
+    (tmp_path / "second").mkdir()
     try:
         with ray_kernel(ray_cluster, tmp_path / "second", start=None) as (second, _):
             run = second.run("s = nbddp.Session.attach()\n"
@@ -224,16 +227,10 @@ def test_the_python_api_places_attaches_and_closes(ray_cluster, tmp_path):
 def test_a_session_whose_grace_runs_out_leaves_nothing(ray_cluster, tmp_path):
     """No kernel comes back within the grace: the agents stop their ranks and remove the
     placement group themselves, and a new kernel finds no session to attach to."""
-    (tmp_path / "first").mkdir()
-    (tmp_path / "second").mkdir()
-    first = Kernel(tmp_path / "first")
-    try:
-        first.run(setup_cell(ray_cluster)).assert_ok()
+    with dying_kernel(ray_cluster, tmp_path / "first") as first:
         first.run(f"{START} --grace 20", timeout=180).assert_ok()
         cell(first, "kept = 1").assert_ok()
-    finally:
-        first.end("killed")
-        first.shutdown()
+    (tmp_path / "second").mkdir()
     assert ray_cluster.state()["placement_groups"], "the grace keeps the session a while"
     assert ray_cluster.wait_empty(timeout=120) == {"actors": [], "placement_groups": []}
     with ray_kernel(ray_cluster, tmp_path / "second", start=None) as (second, _):
@@ -252,18 +249,12 @@ def test_a_session_with_grace_is_attached_again_with_its_state(ray_cluster, tmp_
                                                                own_init):
     """Whether nbddp connected the kernel to Ray or the notebook did (each kernel in a
     namespace of its own), a new kernel finds the session and attaches to it."""
-    (tmp_path / "first").mkdir()
-    (tmp_path / "second").mkdir()
-    first = Kernel(tmp_path / "first")
-    try:
-        first.run(setup_cell(ray_cluster)).assert_ok()
+    with dying_kernel(ray_cluster, tmp_path / "first") as first:
         if own_init:
             first.run(USERS_OWN_RAY_INIT, timeout=60).assert_ok()
         first.run(f"{START} --grace 120", timeout=180).assert_ok()
         cell(first, "import torch.distributed as dist\nweights = [1, 2, 3]").assert_ok()
-    finally:
-        first.end("killed")
-        first.shutdown()
+    (tmp_path / "second").mkdir()
     second = Kernel(tmp_path / "second")
     try:
         second.run(setup_cell(ray_cluster)).assert_ok()

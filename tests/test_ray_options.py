@@ -106,11 +106,13 @@ NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed")
 
 
-def _launch_says(address: str | None, ray_address: str) -> str:
-    """What a launch on Ray at ``address`` prints, in a process of its own."""
+def _launch_says(address: str | None, ray_address: str, first: str = "") -> str:
+    """What a launch on Ray at ``address`` prints, in a process of its own (which runs
+    ``first`` before it)."""
     env = {**os.environ, "RAY_ADDRESS": ray_address}
-    return subprocess.run([sys.executable, "-c", CONNECT.replace("ADDRESS", repr(address))],
-                          env=env, timeout=60, capture_output=True, text=True).stdout
+    code = first + CONNECT.replace("ADDRESS", repr(address))
+    return subprocess.run([sys.executable, "-c", code], env=env, timeout=60,
+                          capture_output=True, text=True).stdout
 
 
 @NEEDS_RAY
@@ -132,8 +134,6 @@ def test_a_ray_client_address_in_ray_address_is_refused_with_the_reason():
 
 
 def test_without_ray_installed_a_ray_run_says_how_to_install_it():
-    said = subprocess.run([sys.executable, "-c", "import sys; sys.modules['ray'] = None\n"
-                           + CONNECT.replace("ADDRESS", "None")],
-                          timeout=60, capture_output=True, text=True).stdout
+    said = _launch_says(None, "", first="import sys; sys.modules['ray'] = None\n")
     assert "ray is not installed in this kernel's environment: pip install 'nbddp[ray]'" \
         in said, said

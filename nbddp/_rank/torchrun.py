@@ -244,7 +244,7 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
     finally:
         if relay is not None:  # (its ranks are gone: what they said last goes first)
             relay.close(wait=_RELAY_FLUSH_WAIT)
-        if lost.is_set() or (lifeline is not None and _closed(lifeline)):
+        if lifeline is not None and _closed(lifeline):
             run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
         for folder in folders:
             shutil.rmtree(folder, ignore_errors=True)
@@ -252,10 +252,11 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
 
 
 def _closed(lifeline: int) -> bool:
-    """The kernel has let go of the lifeline (it died): its end reads at once. Asked as
-    torchrun ends, whose ranks a dying kernel ends too (they lose its channel): the
-    lifeline's watcher, a daemon thread, may then be removing the run dir, and would die
-    with this process mid-way (a run dir half removed was seen)."""
+    """The kernel has let go of the lifeline (it died): its end reads at once (whether
+    or not the watcher has seen it yet). Asked as torchrun ends, whose ranks a dying
+    kernel ends too (they lose its channel): the lifeline's watcher, a daemon thread,
+    may then be removing the run dir, and would die with this process mid-way (a run
+    dir half removed was seen)."""
     return bool(select.select([lifeline], [], [], 0)[0])
 
 

@@ -86,15 +86,16 @@ class RayPlacement:
               group_id: str) -> RayPlacement:
         """The placement group (``group_id``) and agents of a running session (a kernel
         that attaches); NbddpError if they are gone."""
-        group = held_group(group_id)
+        gone = NbddpError(f"the Ray session {session_id} is gone (its placement group or "
+                          "an agent no longer exists)")
+        group = held_group(ray, group_id)
+        if group is None:
+            raise gone
         try:
-            if group is None:
-                raise ValueError(group_id)
             agents = [ray.get_actor(agent_name(session_id, index), namespace=NAMESPACE)
                       for index in range(options.nodes)]
         except ValueError:
-            raise NbddpError(f"the Ray session {session_id} is gone (its placement group "
-                             "or an agent no longer exists)") from None
+            raise gone from None
         placement = cls(ray, session_id, options, group, agents)
         placement.nodes = placement._where()
         return placement
@@ -253,25 +254,29 @@ def _node_alive(ray: ModuleType, node_id: str) -> bool:
     return False
 
 
-def held_group(group_id: str) -> Any | None:
+def held_group(ray: ModuleType, group_id: str) -> Any | None:
     """The placement group ``group_id`` (hex), if Ray still holds it (made, not removed)."""
-    import ray
-    from ray.util.placement_group import PlacementGroup, placement_group_table
+    from ray.util.placement_group import PlacementGroup
 
     try:
         group = PlacementGroup(ray.PlacementGroupID(bytes.fromhex(group_id)))
-        state = placement_group_table(group).get("state")
-    except Exception:  # noqa: BLE001 - no such id, or Ray's own error: none held
+    except ValueError:  # (not an id)
         return None
-    return None if state in (None, "REMOVED") else group
+    return None if _group_state(group) in (None, "REMOVED") else group
 
 
 def _placement_removed(group: Any) -> bool:
+    return _group_state(group) == "REMOVED"
+
+
+def _group_state(group: Any) -> str | None:
+    """The placement group's state in Ray's table; None if Ray has no such group, or
+    could not say."""
     from ray.util.placement_group import placement_group_table
 
     with contextlib.suppress(Exception):
-        return placement_group_table(group).get("state") == "REMOVED"
-    return False
+        return placement_group_table(group).get("state")
+    return None
 
 
 def _free(ray: ModuleType) -> str:

@@ -266,8 +266,8 @@ def kept_ray_sessions(session_id: str | None = None
 def still_placed(record: RaySessionRecord, run_dir: RunDir) -> bool:
     """Whether Ray still holds the session's placement group; if not, its folder's
     secrets go (a kernel that died could not remove them; nobody can attach now)."""
-    connect(record.options.address)
-    if not record.placement_group or held_group(record.placement_group) is not None:
+    ray = connect(record.options.address)
+    if not record.placement_group or held_group(ray, record.placement_group) is not None:
         return True  # (no id: an earlier nbddp's session, left as it is)
     run_dir.remove()
     return False
