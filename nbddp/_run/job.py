@@ -281,6 +281,7 @@ class Job(Generic[R]):
                 self._call_after()  # the session starts fresh ranks
             self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
         finally:
+            self._supervisor.release()
             self._finished.set()
 
     def _watch(self) -> Ending:

@@ -32,6 +32,11 @@ the requeue that sent it."""
 _NUMBERED = (Sequenced, Disconnected, RanksFinished, NodeMetrics)
 
 
+def _no_attempt() -> tuple[int, int]:
+    """(A closed pump's) No attempt is followed: every rank message is stale."""
+    return (2**62, 2**62)
+
+
 class Pump:
     """Reads ``events`` for one run; ``current()`` is the (requeue, attempt) it follows."""
 
@@ -53,6 +58,12 @@ class Pump:
         """Call ``hook`` with every rank message as it arrives, copies and stale ones too,
         before they are dropped (how a backend notices its ranks' next run)."""
         self._arrivals.append(hook)
+
+    def close(self) -> None:
+        """The run is over: drop the handlers and hooks (each refers back to its run's
+        supervisor; see ``Supervisor.release``). Nothing is dispatched from now on."""
+        self._handlers, self._arrivals = {}, []
+        self._current = _no_attempt
 
     def _pull(self, timeout: float | None) -> Any:
         """The next event, or None (nothing came, or a copy, a stale message or one held

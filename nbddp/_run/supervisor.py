@@ -39,7 +39,7 @@ from .attempts import Attempt
 from .config import RunConfig
 from .debugger import Debugger
 from .diagnosis import describe, first_cause, peer_lost, secondary
-from .group import LauncherExited, RankGroup
+from .group import GroupHooks, LauncherExited, RankGroup
 from .hang_report import look_at
 from .pump import Numbered, Pump
 from .rank_view import RankView
@@ -92,8 +92,6 @@ class Supervisor:
         # The clocks start now: a quick run's first look is its last, in ``close``.
         self._refreshed = self._pumped = time.monotonic()
         self._ending: Ending | None = None
-        self.debugger = Debugger(group.send_to_rank, self.note_now)
-        """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
         self._answering = config.rank_options.answering  # whose progress the bar shows
         self._resting = config.resting_ranks  # a session's ranks the run is not given to
         self.history = History(len(config.running_ranks), records.metrics)  # (who logs)
@@ -102,6 +100,9 @@ class Supervisor:
         self.panel: Panel = make_panel(stdout, quiet=config.output == "none")
         self.output = BoundedOutput(self.panel.write, records.path)
         self._tails = self._make_tails()
+        self._note_now = _noting(self._tails, self.output)  # (refers to no supervisor)
+        self.debugger = Debugger(group.send_to_rank, self._note_now)
+        """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
         self.pump = Pump(group.events, lambda: self.attempt.key)
         self._register()
         self.hooks = group.hooks(self)
@@ -453,8 +454,16 @@ class Supervisor:
 
     def note_now(self, line: str) -> None:
         """A line of nbddp's own, after the ranks' output so far."""
-        self.pump_output()
-        self.output.write(line)
+        self._note_now(line)
+
+    def release(self) -> None:
+        """(The run is over, its end told) Drop what refers back to this supervisor: the
+        pump's handlers and the backend's hooks. Its objects then go with its ``Job`` as
+        soon as nothing refers to that, by reference counting. Left in cycles, a run's
+        hundred objects made the garbage collector run every few cells (a no-op cell of
+        a 2-rank session: 7% slower at the median, 14% on average)."""
+        self.pump.close()
+        self.hooks = GroupHooks(None)
 
     def close(self, status: str, message: str) -> None:
         """The run's last word: the last of the ranks' output, the rest of the history
@@ -479,3 +488,13 @@ class Supervisor:
 
     def wake(self) -> None:
         self.group.events.put(Wake())
+
+
+def _noting(tails: list[LogTail], output: BoundedOutput) -> Callable[[str], None]:
+    """``Supervisor.note_now``, made without a reference to the supervisor: its debugger
+    keeps it, and may note a refused prompt after the run (see ``Supervisor.release``)."""
+    def note(line: str) -> None:
+        for tail in tails:
+            tail.pump()
+        output.write(line)
+    return note
