@@ -88,6 +88,8 @@ def test_a_wait_ends_when_its_condition_holds_then_is_followed_by_each_event():
 def test_a_ranks_state_follows_its_reports():
     attempt = Attempt(4)
     assert attempt.states() == ["starting"] * 4
+    assert attempt.states(ended=True) == ["stopped"] * 4  # (stopped before its hello)
+    assert attempt.state(0, ended=True) == "stopped"
     attempt.started |= {0, 1, 2}
     attempt.debugging.add(1)
     attempt.results[2] = Result(2)

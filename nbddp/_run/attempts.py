@@ -86,7 +86,7 @@ class Attempt:
             return "debugging"
         if rank in self.started:
             return "stopped" if ended else "running"
-        return "starting"
+        return "stopped" if ended else "starting"  # (stopped before it said hello)
 
     def _a_cause(self, rank: int) -> bool:
         """``rank`` failed of itself: it raised (not only because a peer was lost or nbddp
@@ -100,7 +100,8 @@ class Attempt:
     def states(self, ended: bool = False) -> list[str]:
         """Every rank's ``state``, read from each set once (not rank by rank: a run may
         have thousands of ranks, and many failures after an interrupt)."""
-        states = ["starting"] * self.nprocs
+        states = ["stopped" if ended else "starting"] * self.nprocs  # (the run may have
+        # been stopped before a rank said hello: a timeout while torch imports)
         for ranks, state in ((self.started, "stopped" if ended else "running"),
                              (self.debugging, "debugging"), (self.requeueing, "requeueing")):
             for rank in tuple(ranks):  # (a copy: the panel may ask while reports come)
