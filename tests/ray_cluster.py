@@ -65,14 +65,25 @@ class RayCluster:
         self._start_node([f"--address={self.address}"])
 
     def _start_node(self, where: list[str]) -> None:
-        before = descendants()
+        """Start a node; once more if Ray gave up on it (a node's start waits a fixed
+        time for its GCS, which a machine busy with the other lane can exceed). What a
+        failed start left running is stopped at once: unknown to ``stop``, it would
+        outlive the cluster, and every later test that looks at this process's
+        descendants would see it."""
         index = len(self.nodes)
-        done = subprocess.run(
-            [RAY, "start", *where, "--num-cpus=1", "--disable-usage-stats",
-             f"--temp-dir={self.temp_dir}", f"--resources={json.dumps({f'node{index}': 1})}"],
-            env=self.env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"ray start failed: {done.stdout}\n{done.stderr}"
-        self.nodes.append(descendants() - before)
+        for tries_left in (1, 0):
+            before = descendants()
+            done = subprocess.run(
+                [RAY, "start", *where, "--num-cpus=1", "--disable-usage-stats",
+                 f"--temp-dir={self.temp_dir}",
+                 f"--resources={json.dumps({f'node{index}': 1})}"],
+                env=self.env, capture_output=True, text=True, timeout=120)
+            started = descendants() - before
+            if done.returncode == 0:
+                self.nodes.append(started)
+                return
+            _stop_processes(started)
+            assert tries_left, f"ray start failed: {done.stdout}\n{done.stderr}"
 
     def raylet(self, index: int) -> int:
         """The PID of node ``index``'s raylet."""
@@ -129,18 +140,22 @@ for key, group in ray.util.placement_group_table().items():
 
     def stop(self) -> None:
         """Every process of the cluster, by PID (and whatever they started since)."""
-        pids = set().union(*self.nodes) if self.nodes else set()
-        for pid in list(pids):
-            pids |= descendants(pid)
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, sig)
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
-                time.sleep(0.1)
-                descendants()  # (reaps the zombies adopted by pytest)
+        _stop_processes(set().union(*self.nodes) if self.nodes else set())
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _stop_processes(pids: set[int]) -> None:
+    """Stop ``pids`` and whatever they started, by PID: SIGTERM, then SIGKILL."""
+    for pid in list(pids):
+        pids |= descendants(pid)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(_alive(pid) for pid in pids):
+            time.sleep(0.1)
+            descendants()  # (reaps the zombies adopted by pytest)
 
 
 def _alive(pid: int) -> bool:

@@ -53,17 +53,19 @@ def test_an_agent_killed_as_torchrun_ends_leaves_no_run_dir(tmp_path):
     """The ranks of a session whose kernel died leave by themselves (they saw it go), and
     Ray kills the agents at the same moment: an agent gone before it cleaned up closes
     torchrun's lifeline, and torchrun, which waited for that, removes the run dir."""
+    others = descendants()  # (a test module's Ray cluster, say: not this test's)
     run_dir, lifeline, report = start_like_an_agent(tmp_path)
     assert read_report(report) == b"0"
     assert run_dir.exists()  # torchrun waits for its agent to read its log and clean up
     os.close(lifeline)  # the agent dies without cleaning up
-    wait_until(lambda: not run_dir.exists() and not descendants(), timeout=30)
+    wait_until(lambda: not run_dir.exists() and not descendants() - others, timeout=30)
 
 
 def test_an_agent_that_cleans_up_lets_torchrun_go(tmp_path):
+    others = descendants()
     run_dir, lifeline, report = start_like_an_agent(tmp_path)
     assert read_report(report) == b"0"
-    assert descendants()  # still there, waiting for the agent
+    assert descendants() - others  # still there, waiting for the agent
     shutil.rmtree(run_dir)  # the agent's clean-up: it removes the run dir, then lets go
     os.close(lifeline)
-    wait_until(lambda: not descendants(), timeout=30)
+    wait_until(lambda: not descendants() - others, timeout=30)
