@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import nbddp
+from nbddp._run import supervisor
 
 pytestmark = pytest.mark.slow  # a session's ranks start
 
@@ -34,9 +35,13 @@ def noop() -> None:
     """The run."""
 
 
-@pytest.mark.parametrize("output", ["none", "rank0"])
-def test_a_runs_objects_go_with_its_job(output, collector_off, capsys, monkeypatch):
+@pytest.mark.parametrize("output, many_ranks", [("none", False), ("rank0", False),
+                                                ("rank0", True)])
+def test_a_runs_objects_go_with_its_job(output, many_ranks, collector_off, capsys,
+                                        monkeypatch):
     monkeypatch.setenv("NBDDP_DISPLAY", "text")
+    if many_ranks:  # (the panel of many ranks keeps a way to every rank's note)
+        monkeypatch.setattr(supervisor, "MANY_RANKS", 1)
     with nbddp.Session(nprocs=2, output=output) as session:
         session.run(noop)  # (the first run joins the process group)
         gc.collect()  # (what starting the session left)

@@ -390,15 +390,9 @@ class Supervisor:
         if self.config.nprocs > MANY_RANKS:
             self.state.notable = notable(states, self.state.behind, rates)
             only = {rank for _, rank in self.state.notable}
-            self.state.every_note = lambda: self._notes(states, rates)
-        self.state.rank_notes = self._notes(states, rates, only)
-
-    def _notes(self, states: list[str], rates: dict[int, float | None],
-               only: set[int] | None = None) -> dict[int, str]:
-        """Each rank's note (``only`` those ranks')."""
-        several_nodes = len(self.view.hosts) > 1
-        return {r: self.view.summary(info, several_nodes)
-                for r, info in self.view.ranks(states, only, rates).items()}
+            view = self.view  # (the panel keeps this: no reference back to the supervisor)
+            self.state.every_note = lambda: _notes(view, states, rates)
+        self.state.rank_notes = _notes(self.view, states, rates, only)
 
     def _refresh_now_and_then(self) -> None:
         """Show the ranks' new output every ``_OUTPUT_INTERVAL`` and redraw the panel
@@ -498,3 +492,11 @@ def _noting(tails: list[LogTail], output: BoundedOutput) -> Callable[[str], None
             tail.pump()
         output.write(line)
     return note
+
+
+def _notes(view: RankView, states: list[str], rates: dict[int, float | None],
+           only: set[int] | None = None) -> dict[int, str]:
+    """Each rank's note (``only`` those ranks')."""
+    several_nodes = len(view.hosts) > 1
+    return {r: view.summary(info, several_nodes)
+            for r, info in view.ranks(states, only, rates).items()}
