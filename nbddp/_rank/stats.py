@@ -32,9 +32,11 @@ def _host_and_page() -> tuple[str, int]:
 
 def rss_mb() -> float | None:
     """This process's resident memory."""
+    global _statm_fd
     try:  # (one system call: a session's quick run reads it as it reports)
         resident = int(os.pread(_statm(), 256, 0).split()[1])
     except (OSError, ValueError, IndexError):
+        _statm_fd = None  # (the user's code closed it, say: opened again next time)
         return None
     return resident * _host_and_page()[1] / _MB
 
