@@ -73,17 +73,21 @@ class RayCluster:
         index = len(self.nodes)
         for tries_left in (1, 0):
             before = descendants()
-            done = subprocess.run(
-                [RAY, "start", *where, "--num-cpus=1", "--disable-usage-stats",
-                 f"--temp-dir={self.temp_dir}",
-                 f"--resources={json.dumps({f'node{index}': 1})}"],
-                env=self.env, capture_output=True, text=True, timeout=120)
+            try:
+                done = subprocess.run(
+                    [RAY, "start", *where, "--num-cpus=1", "--disable-usage-stats",
+                     f"--temp-dir={self.temp_dir}",
+                     f"--resources={json.dumps({f'node{index}': 1})}"],
+                    env=self.env, capture_output=True, text=True, timeout=120)
+                said = f"{done.stdout}\n{done.stderr}"
+            except subprocess.TimeoutExpired as timed_out:
+                done, said = None, f"no answer in {timed_out.timeout} s"
             started = descendants() - before
-            if done.returncode == 0:
+            if done is not None and done.returncode == 0:
                 self.nodes.append(started)
                 return
             _stop_processes(started)
-            assert tries_left, f"ray start failed: {done.stdout}\n{done.stderr}"
+            assert tries_left, f"ray start failed: {said}"
 
     def raylet(self, index: int) -> int:
         """The PID of node ``index``'s raylet."""
