@@ -78,6 +78,22 @@ def test_every_rank_shows_its_step_speed_memory_and_place_while_running_and_afte
     assert after[0]["step"] >= view[0]["step"] and after[0]["step"] <= last_step
 
 
+def test_a_sessions_later_cells_show_their_ranks_running(tmp_path):
+    """A session's ranks say hello once, as it starts: each cell's ranks run all the same."""
+    with nbddp.Session(nprocs=2, output="none") as session:
+        for cell in range(2):
+            flag = tmp_path / f"stop-{cell}"
+            job = session.submit(steps_until, (str(flag),))
+            try:
+                view = wait_until(lambda: (v := job.ranks) and all(  # noqa: B023
+                    (r["step"] or 0) >= 3 for r in v.values()) and v, timeout=60, interval=0.2)
+            finally:
+                flag.touch()
+            assert [info["state"] for info in view.values()] == ["running"] * 2, cell
+            job.result(timeout=60)
+            assert [info["state"] for info in job.ranks.values()] == ["finished"] * 2
+
+
 def test_a_rank_that_falls_behind_is_marked(tmp_path):
     flag = tmp_path / "stop"
     job = nbddp.launch(steps_until, nprocs=2, args=(str(flag), 0), wait=False, output="none")
