@@ -130,6 +130,17 @@ def test_timeout_stops_every_rank():
     assert [info["state"] for info in nbddp.last_job().ranks.values()] == ["stopped"] * 2
 
 
+@pytest.mark.fast
+def test_a_timeout_while_the_ranks_start_says_they_were_starting():
+    """Not that they did not answer: nothing is stuck, the ranks were slow to start (a
+    cluster's nodes, a large import)."""
+    with pytest.raises(TimeoutError) as info:
+        nbddp.launch(time.sleep, 2, args=(120,), timeout=0.5)
+    report = str(info.value)
+    assert "rank 0: still starting (it had not said hello to the kernel yet)" in report
+    assert "did not answer" not in report
+
+
 def test_keyboard_interrupt_stops_every_rank_then_raises(tmp_path):
     started = tmp_path / "started"
 

@@ -138,6 +138,14 @@ def test_the_hang_report_names_the_collective_and_who_it_waits_for():
         "native code)"]
 
 
+def test_the_hang_report_tells_a_rank_still_starting_from_one_that_does_not_answer():
+    lines = hang_report({}, [0, 1], starting={1}).splitlines()
+    assert lines[1:] == [
+        "rank 0: did not answer (its link to the kernel is gone, or its Python is held by "
+        "native code)",
+        "rank 1: still starting (it had not said hello to the kernel yet)"]
+
+
 def test_the_hang_report_sees_ranks_disagree_on_a_collective():
     answers = {0: Collectives(0, 1, (progress(4, 5, waiting="all_reduce"),)),
                1: Collectives(1, 1, (progress(4, 5, waiting="broadcast"),))}

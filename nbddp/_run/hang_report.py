@@ -11,7 +11,7 @@ the kernel lines the answers up, per process group.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
 from .._wire.messages import Collectives, GroupProgress
@@ -23,26 +23,30 @@ if TYPE_CHECKING:
 HEADER = "collectives (torch's flight recorder; #N counts each process group's collectives):"
 
 
-def look_at(group: RankGroup, ranks: set[int]) -> tuple[dict[int, str], str]:
+def look_at(group: RankGroup, ranks: set[int], starting: Collection[int] = ()
+            ) -> tuple[dict[int, str], str]:
     """``ranks``' stacks (``stack_view``), then the hang report (asked after the stacks
     came: a rank dumping its stacks while it starts a thread to answer the other
     question may dump before its main thread's turn)."""
     if not group.can_ask:
         return {}, ""
     stacks = {rank: text for rank, text in group.stacks().items() if rank in ranks}
-    return stacks, ask_for_report(group, ranks)
+    return stacks, ask_for_report(group, ranks, starting)
 
 
-def ask_for_report(group: RankGroup, ranks: set[int]) -> str:
-    """Ask the group's ranks where they are in their collectives; the report for ``ranks``."""
+def ask_for_report(group: RankGroup, ranks: set[int], starting: Collection[int] = ()) -> str:
+    """Ask the group's ranks where they are in their collectives; the report for ``ranks``
+    (``starting``: those of them that have not said hello yet)."""
     answers = group.collectives()
-    return hang_report({r: a for r, a in answers.items() if r in ranks}, ranks)
+    return hang_report({r: a for r, a in answers.items() if r in ranks}, ranks,
+                       starting=starting)
 
 
 def hang_report(answers: dict[int, Collectives], ranks: Iterable[int],
-                now: float | None = None) -> str:
+                now: float | None = None, starting: Collection[int] = ()) -> str:
     """The report for ``ranks``, from the ``answers`` that came (a rank without one did
-    not answer)."""
+    not answer; one of ``starting`` had not said hello yet: it was still starting, not
+    stuck)."""
     now = time.time() if now is None else now
     asked = sorted(set(ranks))
     lines = [HEADER]
@@ -52,7 +56,10 @@ def hang_report(answers: dict[int, Collectives], ranks: Iterable[int],
         lines += _group_lines(progress, None if len(names) == 1 else _label(progress), now)
     for rank in asked:
         answer = answers.get(rank)
-        if answer is None:
+        if answer is None and rank in starting:
+            lines.append(f"rank {rank}: still starting (it had not said hello to the "
+                         "kernel yet)")
+        elif answer is None:
             lines.append(f"rank {rank}: did not answer (its link to the kernel is gone, or "
                          "its Python is held by native code)")
         elif answer.unavailable:

@@ -230,7 +230,7 @@ class Job(Generic[R]):
         if not self._group.can_ask:
             return ("the kernel cannot ask these ranks: they have no channel to it (they "
                     "report through files)")
-        return ask_for_report(self._group, self._supervisor.running)
+        return ask_for_report(self._group, self._supervisor.running, self._supervisor.starting)
 
     @property
     def restarts(self) -> int:

@@ -335,6 +335,11 @@ class Supervisor:
         """The ranks that have not reported an end of this attempt (all, while it runs)."""
         return set(range(self.config.nprocs)) - self.attempt.reported
 
+    @property
+    def starting(self) -> set[int]:
+        """The ranks of this attempt that have not said hello yet."""
+        return set(range(self.config.nprocs)) - self.attempt.started
+
     def _with_stacks(self, kind: type[BaseException], message: str) -> BaseException:
         """``kind(message)``, with where each rank still running was (``.stacks``) and
         where each is in its collectives (``.hang_report``), taken before anything stops
@@ -371,7 +376,7 @@ class Supervisor:
         """``ranks``' stacks and the hang report (``hang_report.look_at``); the report
         also names the ranks a collective in this run waits for in vain, if it was given
         to some ranks only."""
-        stacks, report = look_at(self.group, ranks)
+        stacks, report = look_at(self.group, ranks, self.starting)
         if self._resting and report:
             who = ", ".join(map(str, self._resting))
             given = ", ".join(map(str, self.config.running_ranks))
