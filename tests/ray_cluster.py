@@ -148,10 +148,9 @@ for key, group in ray.util.placement_group_table().items():
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
 
-def _stop_processes(pids: set[int]) -> None:
-    """Stop ``pids`` and whatever they started, by PID: SIGTERM, then SIGKILL."""
-    for pid in list(pids):
-        pids |= descendants(pid)
+def _stop_processes(started: set[int]) -> None:
+    """Stop ``started`` and whatever they started, by PID: SIGTERM, then SIGKILL."""
+    pids = started.union(*(descendants(pid) for pid in started))
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

@@ -183,9 +183,10 @@ def test_a_ddp_cell_on_ray_that_hangs_in_a_collective_says_who_waits_for_whom(ra
     and nothing is left."""
     with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
         kernel.run("del os.environ['RAY_ADDRESS']").assert_ok()  # (the option's alone)
+        # (30 s: the ranks are in the barrier by then, even on a busy machine)
         run = kernel.run(f"%%ddp --ray --nodes 2 --nprocs 1 --address {ray_cluster.address} "
-                         "--timeout 30\n"  # (the ranks are in the barrier by then, even
-                         "import time, torch.distributed as dist\n"  # on a busy machine)
+                         "--timeout 30\n"
+                         "import time, torch.distributed as dist\n"
                          "if dist.get_rank() == 0:\n    dist.barrier()\n"
                          "else:\n    time.sleep(120)", timeout=240)
         assert run.error() is not None and run.error()["ename"] == "TimeoutError", \

@@ -101,9 +101,7 @@ class Job(Generic[R]):
         self._started = time.monotonic()
         self._context = contextvars.copy_context()
         self._supervisor = Supervisor(group, config, records, stdout or sys.stdout,
-                                      group.where if where is None else where)
-        if warm:  # ranks already up took it: they run it (a session's said hello once,
-            self._supervisor.attempt.started.update(config.running_ranks)  # at its start)
+                                      group.where if where is None else where, warm=warm)
         if staying is not None:
             staying.watch(self._supervisor)
         Job._latest = self

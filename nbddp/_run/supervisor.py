@@ -72,7 +72,9 @@ class Supervisor:
     """One run's bookkeeping: its attempts, metrics, output, panel, and its ending."""
 
     def __init__(self, group: RankGroup, config: RunConfig, records: Records,
-                 stdout: TextIO, where: str) -> None:
+                 stdout: TextIO, where: str, warm: bool = False) -> None:
+        """``warm``: ranks already up took the run (they said hello before it: a
+        session's, once, as it started), so they run it from the start."""
         self.group, self.config, self.records = group, config, records
         self.attempt = Attempt(config.nprocs)
         """The ranks' current start: what each reported (each rank's state)."""
@@ -107,6 +109,8 @@ class Supervisor:
         self._register()
         self.hooks = group.hooks(self)
         """The backend's part: its own events, its ranks' next run, why it ended."""
+        if warm:
+            self.attempt.started.update(config.running_ranks)
         if group.notice:
             self.output.write(group.notice + "\n")
 
@@ -448,8 +452,7 @@ class Supervisor:
                       "(job.stacks() and job.hang_report() while it goes on)\n")
 
     def pump_output(self) -> None:
-        for tail in self._tails:
-            tail.pump()
+        _pump(self._tails)
 
     def note_now(self, line: str) -> None:
         """A line of nbddp's own, after the ranks' output so far."""
@@ -493,10 +496,15 @@ def _noting(tails: list[LogTail], output: BoundedOutput) -> Callable[[str], None
     """``Supervisor.note_now``, made without a reference to the supervisor: its debugger
     keeps it, and may note a refused prompt after the run (see ``Supervisor.release``)."""
     def note(line: str) -> None:
-        for tail in tails:
-            tail.pump()
+        _pump(tails)
         output.write(line)
     return note
+
+
+def _pump(tails: list[LogTail]) -> None:
+    """Show what the ranks wrote since the last look."""
+    for tail in tails:
+        tail.pump()
 
 
 def _notes(view: RankView, states: list[str], rates: dict[int, float | None],
