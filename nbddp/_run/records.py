@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import secrets
 import shutil
@@ -65,11 +66,17 @@ class Records:
         self.path = path
         self._log_starts = dict(log_starts or {})
         self._log_ends: dict[int, int] = {}  # once the session's next cell began
-        own = "" if cell is None else f"-{cell}"
-        self.metrics = path / METRICS.replace(".", f"{own}.", 1)
-        self.launcher_log = path / LAUNCHER_LOG
-        self.stacks = path / STACKS.replace(".", f"{own}.", 1)
+        self._own = "" if cell is None else f"-{cell}"
+        self.metrics = path / METRICS.replace(".", f"{self._own}.", 1)
+
+    @functools.cached_property
+    def launcher_log(self) -> Path:
+        return self.path / LAUNCHER_LOG
+
+    @functools.cached_property
+    def stacks(self) -> Path:
         """Where each rank was when a timeout or an interrupt stopped the run."""
+        return self.path / STACKS.replace(".", f"{self._own}.", 1)
 
     @classmethod
     def create(cls, forget_old: bool = True) -> Records:
@@ -190,7 +197,7 @@ class SessionRecords:
             self._new_folder()  # (the folder was removed under the session, or is full)
             return self.next_cell(number)
         self._ended = self._last if self._last is not None and \
-            self._last.path == self._folder else None
+            self._last.path is self._folder else None
         if self._ended is not None:
             self._ended.ended_at(starts)
         self._in_folder += 1
