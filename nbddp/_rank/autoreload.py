@@ -80,16 +80,26 @@ def forget_listings() -> None:
     global _users_finders
     known = _users_finders
     cache = sys.path_importer_cache
-    if known is None or known[0] != cache.keys():
-        known = _users_finders = (set(cache), _finders_of_users_folders())
+    seen = _listed(cache)
+    if known is None or known[0] != seen:
+        known = _users_finders = (seen, _finders_of_users_folders())
     for path, finder in known[1]:
         if cache.get(path) is not finder:  # (replaced since: look again next time)
             _users_finders = None
         finder.invalidate_caches()
 
 
-_users_finders: tuple[set[str], list[tuple[str, Any]]] | None = None
-"""The import system's folders when last looked at, and the finders of the user's."""
+_users_finders: tuple[tuple[int, str | None], list[tuple[str, Any]]] | None = None
+"""The import system's folders when last looked at (``_listed``), and the finders of
+the user's."""
+
+
+def _listed(cache: dict[str, Any]) -> tuple[int, str | None]:
+    """What tells whether the import system knows new folders: how many it knows, and the
+    one it met last. (A dict keeps its keys in the order they came, so any folder added
+    since is the last one now; comparing every key, several hundred once torch is
+    imported, cost 30 µs of each run.)"""
+    return len(cache), next(reversed(cache), None)
 
 
 def _finders_of_users_folders() -> list[tuple[str, Any]]:
