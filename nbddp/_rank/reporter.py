@@ -48,6 +48,8 @@ class Reporter:
         self._stop = threading.Event()
         self._sending = threading.Lock()  # one flush at a time: the thread's or a pause's
         self._active = True
+        self.clock = StepClock()
+        """The loop's steps, timed by ``track`` (or a framework integration)."""
         self._begin()
         self._thread = threading.Thread(target=self._loop, daemon=True, name="nbddp-metrics")
         self._thread.start()
@@ -60,8 +62,8 @@ class Reporter:
         self.position: tuple[int, int | None, str | None] | None = None
         self._sent_position: tuple | None = None
         self._warned = False
-        self.clock = StepClock()
-        """The loop's steps, timed by ``track`` (or a framework integration)."""
+        if not self.clock.fresh:  # (a session's quick cells mark no step: one clock
+            self.clock = StepClock()  # serves them all)
         self._sent_times = StepTotals()
 
     def pause(self) -> None:

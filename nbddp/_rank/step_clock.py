@@ -50,6 +50,9 @@ class StepTotals(NamedTuple):
     """How many steps ``comm_s`` covers."""
 
 
+_NO_STEPS = StepTotals()
+
+
 class StepClock:
     """One rank's step timings, marked by the training loop's thread."""
 
@@ -59,6 +62,12 @@ class StepClock:
         self._began: float | None = None
         self._loop_steps = 0
         self._watch = _ModelWatch()
+
+    @property
+    def fresh(self) -> bool:
+        """No loop has marked anything on this clock: it is as a new one."""
+        return (self._asked is None and self._began is None and self._watch.idle
+                and self.totals == _NO_STEPS)
 
     def batch_asked(self) -> None:
         """The loop asks for its next batch: the step before (if any) has ended."""
@@ -125,6 +134,11 @@ class _ModelWatch:
             self._hook = torch.nn.modules.module.register_module_forward_pre_hook(self._spot)
         except (AttributeError, RuntimeError):  # pragma: no cover - an old torch
             self._hook = None
+
+    @property
+    def idle(self) -> bool:
+        """Not looking for models (``arm`` looks afresh)."""
+        return self._hook is None
 
     def disarm(self) -> None:
         if self._hook is not None:
