@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from nbddp._rank.reporter import Reporter
 from nbddp._rank.step_clock import SAMPLE_EVERY, StepClock
 from nbddp._run.time_split import WINDOW, TimeSplit, holder, split_lines
 from nbddp._wire.messages import StepTimes
@@ -119,3 +120,23 @@ def test_a_framework_marks_its_own_steps_and_a_pause_is_no_wait_for_data():
     clock.batch_asked()
     assert clock.totals.steps == 2
     assert clock.totals.data_s < 0.05
+
+
+def test_a_resumed_reporter_keeps_an_unmarked_clock_and_starts_a_marked_one_afresh():
+    """A session's rank takes its reporter up again for each run: quick cells mark no
+    step and share one clock; a run whose loop marked steps leaves its totals behind."""
+    sent: list = []
+    reporter = Reporter(0, sent.append)
+    try:
+        quiet = reporter.clock
+        reporter.pause()
+        reporter.resume(sent.append)
+        assert reporter.clock is quiet
+        for _ in reporter.track(range(3), None, None):
+            pass
+        assert reporter.clock.totals.steps == 3
+        reporter.pause()
+        reporter.resume(sent.append)
+        assert reporter.clock is not quiet and reporter.clock.totals.steps == 0
+    finally:
+        reporter.close()
