@@ -63,7 +63,8 @@ class Reporter:
         self._sent_position: tuple | None = None
         self._warned = False
         if not self.clock.fresh:  # (a session's quick cells mark no step: one clock
-            self.clock = StepClock()  # serves them all)
+            self.clock.loop_ended()  # serves them all; one a run left mid-step stops
+            self.clock = StepClock()  # looking for models: no hook is left behind)
         self._sent_times = StepTotals()
 
     def pause(self) -> None:

@@ -410,13 +410,14 @@ class _Pickler(cloudpickle.Pickler):
 
 @functools.cache
 def _rebuilders() -> frozenset[types.FunctionType]:
-    """The functions our pickles call to rebuild what they hold (cloudpickle's, and
-    nbddp's in this module and ``code_files``), which go by their names. cloudpickle
-    asks of every function it meets whether it may go by name, and that costs: in the
-    pickle of a quick cell's function, four of the five functions are these, and the
-    asking took 40% of the time."""
+    """The module-level functions of cloudpickle and of this module and ``code_files``,
+    which go by their names: among them, those our pickles call to rebuild what they
+    hold. cloudpickle asks of every function it meets whether it may go by name, and
+    that costs: in the pickle of a quick cell's function, four of the five functions are
+    these, and the asking took 40% of the time. (Only those found again by their names:
+    an alias whose name was rebound goes as cloudpickle would send it.)"""
     return frozenset(
         fn for module in (cloudpickle.cloudpickle, code_files, sys.modules[__name__])
-        for fn in vars(module).values()
+        for name, fn in vars(module).items()
         if type(fn) is types.FunctionType and fn.__module__ == module.__name__
-        and "<locals>" not in fn.__qualname__)
+        and fn.__qualname__ == name)
