@@ -65,7 +65,8 @@ class StepClock:
 
     @property
     def fresh(self) -> bool:
-        """No loop has marked anything on this clock: it is as a new one."""
+        """Nothing a later run would inherit is on this clock (no step, no wait, no
+        loop under way): it is as a new one."""
         return (self._asked is None and self._began is None and self._watch.idle
                 and self.totals == _NO_STEPS)
 
