@@ -144,8 +144,8 @@ def test_a_resumed_reporter_keeps_an_unmarked_clock_and_starts_a_marked_one_afre
 
 def test_a_run_left_mid_step_leaves_no_model_hook_behind():
     """A framework's step that raised never said the loop paused: the clock still looks
-    for DDP models with a hook on every module's forward. The next run's fresh clock
-    takes that hook away, rather than leave it for the rank's life."""
+    for DDP models with a hook on every module's forward. The run's end takes that hook
+    away, rather than leave it for the rank's life."""
     torch = pytest.importorskip("torch")
     hooks = torch.nn.modules.module._global_forward_pre_hooks
     before = len(hooks)

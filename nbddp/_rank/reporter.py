@@ -63,16 +63,18 @@ class Reporter:
         self._sent_position: tuple | None = None
         self._warned = False
         if not self.clock.fresh:  # (a session's quick cells mark no step: one clock
-            self.clock.loop_ended()  # serves them all; one a run left mid-step stops
-            self.clock = StepClock()  # looking for models: no hook is left behind)
+            self.clock = StepClock()  # serves them all)
         self._sent_times = StepTotals()
 
     def pause(self) -> None:
         """The run ended: send what is left, then nothing until ``resume`` (a session's
-        rank keeps its reporter, and its thread, for the next run)."""
+        rank keeps its reporter, and its thread, for the next run). No loop goes on past
+        its run (a framework's step that raised never said so): the clock stops looking
+        for models, and leaves no hook on every module's forward."""
         with self._sending:
             self._active = False
             self._flush_all()
+            self.clock.loop_ended()
 
     def resume(self, send: Callable[[Any], None]) -> None:
         """The next run: report afresh, to ``send``."""

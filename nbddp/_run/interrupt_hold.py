@@ -62,7 +62,7 @@ class InterruptHold:
         raised instead)."""
         self.pressed = False
         if self._previous is not None:
-            _signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
+            _signal.signal(signal.SIGINT, self._previous)
             self._previous = None
             InterruptHold._current = None
 

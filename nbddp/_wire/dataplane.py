@@ -39,7 +39,6 @@ from typing import Any, Protocol
 import cloudpickle
 
 from . import code_files
-from .code_files import reduce_code
 
 OUT_OF_BAND_MIN = 64 * 1024
 """Buffers smaller than this stay in the pickle (a file is not worth it)."""
@@ -366,7 +365,7 @@ class _Pickler(cloudpickle.Pickler):
             return NotImplemented  # (by name)
         if type(obj) is types.CodeType:
             self.code_files.add(obj.co_filename)
-            return reduce_code(obj)
+            return code_files.reduce_code(obj)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):
             if self._to_cpu and obj.device.type not in ("cpu", "meta"):
