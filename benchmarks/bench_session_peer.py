@@ -1,18 +1,19 @@
 """Benchmark a session's call against Monarch's, side by side in one process.
 
-A trivial call on 2 CPU ranks that keep their state, each with a gloo process group:
-``nbddp.Session.run`` against a Monarch actor endpoint (``mesh.noop.call().get()``),
-each of a no-op and of one all-reduce. Both sides' ranks stay up for the whole run and
-are called in alternating blocks, so that a machine whose speed drifts (as a shared
-virtual machine's does, by a factor of two within an hour) slows both alike. Then the
-same through a real Jupyter kernel, as a person meets it: a ``%%ddp`` session cell and
-a cell that calls the Monarch endpoint, each timed from the execute request to the
-kernel going idle, alternated with a plain cell (``1 + 1``) whose time is taken off: a
-cell's own time. Medians of every call and the ratio nbddp / Monarch are printed
-(``--json`` saves every figure).
+A trivial call on N CPU ranks (2; ``--ranks 2 4 8``: each count in turn) that keep their
+state, each with a gloo process group: ``nbddp.Session.run`` against a Monarch actor
+endpoint (``mesh.noop.call().get()``), each of a no-op and of one all-reduce. Both sides'
+ranks stay up for the whole run and are called in alternating blocks, so that a machine
+whose speed drifts (as a shared virtual machine's does, by a factor of two within an
+hour) slows both alike. Then the same through a real Jupyter kernel, as a person meets
+it (unless ``--calls-only``): a ``%%ddp`` session cell and a cell that calls the Monarch
+endpoint, each timed from the execute request to the kernel going idle, alternated with
+a plain cell (``1 + 1``) whose time is taken off: a cell's own time. Medians of every
+call and the ratio nbddp / Monarch are printed (``--json`` saves every figure).
 
 Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
-so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--rounds N] [--json PATH]``.
+so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--ranks N ...]
+[--rounds N] [--calls-only] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from bench_session import run_cell, time_cells  # noqa: E402
 
 import nbddp  # noqa: E402
 
-NPROCS = 2
+NPROCS = 2  # ranks, unless --ranks says otherwise
 BLOCK = 20  # calls of one side before the other's turn
 TARGET = 0.001  # seconds, the median of a trivial Session.run: at most
 CELL_TARGET = 0.002  # seconds, a trivial %%ddp session cell's own time: at most
@@ -47,8 +48,8 @@ def noop() -> None:
     """The trivial call."""
 
 
-def monarch_ranks() -> tuple[Any, Any]:
-    """Two Monarch processes, each an actor in a gloo process group; (procs, actors)."""
+def monarch_ranks(nprocs: int = NPROCS) -> tuple[Any, Any]:
+    """``nprocs`` Monarch processes, each an actor in a gloo process group; (procs, actors)."""
     from monarch.actor import Actor, current_rank, endpoint, this_host
 
     class Ranks(Actor):
@@ -56,7 +57,7 @@ def monarch_ranks() -> tuple[Any, Any]:
             import torch.distributed as dist
 
             os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-            dist.init_process_group("gloo", rank=current_rank().rank, world_size=NPROCS)
+            dist.init_process_group("gloo", rank=current_rank().rank, world_size=nprocs)
 
         @endpoint
         def noop(self) -> None:
@@ -69,7 +70,7 @@ def monarch_ranks() -> tuple[Any, Any]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    procs = this_host().spawn_procs(per_host={"procs": NPROCS})
+    procs = this_host().spawn_procs(per_host={"procs": nprocs})
     actors = procs.spawn("ranks", Ranks, port)
     actors.noop.call().get()
     return procs, actors
@@ -82,11 +83,11 @@ def timed(call: Callable[[], object], times: list[float]) -> None:
         times.append(time.perf_counter() - start)
 
 
-def side_by_side(rounds: int) -> dict[str, list[float]]:
+def side_by_side(rounds: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
     """Alternating blocks of each call on both sides, after a warm-up."""
-    procs, actors = monarch_ranks()
+    procs, actors = monarch_ranks(nprocs)
     try:
-        with nbddp.Session(NPROCS, output="none") as session:
+        with nbddp.Session(nprocs, output="none") as session:
             calls: dict[str, Callable[[], object]] = {
                 "nbddp noop": lambda: session.run(noop),
                 "monarch noop": lambda: actors.noop.call().get(),
@@ -111,7 +112,7 @@ KERNEL_CELLS = {
 }
 
 
-def in_kernel(cells: int) -> dict[str, list[float]]:
+def in_kernel(cells: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
     """Each of ``KERNEL_CELLS`` ``cells`` times, alternated, in one kernel that holds an
     nbddp session and a Monarch mesh, after a warm-up; seconds per cell."""
     from jupyter_client.manager import start_new_kernel
@@ -119,8 +120,8 @@ def in_kernel(cells: int) -> dict[str, list[float]]:
     manager, client = start_new_kernel(kernel_name="python3", cwd=str(Path(__file__).parent))
     try:
         run_cell(client, "from bench_session_peer import monarch_ranks\n"
-                         "procs, actors = monarch_ranks()\n"
-                         "%load_ext nbddp\n%ddp_session start --nprocs 2", 180)
+                         f"procs, actors = monarch_ranks({nprocs})\n"
+                         f"%load_ext nbddp\n%ddp_session start --nprocs {nprocs}", 600)
         times = time_cells(client, KERNEL_CELLS, cells, warm_up=10)
         run_cell(client, "%ddp_session stop\nprocs.stop().get()", 60)
     finally:
@@ -131,8 +132,12 @@ def in_kernel(cells: int) -> dict[str, list[float]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, nargs="+", default=[NPROCS],
+                        help=f"rank counts, each in turn (default {NPROCS})")
     parser.add_argument("--rounds", type=int, default=15,
                         help=f"blocks of {BLOCK} calls per side and call (default 15)")
+    parser.add_argument("--calls-only", action="store_true",
+                        help="the calls from this process alone, not the kernel's cells")
     parser.add_argument("--json", type=Path, help="write the numbers to this file")
     opts = parser.parse_args()
     try:
@@ -140,38 +145,51 @@ def main() -> int:
     except ImportError:
         print("Monarch is not installed (pip install torchmonarch): nothing to compare")
         return 0
+    figures = {str(nprocs): one_count(nprocs, opts) for nprocs in opts.ranks}
+    if len(figures) > 1:
+        print("\nno-op call, nbddp / Monarch, by ranks: " + ", ".join(
+            f"{n}: {f['ratios']['noop']:.2f}" for n, f in figures.items()))
+    write_json(opts.json, {"block": BLOCK, "rounds": opts.rounds,
+                           "python": platform.python_version(), "cpus": os.cpu_count(),
+                           "by_ranks": figures})
+    return 0
+
+
+def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """Both sides at ``nprocs`` ranks, side by side; the figures printed and returned."""
     load = os.getloadavg()[0]
-    times = side_by_side(opts.rounds)
-    times.update(in_kernel(opts.rounds * BLOCK))
+    times = side_by_side(opts.rounds, nprocs)
+    if not opts.calls_only:
+        times.update(in_kernel(opts.rounds * BLOCK, nprocs))
     medians = {name: statistics.median(values) for name, values in times.items()}
-    for name in ("%%ddp noop", "monarch noop cell"):
-        medians[f"{name} - plain cell"] = medians[name] - medians["plain cell"]
     ratios = {call: medians[f"nbddp {call}"] / medians[f"monarch {call}"]
               for call in ("noop", "all_reduce")}
-    ratios["cell's own time"] = (medians["%%ddp noop - plain cell"]
-                                 / medians["monarch noop cell - plain cell"])
-    met = medians["nbddp noop"] <= TARGET
-    cell_met = medians["%%ddp noop - plain cell"] <= CELL_TARGET
-    print(f"\nnbddp Session.run vs a Monarch endpoint call, {NPROCS} CPU ranks (gloo), median "
-          f"of {opts.rounds * BLOCK}; {os.cpu_count()} CPUs, load {load:.2f} -> "
+    if not opts.calls_only:
+        for name in ("%%ddp noop", "monarch noop cell"):
+            medians[f"{name} - plain cell"] = medians[name] - medians["plain cell"]
+        ratios["cell's own time"] = (medians["%%ddp noop - plain cell"]
+                                     / medians["monarch noop cell - plain cell"])
+    print(f"\nnbddp Session.run vs a Monarch endpoint call, {nprocs} CPU ranks (gloo), "
+          f"median of {opts.rounds * BLOCK}; {os.cpu_count()} CPUs, load {load:.2f} -> "
           f"{os.getloadavg()[0]:.2f}")
     for name, value in medians.items():
         print(f"  {name:32}{value * 1000:8.3f} ms")
     for call, ratio in ratios.items():
         print(f"  {call}: nbddp / monarch {ratio:.2f}")
-    print(f"trivial Session.run: {medians['nbddp noop'] * 1000:.2f} ms, target <= "
-          f"{TARGET * 1000:.0f} ms: {'met' if met else 'MISSED'}")
-    print(f"trivial %%ddp session cell's own time: "
-          f"{medians['%%ddp noop - plain cell'] * 1000:.2f} ms, target <= "
-          f"{CELL_TARGET * 1000:.0f} ms: {'met' if cell_met else 'MISSED'}")
-    write_json(opts.json, {
-        "nprocs": NPROCS, "block": BLOCK, "rounds": opts.rounds,
-        "python": platform.python_version(), "cpus": os.cpu_count(),
+    figures: dict[str, Any] = {
         "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
-        "times_s": times, "medians_s": medians, "ratios": ratios,
-        "target_s": TARGET, "met": met, "cell_target_s": CELL_TARGET,
-        "cell_met": cell_met})
-    return 0
+        "times_s": times, "medians_s": medians, "ratios": ratios}
+    if nprocs == NPROCS:  # (the targets are for the 2-rank session)
+        figures["met"] = met = medians["nbddp noop"] <= TARGET
+        print(f"trivial Session.run: {medians['nbddp noop'] * 1000:.2f} ms, target <= "
+              f"{TARGET * 1000:.0f} ms: {'met' if met else 'MISSED'}", flush=True)
+        if not opts.calls_only:
+            own = medians["%%ddp noop - plain cell"]
+            figures["cell_met"] = cell_met = own <= CELL_TARGET
+            print(f"trivial %%ddp session cell's own time: {own * 1000:.2f} ms, target <= "
+                  f"{CELL_TARGET * 1000:.0f} ms: {'met' if cell_met else 'MISSED'}",
+                  flush=True)
+    return figures
 
 
 if __name__ == "__main__":
