@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._wire.rundir import LIFELINE_GO
+from nbddp._wire.rundir import LIFELINE_ABANDON, LIFELINE_GO, NODE_DISK_ENV, NODE_SHM_ENV
 
 from .conftest import descendants, wait_until
 
@@ -69,3 +69,49 @@ def test_an_agent_that_cleans_up_lets_torchrun_go(tmp_path):
     shutil.rmtree(run_dir)  # the agent's clean-up: it removes the run dir, then lets go
     os.close(lifeline)
     wait_until(lambda: not descendants() - others, timeout=30)
+
+
+def start_before_its_folders(tmp_path: Path) -> tuple[Path, list[Path], int, int]:
+    """torchrun started as ``NodeAgent.start`` starts it now: before anything is made,
+    under the names of the run dir and the node's data folders, which are made while it
+    waits for the word; then the run dir, the folders, the lifeline and the report."""
+    names = [tmp_path / f"nbddp-{what}" for what in ("ray-run", "node-shm", "node-disk")]
+    read_end, lifeline = os.pipe()
+    report, report_write = os.pipe()
+    starter = subprocess.Popen(
+        [sys.executable, "-m", "nbddp._torchrun", str(names[0]), str(read_end),
+         "--node-data", "--report", str(report_write), "--standalone", "--nnodes", "1",
+         "--nproc-per-node", "1", str(tmp_path / "never-run.py")],
+        env={**os.environ, NODE_SHM_ENV: str(names[1]), NODE_DISK_ENV: str(names[2])},
+        pass_fds=(read_end, report_write), start_new_session=True,
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.close(read_end)
+    os.close(report_write)
+    starter.wait()  # it went on in a child of its own, which waits for the word
+    for name in names:
+        name.mkdir(mode=0o700)
+    (names[2] / "payload.data").write_bytes(b"x" * 100)
+    return names[0], names[1:], lifeline, report
+
+
+def test_an_agent_killed_before_its_word_leaves_none_of_the_nodes_folders(tmp_path):
+    """Ray kills an agent's own children with it, not theirs: killed between making the
+    node's folders and saying go, it leaves torchrun, which removes them all."""
+    others = descendants()
+    run_dir, folders, lifeline, report = start_before_its_folders(tmp_path)
+    os.close(lifeline)  # the agent dies before its word
+    wait_until(lambda: not run_dir.exists() and not any(f.exists() for f in folders)
+               and not descendants() - others, timeout=30)
+    assert read_report(report) == b"0"
+
+
+def test_names_someone_took_first_are_left_alone(tmp_path):
+    """The folders' names were taken (they show in ``ps``): the agent abandons the start,
+    and torchrun ends without removing what is not the agent's."""
+    others = descendants()
+    run_dir, folders, lifeline, report = start_before_its_folders(tmp_path)
+    os.write(lifeline, LIFELINE_ABANDON)
+    os.close(lifeline)
+    wait_until(lambda: not descendants() - others, timeout=30)
+    assert read_report(report) == b"0"
+    assert run_dir.exists() and all(folder.exists() for folder in folders)

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import subprocess
 import threading
 import time
 from collections.abc import Hashable, Iterable
-from typing import IO
 
 from .._errors import NbddpError
 from .._run.config import torchrun_environment
@@ -94,11 +92,7 @@ class LocalLauncher:
         except BrokenPipeError:
             raise self._ended_before_go() from None
         assert self.process.stdout is not None  # (a pipe: see __init__)
-        self._early = threading.Thread(target=_keep_output, daemon=True,
-                                       args=(self.process.stdout,
-                                             self._run_dir.append_to_launcher_log()),
-                                       name="nbddp-launcher-output")
-        self._early.start()
+        self._early = self._run_dir.keep_early_output(self.process.stdout)
 
     def _ended_before_go(self) -> BaseException:
         """What to raise when torchrun ended before it was told to start. A Ctrl-C can
@@ -182,13 +176,6 @@ class LocalLauncher:
                 self._lifeline = -1
             if self._early is None and self.process.stdout is not None:
                 self.process.stdout.close()  # (never read: torchrun never started)
-
-
-def _keep_output(output: IO[bytes], log: int) -> None:
-    """Append what torchrun writes to ``output`` (until it sends its output to the log
-    itself, or ends) to the log open at ``log``."""
-    with output, open(log, "ab") as kept:
-        shutil.copyfileobj(output, kept)
 
 
 def _read_proc(pid: int, name: str) -> str:

@@ -76,11 +76,16 @@ def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event,
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
     time.sleep(_GRACE_SECONDS)
     run_dir.remove()
-    for name in (NODE_SHM_ENV, NODE_DISK_ENV):  # (torchrun's own clean-up did not come:
-        folder = os.environ.get(name)  # the node's data folders go here, then)
+    _remove_named_node_folders()  # (torchrun's own clean-up did not come)
+    os.kill(os.getpid(), signal.SIGKILL)  # ranks die with us (PR_SET_PDEATHSIG)
+
+
+def _remove_named_node_folders() -> None:
+    """Remove the node's data folders named in the environment (a Ray agent's)."""
+    for name in (NODE_SHM_ENV, NODE_DISK_ENV):
+        folder = os.environ.get(name)
         if folder:
             shutil.rmtree(folder, ignore_errors=True)
-    os.kill(os.getpid(), signal.SIGKILL)  # ranks die with us (PR_SET_PDEATHSIG)
 
 
 def _write_failures(run_dir: RunDir, error) -> None:
@@ -132,14 +137,16 @@ def _private_folder(parent: Path) -> Path:
 
 
 def _wait_for_run_dir(fd: int, run_dir: RunDir) -> bool:
-    """Wait for the kernel's word that it made the run dir; True if it did. A kernel
-    that died before (the pipe closed) may have made part of it: that goes."""
+    """Wait for the kernel's (or a Ray agent's) word that it made the run dir; True if
+    it did. One that died before (the pipe closed) may have made part of it, and of the
+    node's data folders it named: that goes."""
     word = os.read(fd, 1)
     if word == LIFELINE_GO:
         _output_to(run_dir.append_to_launcher_log())
         return True
-    if not word:
+    if not word:  # (a Ray agent names its node's data folders too: it made them then)
         run_dir.remove()
+        _remove_named_node_folders()
     return False  # (LIFELINE_ABANDON: the name was someone else's)
 
 

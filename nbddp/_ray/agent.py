@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -31,10 +32,17 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from .._wire.dataplane import shm_root
-from .._wire.rundir import LIFELINE_GO, NODE_DISK_ENV, NODE_NAME_ENV, NODE_SHM_ENV, RunDir
+from .._wire.rundir import (
+    LIFELINE_ABANDON,
+    LIFELINE_GO,
+    NODE_DISK_ENV,
+    NODE_NAME_ENV,
+    NODE_SHM_ENV,
+    RunDir,
+)
 from .object_store import write_on_node
 
 _TERM_WAIT = 5.0  # torchrun stops its ranks on SIGTERM; SIGKILL after this
@@ -72,43 +80,82 @@ class NodeAgent:
 
     def start(self, key: bytes, address: bytes, torchrun_args: list[str],
               worker_args: list[str], env: dict[str, str], cwd: str | None) -> str:
-        """Make the node's run dir (key, kernel's address), and start torchrun on
-        ``torchrun_args`` and nbddp's worker; the run dir's path."""
+        """Start torchrun on ``torchrun_args`` and nbddp's worker, then make the node's
+        run dir (key, kernel's address) and data folders; the run dir's path.
+
+        torchrun starts first, under the names of what is then made, and waits for the
+        word: an agent killed at any moment (Ray kills an actor's children with it, not
+        their children) leaves a torchrun that removes whatever was made, or nothing."""
         with self._lock:
             if self.torchrun_group is not None:
                 raise RuntimeError("this node's torchrun was started already")
-            path = Path(tempfile.mkdtemp(prefix="nbddp-ray-"))  # 0700
-            run_dir = self.run_dir = RunDir(path)
-            run_dir.write_private(run_dir.key, key)
-            run_dir.write_private(run_dir.address, address)
-            self._folders = _node_folders()
-            where = self._node
-            ranks_env = {**_node_environment(), **env, NODE_NAME_ENV: where["name"],
-                         NODE_SHM_ENV: str(self._folders[0]),
-                         NODE_DISK_ENV: str(self._folders[-1])}
-            if len(self._folders) == 1:
-                ranks_env.pop(NODE_SHM_ENV)
-            if where["gpus"]:
-                ranks_env["CUDA_VISIBLE_DEVICES"] = ",".join(where["gpus"])
-            read_end, self._lifeline = os.pipe()
-            self._report, report = os.pipe()
-            command = [sys.executable, "-m", "nbddp._torchrun", str(path), str(read_end),
-                       "--node-data", "--report", str(report), *torchrun_args,
-                       "-m", "nbddp._worker", str(path), *worker_args]
-            log = run_dir.append_to_launcher_log()
+            run_dir = RunDir(_reserved("nbddp-ray-", Path(tempfile.gettempdir())))
+            folders = _reserved_node_folders()
+            starter = self._start_torchrun(run_dir, folders, torchrun_args, worker_args,
+                                           env, cwd)
             try:
-                starter = subprocess.Popen(
-                    command, env=ranks_env, cwd=cwd if cwd and os.path.isdir(cwd) else None,
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    pass_fds=(read_end, report), start_new_session=True)
-            finally:
-                for fd in (log, read_end, report):
-                    os.close(fd)
-            starter.wait()  # (it goes on in a child: see nbddp._torchrun's --report)
-            self.torchrun_group = starter.pid
+                self._make(run_dir, folders, key, address)
+            except BaseException:
+                starter.close()
+                raise
+            run_dir.keep_early_output(starter)
             os.write(self._lifeline, LIFELINE_GO)
             threading.Thread(target=self._watch, daemon=True, name="nbddp-torchrun").start()
-        return str(path)
+        return str(run_dir.path)
+
+    def _start_torchrun(self, run_dir: RunDir, folders: list[Path], torchrun_args: list[str],
+                        worker_args: list[str], env: dict[str, str], cwd: str | None
+                        ) -> IO[bytes]:
+        """Start torchrun, which waits on its lifeline for the run dir; its output until
+        it writes to the run dir's log itself."""
+        where = self._node
+        ranks_env = {**_node_environment(), **env, NODE_NAME_ENV: where["name"],
+                     NODE_SHM_ENV: str(folders[0]), NODE_DISK_ENV: str(folders[-1])}
+        if len(folders) == 1:
+            ranks_env.pop(NODE_SHM_ENV)
+        if where["gpus"]:
+            ranks_env["CUDA_VISIBLE_DEVICES"] = ",".join(where["gpus"])
+        read_end, self._lifeline = os.pipe()
+        self._report, report = os.pipe()
+        path = str(run_dir.path)
+        command = [sys.executable, "-m", "nbddp._torchrun", path, str(read_end),
+                   "--node-data", "--report", str(report), *torchrun_args,
+                   "-m", "nbddp._worker", path, *worker_args]
+        try:
+            starter = subprocess.Popen(
+                command, env=ranks_env, cwd=cwd if cwd and os.path.isdir(cwd) else None,
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                pass_fds=(read_end, report), start_new_session=True)
+        finally:
+            for fd in (read_end, report):
+                os.close(fd)
+        starter.wait()  # (it goes on in a child: see nbddp._torchrun's --report)
+        self.torchrun_group = starter.pid
+        assert starter.stdout is not None  # (a pipe)
+        return starter.stdout
+
+    def _make(self, run_dir: RunDir, folders: list[Path], key: bytes, address: bytes
+              ) -> None:
+        """Make the run dir and the node's folders, private (0700). A name someone took
+        first (they are in ``ps``'s listing of torchrun) stops the start: what this made
+        goes, and torchrun ends, removing nothing of theirs."""
+        made: list[Path] = []
+        try:
+            for path in (run_dir.path, *folders):
+                os.mkdir(path, 0o700)
+                made.append(path)
+            run_dir.write_private(run_dir.key, key)
+            run_dir.write_private(run_dir.address, address)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.write(self._lifeline, LIFELINE_ABANDON)
+            for path in made:
+                shutil.rmtree(path, ignore_errors=True)
+            for fd in (self._lifeline, self._report):
+                os.close(fd)
+            self._lifeline = self._report = -1
+            raise
+        self.run_dir, self._folders = run_dir, folders
 
     def _watch(self) -> None:
         """torchrun ended (its report pipe closed): the node's files go. The ranks of a
@@ -193,15 +240,17 @@ def _node_environment() -> dict[str, str]:
     return env
 
 
-def _node_folders() -> list[Path]:
-    """This node's private folders for the data files the kernel sends: in shared memory
-    where there is some, and on local disk (the last one)."""
-    folders = []
+def _reserved_node_folders() -> list[Path]:
+    """The names of this node's private folders for the data files the kernel sends: in
+    shared memory where there is some, and on local disk (the last one)."""
     shm = shm_root()
-    if shm is not None:
-        folders.append(Path(tempfile.mkdtemp(prefix="nbddp-node-", dir=shm)))
-    folders.append(Path(tempfile.mkdtemp(prefix="nbddp-node-")))
-    return folders
+    disk = _reserved("nbddp-node-", Path(tempfile.gettempdir()))
+    return [disk] if shm is None else [_reserved("nbddp-node-", shm), disk]
+
+
+def _reserved(prefix: str, parent: Path) -> Path:
+    """A new name in ``parent``, nobody else's (64 random bits), with nothing made yet."""
+    return parent / f"{prefix}{secrets.token_hex(8)}"
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

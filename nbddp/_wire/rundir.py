@@ -21,7 +21,9 @@ import secrets
 import shutil
 import socket
 import tempfile
+import threading
 from pathlib import Path
+from typing import IO
 
 from .dataplane import shm_root
 
@@ -198,6 +200,20 @@ class RunDir:
         """The launcher's log, opened to append (made private if new): the kernel keeps
         what torchrun said before it could open it itself, and torchrun the rest."""
         return os.open(self.launcher_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def keep_early_output(self, output: IO[bytes]) -> threading.Thread:
+        """Append what the launcher wrote to ``output`` before its run dir was made (a
+        Python that cannot start it, say), and after until it sends its output to the
+        log itself (or ends), to the log; the thread that does it."""
+        log = self.append_to_launcher_log()
+
+        def keep() -> None:
+            with output, open(log, "ab") as kept:
+                shutil.copyfileobj(output, kept)
+
+        thread = threading.Thread(target=keep, daemon=True, name="nbddp-launcher-output")
+        thread.start()
+        return thread
 
     def replace_private(self, path: Path, data: bytes) -> None:
         """Write ``path`` anew (0600), in one step for its readers."""
