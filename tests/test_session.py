@@ -159,6 +159,7 @@ def test_per_cell_options_output_out_all_ranks_and_trailing_expression(skernel):
 def test_each_cell_has_its_panel_history_and_last_job(skernel):
     run = cell(skernel, """
 import nbddp
+import torch.distributed as dist
 for step in nbddp.progress(range(5)):
     nbddp.log(step=step, loss=float(step + dist.get_rank()))
 """).assert_ok()
