@@ -75,7 +75,8 @@ def start_before_its_folders(tmp_path: Path) -> tuple[Path, list[Path], int, int
     """torchrun started as ``NodeAgent.start`` starts it now: before anything is made,
     under the names of the run dir and the node's data folders, which are made while it
     waits for the word; then the run dir, the folders, the lifeline and the report."""
-    names = [tmp_path / f"nbddp-{what}" for what in ("ray-run", "node-shm", "node-disk")]
+    names = [tmp_path / f"nbddp-{what}-{os.urandom(4).hex()}"
+             for what in ("ray", "node", "node")]
     read_end, lifeline = os.pipe()
     report, report_write = os.pipe()
     starter = subprocess.Popen(
@@ -115,3 +116,29 @@ def test_names_someone_took_first_are_left_alone(tmp_path):
     wait_until(lambda: not descendants() - others, timeout=30)
     assert read_report(report) == b"0"
     assert run_dir.exists() and all(folder.exists() for folder in folders)
+
+
+def test_an_agent_whose_names_were_taken_removes_what_it_made_and_ends_torchrun(
+        tmp_path, monkeypatch):
+    """``NodeAgent.start`` (no Ray: the agent's own code) when someone made one of its
+    folders first: the start fails, what the agent made is gone, the other's folder is
+    untouched, torchrun has ended, and the agent may start again."""
+    from nbddp._ray import agent
+
+    monkeypatch.setattr(agent, "_this_node", lambda: {"name": "node-a", "gpus": []})
+    monkeypatch.setattr(agent.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(agent, "shm_root", lambda: None)
+    taken = iter([tmp_path / "nbddp-ray-mine", tmp_path / "nbddp-node-theirs"])
+    monkeypatch.setattr(agent, "_reserved", lambda prefix, parent: next(taken))
+    theirs = tmp_path / "nbddp-node-theirs"
+    theirs.mkdir()
+    (theirs / "their.file").write_text("not the agent's")
+    others = descendants()
+    node = agent.NodeAgent(0, outlives_kernel=False)
+    with pytest.raises(FileExistsError):
+        node.start(b"k" * 32, b"127.0.0.1:1", ["--standalone", "--nnodes", "1",
+                                               "--nproc-per-node", "1"], [], {}, None)
+    assert not (tmp_path / "nbddp-ray-mine").exists()
+    assert (theirs / "their.file").read_text() == "not the agent's"
+    assert node.torchrun_group is None and node.run_dir is None
+    wait_until(lambda: not descendants() - others, timeout=30)

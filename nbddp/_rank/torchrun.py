@@ -7,21 +7,23 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
   to ``failures-<host>-<pid>.json`` (one per machine) instead of being left as text for
   the kernel to parse;
 - torchrun's own logs go inside the run dir (``--log-dir``), not into a temp dir;
-- the kernel holds the write end of a pipe (the lifeline); if the kernel dies the pipe
-  closes and this process stops torchrun, so no rank outlives the notebook. It starts
-  this process before it makes the run dir, then says so on the lifeline
-  (``LIFELINE_GO``): until then torchrun waits, and if the kernel dies first, this
-  process removes what it had made, which nothing else would (its output goes to the
-  kernel until then, and to the run dir's log after). A SLURM job has no lifeline
-  (``-``): it outlives a kernel restart, and can be re-attached;
+- the kernel (or a Ray node's agent) holds the write end of a pipe (the lifeline); if
+  it dies the pipe closes and this process stops torchrun, so no rank outlives the
+  notebook. It starts this process before it makes the run dir (an agent: and the
+  node's data folders), then says so on the lifeline (``LIFELINE_GO``): until then
+  torchrun waits, and if its starter dies first, this process removes what it had made,
+  which nothing else would (its output goes to the starter until then, and to the run
+  dir's log after). A SLURM job has no lifeline (``-``): it outlives a kernel restart,
+  and can be re-attached;
 - with ``--relay`` (first), it starts the node's relay (``_rank.relay``) before its ranks,
   which then talk to the kernel through it;
 - with ``--report FD`` (after ``--node-data``; a Ray agent's), it goes on in a child of
   its own and says its exit code on that pipe (see ``_leave_the_parent``);
 - with ``--node-data`` (after the lifeline; a cluster session's), it makes this node's
   private folders for the data files the kernel sends (in shared memory, and on local
-  disk for those that do not fit there), names them to the ranks, and removes them when
-  torchrun ends, however its ranks ended.
+  disk for those that do not fit there), or takes those a Ray agent made and named in
+  its environment, names them to the ranks, and removes them when torchrun ends,
+  however its ranks ended.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ _AGENT_CLEAN_UP_WAIT = 60.0  # after the report: how long the agent may take to 
 _RELAY_FLUSH_WAIT = 5.0  # torchrun ended: how long its relay may take to send what is left
 
 
-def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event,
+def _watch_lifeline(fd: int, run_dir: RunDir, node_data: bool, lost: threading.Event,
                     ended: threading.Event) -> None:
     """Block until the kernel's end of the pipe closes, then stop everything (once
     torchrun has ``ended``: only the run dir is left to remove)."""
@@ -76,12 +78,14 @@ def _watch_lifeline(fd: int, run_dir: RunDir, lost: threading.Event,
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
     time.sleep(_GRACE_SECONDS)
     run_dir.remove()
-    _remove_named_node_folders()  # (torchrun's own clean-up did not come)
+    if node_data:  # (torchrun's own clean-up did not come)
+        _remove_named_node_folders()
     os.kill(os.getpid(), signal.SIGKILL)  # ranks die with us (PR_SET_PDEATHSIG)
 
 
 def _remove_named_node_folders() -> None:
-    """Remove the node's data folders named in the environment (a Ray agent's)."""
+    """Remove the node's data folders named in the environment (``--node-data``'s: a
+    kernel's own environment may name some of a session it started, not this run's)."""
     for name in (NODE_SHM_ENV, NODE_DISK_ENV):
         folder = os.environ.get(name)
         if folder:
@@ -136,7 +140,7 @@ def _private_folder(parent: Path) -> Path:
     return parent / name
 
 
-def _wait_for_run_dir(fd: int, run_dir: RunDir) -> bool:
+def _wait_for_run_dir(fd: int, run_dir: RunDir, node_data: bool) -> bool:
     """Wait for the kernel's (or a Ray agent's) word that it made the run dir; True if
     it did. One that died before (the pipe closed) may have made part of it, and of the
     node's data folders it named: that goes."""
@@ -144,9 +148,10 @@ def _wait_for_run_dir(fd: int, run_dir: RunDir) -> bool:
     if word == LIFELINE_GO:
         _output_to(run_dir.append_to_launcher_log())
         return True
-    if not word:  # (a Ray agent names its node's data folders too: it made them then)
+    if not word:
         run_dir.remove()
-        _remove_named_node_folders()
+        if node_data:  # (a Ray agent's, which makes the folders it names meanwhile)
+            _remove_named_node_folders()
     return False  # (LIFELINE_ABANDON: the name was someone else's)
 
 
@@ -169,8 +174,9 @@ def _signals_as_usual() -> None:
 
 def main(argv: list[str]) -> int:
     _signals_as_usual()
-    run_dir = RunDir.named(Path(argv[0]))
     options = _own_options(argv[2:])
+    path = Path(argv[0])  # (a node's run dir has no twin in shared memory: its data
+    run_dir = RunDir(path) if options.node_data else RunDir.named(path)  # folders)
     if options.report is not None:
         _leave_the_parent()
     lost, ended = threading.Event(), threading.Event()
@@ -233,10 +239,11 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
          lost: threading.Event, ended: threading.Event) -> int:
     lifeline = None if lifeline_arg == "-" else int(lifeline_arg)
     if lifeline is not None:
-        if not _wait_for_run_dir(lifeline, run_dir):
+        if not _wait_for_run_dir(lifeline, run_dir, options.node_data):
             lost.set()
             return 0
-        threading.Thread(target=_watch_lifeline, args=(lifeline, run_dir, lost, ended),
+        threading.Thread(target=_watch_lifeline,
+                         args=(lifeline, run_dir, options.node_data, lost, ended),
                          daemon=True).start()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run

@@ -2,11 +2,13 @@
 owns its end.
 
 Ray places the agent in its node's bundle of the session's placement group, and kills
-only an actor's own process: torchrun, in a process session of its own, would outlive
-it. So the agent holds torchrun's lifeline (``nbddp._torchrun``): whenever the agent
-ends (stopped, killed with ``ray.kill``, its node's raylet gone, the kernel's job over),
-the pipe closes and torchrun stops its ranks and removes the node's run dir. ``stop``
-ends it first, in order.
+only an actor's own process and its direct children: torchrun, which goes on in a child
+of its starter, in a process session of its own, would outlive it. So the agent holds
+torchrun's lifeline (``nbddp._torchrun``): whenever the agent ends (stopped, killed with
+``ray.kill``, its node's raylet gone, the kernel's job over), the pipe closes and
+torchrun stops its ranks and removes the node's run dir and data folders. The agent
+starts torchrun before it makes them, under their names, so that from the first one
+made there is someone to remove them. ``stop`` ends it first, in order.
 
 The node's run dir is the agent's (private, on the node's own disk): the run's key and
 the kernel's address, which the ranks read, and torchrun's log. The key comes with
@@ -32,7 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from .._wire.dataplane import shm_root
 from .._wire.rundir import (
@@ -60,6 +62,7 @@ class NodeAgent:
         self.code = -1
         """torchrun's exit code, once it has ended (-9: killed, it said none)."""
         self._lifeline = self._report = -1
+        self._early: threading.Thread | None = None  # torchrun's output before its log
         self._folders: list[Path] = []
         self._lock = threading.Lock()
         self._ended = threading.Event()
@@ -84,8 +87,8 @@ class NodeAgent:
         run dir (key, kernel's address) and data folders; the run dir's path.
 
         torchrun starts first, under the names of what is then made, and waits for the
-        word: an agent killed at any moment (Ray kills an actor's children with it, not
-        their children) leaves a torchrun that removes whatever was made, or nothing."""
+        word: an agent killed from then on (Ray kills an actor's children with it, not
+        their children) leaves a torchrun that removes whatever was made."""
         with self._lock:
             if self.torchrun_group is not None:
                 raise RuntimeError("this node's torchrun was started already")
@@ -93,21 +96,23 @@ class NodeAgent:
             folders = _reserved_node_folders()
             starter = self._start_torchrun(run_dir, folders, torchrun_args, worker_args,
                                            env, cwd)
+            assert starter.stdout is not None  # (a pipe)
             try:
                 self._make(run_dir, folders, key, address)
+                self._early = run_dir.keep_early_output(starter.stdout)
+                self._go(starter)
             except BaseException:
-                starter.close()
+                self._let_go()
                 raise
-            run_dir.keep_early_output(starter)
-            os.write(self._lifeline, LIFELINE_GO)
+            self.torchrun_group = starter.pid
             threading.Thread(target=self._watch, daemon=True, name="nbddp-torchrun").start()
         return str(run_dir.path)
 
     def _start_torchrun(self, run_dir: RunDir, folders: list[Path], torchrun_args: list[str],
                         worker_args: list[str], env: dict[str, str], cwd: str | None
-                        ) -> IO[bytes]:
-        """Start torchrun, which waits on its lifeline for the run dir; its output until
-        it writes to the run dir's log itself."""
+                        ) -> subprocess.Popen[bytes]:
+        """Start torchrun, which waits on its lifeline for the run dir (its output goes
+        to a pipe until it writes to the run dir's log itself); its starter, ended."""
         where = self._node
         ranks_env = {**_node_environment(), **env, NODE_NAME_ENV: where["name"],
                      NODE_SHM_ENV: str(folders[0]), NODE_DISK_ENV: str(folders[-1])}
@@ -126,19 +131,22 @@ class NodeAgent:
                 command, env=ranks_env, cwd=cwd if cwd and os.path.isdir(cwd) else None,
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                 pass_fds=(read_end, report), start_new_session=True)
+        except BaseException:
+            self._let_go()
+            raise
         finally:
             for fd in (read_end, report):
                 os.close(fd)
-        starter.wait()  # (it goes on in a child: see nbddp._torchrun's --report)
-        self.torchrun_group = starter.pid
-        assert starter.stdout is not None  # (a pipe)
-        return starter.stdout
+        if starter.wait() != 0:  # (it goes on in a child: see nbddp._torchrun's --report)
+            self._let_go()
+            raise RuntimeError(_ended_early(starter))
+        return starter
 
     def _make(self, run_dir: RunDir, folders: list[Path], key: bytes, address: bytes
               ) -> None:
         """Make the run dir and the node's folders, private (0700). A name someone took
         first (they are in ``ps``'s listing of torchrun) stops the start: what this made
-        goes, and torchrun ends, removing nothing of theirs."""
+        goes, and then torchrun is told to end, removing nothing of theirs."""
         made: list[Path] = []
         try:
             for path in (run_dir.path, *folders):
@@ -147,15 +155,31 @@ class NodeAgent:
             run_dir.write_private(run_dir.key, key)
             run_dir.write_private(run_dir.address, address)
         except OSError:
-            with contextlib.suppress(OSError):
-                os.write(self._lifeline, LIFELINE_ABANDON)
             for path in made:
                 shutil.rmtree(path, ignore_errors=True)
-            for fd in (self._lifeline, self._report):
-                os.close(fd)
-            self._lifeline = self._report = -1
+            with contextlib.suppress(OSError):
+                os.write(self._lifeline, LIFELINE_ABANDON)
             raise
         self.run_dir, self._folders = run_dir, folders
+
+    def _go(self, starter: subprocess.Popen[bytes]) -> None:
+        """Tell torchrun that its run dir is made; RuntimeError, with what it said, if it
+        ended before (it removed what was made, its lifeline closed)."""
+        try:
+            os.write(self._lifeline, LIFELINE_GO)
+        except BrokenPipeError:
+            if self._early is not None:
+                self._early.join(_TERM_WAIT)
+            self._remove_files()  # (under start's lock)
+            raise RuntimeError(_ended_early(starter, self._last_words)) from None
+
+    def _let_go(self) -> None:
+        """The start failed: close this side of torchrun's pipes (a torchrun still
+        waiting for its word ends, removing what it was named)."""
+        for fd in (self._lifeline, self._report):
+            if fd >= 0:
+                os.close(fd)
+        self._lifeline = self._report = -1
 
     def _watch(self) -> None:
         """torchrun ended (its report pipe closed): the node's files go. The ranks of a
@@ -167,6 +191,8 @@ class NodeAgent:
             said += chunk
         os.close(self._report)
         self.code = int(said) if said.strip().lstrip(b"-").isdigit() else -9
+        if self._early is not None:  # (what torchrun said before its log, in it first)
+            self._early.join(_TERM_WAIT)
         self._clean_up()
         self._ended.set()
         if self.outlives_kernel and not self._stopping:
@@ -210,14 +236,19 @@ class NodeAgent:
 
     def _clean_up(self) -> None:
         with self._lock:
-            self._last_words = self.tail()
-            if self._lifeline >= 0:
-                os.close(self._lifeline)
-                self._lifeline = -1
-            if self.run_dir is not None:
-                shutil.rmtree(self.run_dir.path, ignore_errors=True)
-            for folder in self._folders:
-                shutil.rmtree(folder, ignore_errors=True)
+            self._remove_files()
+
+    def _remove_files(self) -> None:
+        """(Under the lock) Keep the end of torchrun's log, let go of its lifeline, and
+        remove the node's run dir and data folders."""
+        self._last_words = self.tail()
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir.path, ignore_errors=True)
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _this_node() -> dict[str, Any]:
@@ -251,6 +282,16 @@ def _reserved_node_folders() -> list[Path]:
 def _reserved(prefix: str, parent: Path) -> Path:
     """A new name in ``parent``, nobody else's (64 random bits), with nothing made yet."""
     return parent / f"{prefix}{secrets.token_hex(8)}"
+
+
+def _ended_early(starter: subprocess.Popen[bytes], said: str | None = None) -> str:
+    """Why a node's torchrun ended before it started (what it said, as far as known)."""
+    if said is None:
+        assert starter.stdout is not None  # (a pipe)
+        said = starter.stdout.read().decode(errors="replace")
+    said = said.strip()[-2000:]
+    return (f"torchrun ended before it started on this node (exit code "
+            f"{starter.returncode})" + (f"; it said:\n{said}" if said else ""))
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

@@ -108,10 +108,11 @@ def _stacks_name(rank: int) -> str:
 
 
 LIFELINE_GO = b"g"
-"""What the kernel writes on a local torchrun's lifeline once it made the run dir: until
-then torchrun waits, and if the kernel dies first, removes what it made of it."""
+"""What the kernel (or a Ray node's agent) writes on torchrun's lifeline once it made
+the run dir (an agent: and the node's data folders): until then torchrun waits, and if
+the writer dies first, removes what it made of them."""
 LIFELINE_ABANDON = b"x"
-"""... or once it found the run dir's name taken: torchrun ends, removing nothing."""
+"""... or once it found a name taken: torchrun ends, removing nothing."""
 
 _FAILURES = "failures-{}.json"  # one per torchrun: its host and PID
 _TORCHRUN_LOGS = "torchelastic-{}"
