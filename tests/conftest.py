@@ -138,6 +138,19 @@ def run_dirs() -> set[str]:
             for path in glob.glob(os.path.join(folder, pattern))}
 
 
+def contents(folder: str) -> list[str]:
+    """What ``folder`` holds, at any depth: each file's path in it, size and age (s)."""
+    now, found = time.time(), []
+    for parent, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(parent, name)
+            with contextlib.suppress(OSError):
+                stat = os.lstat(path)
+                found.append(f"{os.path.relpath(path, folder)} ({stat.st_size} B, "
+                             f"{now - stat.st_mtime:.0f} s old)")
+    return found
+
+
 def local_run_dirs() -> set[str]:
     """The run dirs themselves (in this session's temp dir), without their twins."""
     return set(glob.glob(os.path.join(tempfile.gettempdir(), "nbddp-*")))
@@ -208,10 +221,11 @@ def no_leftovers():
     for pid in left:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    held = {path: contents(path) for path in dirs}  # (what is in them says who made them)
     for path in dirs:  # (reported below; gone, with the processes that would have removed
         shutil.rmtree(path, ignore_errors=True)  # them, so the next test starts clean)
     assert not left, "processes left behind: " + "; ".join(cmdline(p) for p in left)
-    assert not dirs, f"run directories left behind: {dirs}"
+    assert not dirs, f"run directories left behind: {held}"
     assert not socks, f"sockets left open: {len(socks)}"
 
 
