@@ -129,7 +129,7 @@ def test_an_agent_whose_names_were_taken_removes_what_it_made_and_ends_torchrun(
     monkeypatch.setattr(agent.tempfile, "gettempdir", lambda: str(tmp_path))
     monkeypatch.setattr(agent, "shm_root", lambda: None)
     taken = iter([tmp_path / "nbddp-ray-mine", tmp_path / "nbddp-node-theirs"])
-    monkeypatch.setattr(agent, "_reserved", lambda prefix, parent: next(taken))
+    monkeypatch.setattr(agent, "reserved_name", lambda prefix, parent: next(taken))
     theirs = tmp_path / "nbddp-node-theirs"
     theirs.mkdir()
     (theirs / "their.file").write_text("not the agent's")

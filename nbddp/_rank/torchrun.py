@@ -64,7 +64,7 @@ _AGENT_CLEAN_UP_WAIT = 60.0  # after the report: how long the agent may take to 
 _RELAY_FLUSH_WAIT = 5.0  # torchrun ended: how long its relay may take to send what is left
 
 
-def _watch_lifeline(fd: int, run_dir: RunDir, node_data: bool, lost: threading.Event,
+def _watch_lifeline(fd: int, run_dir: RunDir, folders: list[Path], lost: threading.Event,
                     ended: threading.Event) -> None:
     """Block until the kernel's end of the pipe closes, then stop everything (once
     torchrun has ``ended``: only the run dir is left to remove)."""
@@ -78,18 +78,13 @@ def _watch_lifeline(fd: int, run_dir: RunDir, node_data: bool, lost: threading.E
     os.kill(os.getpid(), signal.SIGTERM)  # torchrun's own shutdown: it stops its ranks
     time.sleep(_GRACE_SECONDS)
     run_dir.remove()
-    if node_data:  # (torchrun's own clean-up did not come)
-        _remove_named_node_folders()
+    _remove(folders)  # (torchrun's own clean-up did not come)
     os.kill(os.getpid(), signal.SIGKILL)  # ranks die with us (PR_SET_PDEATHSIG)
 
 
-def _remove_named_node_folders() -> None:
-    """Remove the node's data folders named in the environment (``--node-data``'s: a
-    kernel's own environment may name some of a session it started, not this run's)."""
-    for name in (NODE_SHM_ENV, NODE_DISK_ENV):
-        folder = os.environ.get(name)
-        if folder:
-            shutil.rmtree(folder, ignore_errors=True)
+def _remove(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _write_failures(run_dir: RunDir, error) -> None:
@@ -140,7 +135,7 @@ def _private_folder(parent: Path) -> Path:
     return parent / name
 
 
-def _wait_for_run_dir(fd: int, run_dir: RunDir, node_data: bool) -> bool:
+def _wait_for_run_dir(fd: int, run_dir: RunDir, folders: list[Path]) -> bool:
     """Wait for the kernel's (or a Ray agent's) word that it made the run dir; True if
     it did. One that died before (the pipe closed) may have made part of it, and of the
     node's data folders it named: that goes."""
@@ -150,8 +145,7 @@ def _wait_for_run_dir(fd: int, run_dir: RunDir, node_data: bool) -> bool:
         return True
     if not word:
         run_dir.remove()
-        if node_data:  # (a Ray agent's, which makes the folders it names meanwhile)
-            _remove_named_node_folders()
+        _remove(folders)  # (a Ray agent's, which makes the folders it names meanwhile)
     return False  # (LIFELINE_ABANDON: the name was someone else's)
 
 
@@ -238,17 +232,17 @@ def _leave_the_parent() -> None:
 def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
          lost: threading.Event, ended: threading.Event) -> int:
     lifeline = None if lifeline_arg == "-" else int(lifeline_arg)
+    folders = _node_folders() if options.node_data else []  # (a Ray agent's: named)
     if lifeline is not None:
-        if not _wait_for_run_dir(lifeline, run_dir, options.node_data):
+        if not _wait_for_run_dir(lifeline, run_dir, folders):
             lost.set()
             return 0
         threading.Thread(target=_watch_lifeline,
-                         args=(lifeline, run_dir, options.node_data, lost, ended),
+                         args=(lifeline, run_dir, folders, lost, ended),
                          daemon=True).start()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    folders = _node_folders() if options.node_data else []
     relay = _start_relay(run_dir, remote=options.node_data) if options.relay else None
     try:
         run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *options.torchrun]))
@@ -260,8 +254,7 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
             relay.close(wait=_RELAY_FLUSH_WAIT)
         if lifeline is not None and _closed(lifeline):
             run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
-        for folder in folders:
-            shutil.rmtree(folder, ignore_errors=True)
+        _remove(folders)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -44,6 +43,7 @@ from .._wire.rundir import (
     NODE_NAME_ENV,
     NODE_SHM_ENV,
     RunDir,
+    reserved_name,
 )
 from .object_store import write_on_node
 
@@ -92,7 +92,7 @@ class NodeAgent:
         with self._lock:
             if self.torchrun_group is not None:
                 raise RuntimeError("this node's torchrun was started already")
-            run_dir = RunDir(_reserved("nbddp-ray-", Path(tempfile.gettempdir())))
+            run_dir = RunDir(reserved_name("nbddp-ray-", Path(tempfile.gettempdir())))
             folders = _reserved_node_folders()
             starter = self._start_torchrun(run_dir, folders, torchrun_args, worker_args,
                                            env, cwd)
@@ -275,13 +275,8 @@ def _reserved_node_folders() -> list[Path]:
     """The names of this node's private folders for the data files the kernel sends: in
     shared memory where there is some, and on local disk (the last one)."""
     shm = shm_root()
-    disk = _reserved("nbddp-node-", Path(tempfile.gettempdir()))
-    return [disk] if shm is None else [_reserved("nbddp-node-", shm), disk]
-
-
-def _reserved(prefix: str, parent: Path) -> Path:
-    """A new name in ``parent``, nobody else's (64 random bits), with nothing made yet."""
-    return parent / f"{prefix}{secrets.token_hex(8)}"
+    disk = reserved_name("nbddp-node-", Path(tempfile.gettempdir()))
+    return [disk] if shm is None else [reserved_name("nbddp-node-", shm), disk]
 
 
 def _ended_early(starter: subprocess.Popen[bytes], said: str | None = None) -> str:

@@ -145,8 +145,8 @@ class RunDir:
         """A new run dir's name, nobody else's (64 random bits), with nothing made yet:
         its torchrun starts first, so that whatever the kernel then makes has someone
         to remove it if the kernel dies (``make``; the lifeline's words below)."""
-        name = f"nbddp-{secrets.token_hex(8)}"
-        path = Path(tempfile.gettempdir()) / name
+        path = reserved_name("nbddp-", Path(tempfile.gettempdir()))
+        name = path.name
         if len(str(path / SOCKET)) > _MAX_SOCKET_PATH:
             path = Path("/tmp") / name
         return cls.named(path)
@@ -236,6 +236,11 @@ class RunDir:
         """Remove the twin in shared memory (its data files), if there is one."""
         if self.twin is not None:
             shutil.rmtree(self.twin, ignore_errors=True)
+
+
+def reserved_name(prefix: str, parent: Path) -> Path:
+    """A new name in ``parent``, nobody else's (64 random bits), with nothing made yet."""
+    return parent / f"{prefix}{secrets.token_hex(8)}"
 
 
 def read_own_key(folder: Path) -> bytes:
