@@ -139,9 +139,12 @@ def run_dirs() -> set[str]:
 
 
 def contents(folder: str) -> list[str]:
-    """What ``folder`` holds, at any depth: each file's path in it, size and age (s)."""
+    """What ``folder`` holds, at any depth: each file's path in it, size and age (s), and
+    each folder's (ending in ``/``: who made an empty one says who made the tree)."""
     now, found = time.time(), []
-    for parent, _, files in os.walk(folder):
+    for parent, subfolders, files in os.walk(folder):
+        for name in subfolders:
+            found.append(os.path.relpath(os.path.join(parent, name), folder) + "/")
         for name in files:
             path = os.path.join(parent, name)
             with contextlib.suppress(OSError):

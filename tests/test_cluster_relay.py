@@ -128,6 +128,7 @@ def check_metrics_exact(kernel: Kernel) -> None:
 
 def check_a_failing_rank_is_named_with_its_traceback(kernel: Kernel) -> None:
     run = cell(kernel, "kept = 41\n"
+                       "dist.barrier()\n"  # (every rank has kept it before rank 3 fails)
                        "def bad_batch():\n    raise ValueError('bad batch on rank 3')\n"
                        "if dist.get_rank() == 3:\n    bad_batch()")
     error = run.error()

@@ -84,6 +84,7 @@ def test_notebook_names_ship_by_value(ray_session):
 
 def test_a_failing_rank_on_the_second_node_keeps_the_state(ray_session):
     run = cell(ray_session, "kept = 41\n"
+                            "dist.barrier()\n"  # (every rank has kept it before one fails)
                             "if dist.get_rank() == 1:\n    raise ValueError('bad batch')")
     error = run.error()
     assert error is not None and error["ename"] == "WorkerError", run.describe()

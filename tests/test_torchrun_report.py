@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -106,6 +107,24 @@ def test_an_agent_killed_before_its_word_leaves_none_of_the_nodes_folders(tmp_pa
     assert read_report(report) == b"0"
 
 
+@pytest.mark.parametrize("after", [0.0, 0.3, 1.0])
+def test_an_agent_killed_just_after_its_word_leaves_none_of_the_nodes_folders(
+        tmp_path, after):
+    """Ray kills an agent (its placement group removed, ``ray.kill``) just after it said
+    go, while torchrun is still starting (importing torch, before torch handles SIGTERM
+    itself): torchrun stops, and the run dir and the node's folders go with it."""
+    others = descendants()
+    run_dir, folders, lifeline, report = start_before_its_folders(tmp_path)
+    os.write(lifeline, LIFELINE_GO)
+    time.sleep(after)
+    os.close(lifeline)  # the agent dies just after its word
+    wait_until(lambda: not descendants() - others, timeout=30)
+    assert not run_dir.exists() and not any(f.exists() for f in folders), \
+        {str(path): sorted(p.name for p in path.rglob("*"))
+         for path in (run_dir, *folders) if path.exists()}
+    read_report(report)  # (whatever it said: it was stopped)
+
+
 def test_names_someone_took_first_are_left_alone(tmp_path):
     """The folders' names were taken (they show in ``ps``): the agent abandons the start,
     and torchrun ends without removing what is not the agent's."""
@@ -118,6 +137,22 @@ def test_names_someone_took_first_are_left_alone(tmp_path):
     assert run_dir.exists() and all(folder.exists() for folder in folders)
 
 
+def agent_without_ray(monkeypatch, tmp_path: Path):
+    """A ``NodeAgent`` run as a plain object (its own code; Ray only calls it), its
+    node's folders in ``tmp_path``."""
+    from nbddp._ray import agent
+
+    monkeypatch.setattr(agent, "_this_node", lambda: {"name": "node-a", "gpus": []})
+    monkeypatch.setattr(agent.tempfile, "gettempdir", lambda: str(tmp_path))
+    monkeypatch.setattr(agent, "shm_root", lambda: None)
+    return agent.NodeAgent(0, outlives_kernel=False)
+
+
+def start_agent(node) -> str:
+    return node.start(b"k" * 32, b"127.0.0.1:1", ["--standalone", "--nnodes", "1",
+                                                  "--nproc-per-node", "1"], [], {}, None)
+
+
 def test_an_agent_whose_names_were_taken_removes_what_it_made_and_ends_torchrun(
         tmp_path, monkeypatch):
     """``NodeAgent.start`` (no Ray: the agent's own code) when someone made one of its
@@ -125,20 +160,30 @@ def test_an_agent_whose_names_were_taken_removes_what_it_made_and_ends_torchrun(
     untouched, torchrun has ended, and the agent may start again."""
     from nbddp._ray import agent
 
-    monkeypatch.setattr(agent, "_this_node", lambda: {"name": "node-a", "gpus": []})
-    monkeypatch.setattr(agent.tempfile, "gettempdir", lambda: str(tmp_path))
-    monkeypatch.setattr(agent, "shm_root", lambda: None)
     taken = iter([tmp_path / "nbddp-ray-mine", tmp_path / "nbddp-node-theirs"])
     monkeypatch.setattr(agent, "reserved_name", lambda prefix, parent: next(taken))
     theirs = tmp_path / "nbddp-node-theirs"
     theirs.mkdir()
     (theirs / "their.file").write_text("not the agent's")
     others = descendants()
-    node = agent.NodeAgent(0, outlives_kernel=False)
+    node = agent_without_ray(monkeypatch, tmp_path)
     with pytest.raises(FileExistsError):
-        node.start(b"k" * 32, b"127.0.0.1:1", ["--standalone", "--nnodes", "1",
-                                               "--nproc-per-node", "1"], [], {}, None)
+        start_agent(node)
     assert not (tmp_path / "nbddp-ray-mine").exists()
     assert (theirs / "their.file").read_text() == "not the agent's"
     assert node.torchrun_group is None and node.run_dir is None
     wait_until(lambda: not descendants() - others, timeout=30)
+
+
+def test_an_agent_stopped_before_its_start_starts_nothing(tmp_path, monkeypatch):
+    """Ray runs an actor's calls in threads, in no set order: the kernel's stop can come
+    before the start it sent first. The start then starts no torchrun and makes nothing
+    (the kernel kills the agent right after its stop: a torchrun started then would be
+    left to clean up alone)."""
+    others = descendants()
+    node = agent_without_ray(monkeypatch, tmp_path)
+    node.stop()
+    with pytest.raises(RuntimeError, match="stopped before torchrun started"):
+        start_agent(node)
+    assert node.torchrun_group is None and not list(tmp_path.iterdir())
+    assert not descendants() - others

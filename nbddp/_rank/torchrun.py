@@ -41,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 from .._wire.channel import ChannelClient
 from .._wire.dataplane import shm_root
@@ -160,10 +161,19 @@ def _signals_as_usual() -> None:
     """Take signals as a process started from a shell does: whoever started this one may
     have blocked or ignored some (a Ray worker's threads block them, and a child keeps
     its parent's mask), and torchrun's stop (SIGTERM) and a rank's interrupt (SIGINT,
-    passed on to every rank torchrun starts) must arrive."""
+    passed on to every rank torchrun starts) must arrive. SIGTERM ends this process
+    through its clean-up from the start (``_stopped``), not only once torch handles it:
+    killed while it still imports torch, it would leave the node's folders."""
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _stopped)
+
+
+def _stopped(signum: int, frame: FrameType | None) -> None:
+    """SIGTERM before torch handles it: leave through the clean-up, as torch's own
+    handler does (``SignalException``), with the exit code of a process it killed."""
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str]) -> int:
@@ -240,6 +250,17 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
         threading.Thread(target=_watch_lifeline,
                          args=(lifeline, run_dir, folders, lost, ended),
                          daemon=True).start()
+    try:
+        return _torchrun(run_dir, options)
+    finally:  # (also when stopped while starting: this thread made the last of the files)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second stop: the clean-up ends)
+        if lifeline is not None and _closed(lifeline):
+            run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
+        _remove(folders)
+
+
+def _torchrun(run_dir: RunDir, options: _Options) -> int:
+    """torchrun itself, and the node's relay beside it; 1 if a rank failed."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -252,9 +273,6 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
     finally:
         if relay is not None:  # (its ranks are gone: what they said last goes first)
             relay.close(wait=_RELAY_FLUSH_WAIT)
-        if lifeline is not None and _closed(lifeline):
-            run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
-        _remove(folders)
     return 0
 
 

@@ -92,6 +92,8 @@ class NodeAgent:
         with self._lock:
             if self.torchrun_group is not None:
                 raise RuntimeError("this node's torchrun was started already")
+            if self._stopping:  # (an actor's calls run in threads, in no set order)
+                raise RuntimeError("this node's agent was stopped before torchrun started")
             run_dir = RunDir(reserved_name("nbddp-ray-", Path(tempfile.gettempdir())))
             folders = _reserved_node_folders()
             starter = self._start_torchrun(run_dir, folders, torchrun_args, worker_args,
@@ -224,9 +226,11 @@ class NodeAgent:
 
     def stop(self) -> None:
         """Stop torchrun and its ranks (SIGTERM, then SIGKILL), and remove the node's
-        files: nothing of the session is left on this node."""
+        files: nothing of the session is left on this node. A start under way ends first;
+        none begins after."""
         self._stopping = True
-        group = self.torchrun_group
+        with self._lock:
+            group = self.torchrun_group
         if group is not None and not self._ended.is_set():
             _signal_group(group, signal.SIGTERM)
             if not self._ended.wait(_TERM_WAIT):
