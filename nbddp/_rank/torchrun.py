@@ -187,6 +187,9 @@ def main(argv: list[str]) -> int:
     code = -1
     try:
         code = _run(run_dir, argv[1], options, lost, ended)
+    except SystemExit as stopped:  # (SIGTERM before torch's own handler: see _stopped)
+        code = stopped.code if isinstance(stopped.code, int) else 1
+        raise
     finally:
         ended.set()
         if options.report is not None:
@@ -243,20 +246,22 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
          lost: threading.Event, ended: threading.Event) -> int:
     lifeline = None if lifeline_arg == "-" else int(lifeline_arg)
     folders = _node_folders() if options.node_data else []  # (a Ray agent's: named)
-    if lifeline is not None:
-        if not _wait_for_run_dir(lifeline, run_dir, folders):
-            lost.set()
-            return 0
-        threading.Thread(target=_watch_lifeline,
-                         args=(lifeline, run_dir, folders, lost, ended),
-                         daemon=True).start()
-    try:
+    if lifeline is not None and not _wait_for_run_dir(lifeline, run_dir, folders):
+        lost.set()  # (the starter died first, or the names were someone else's)
+        return 0
+    try:  # (the watcher may stop this thread as it starts: from here, the files go)
+        if lifeline is not None:
+            threading.Thread(target=_watch_lifeline,
+                             args=(lifeline, run_dir, folders, lost, ended),
+                             daemon=True).start()
         return _torchrun(run_dir, options)
     finally:  # (also when stopped while starting: this thread made the last of the files)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second stop: the clean-up ends)
-        if lifeline is not None and _closed(lifeline):
-            run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
-        _remove(folders)
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second stop: ignored)
+        finally:
+            if lifeline is not None and _closed(lifeline):
+                run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
+            _remove(folders)
 
 
 def _torchrun(run_dir: RunDir, options: _Options) -> int:
