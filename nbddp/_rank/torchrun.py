@@ -71,7 +71,7 @@ def _watch_lifeline(fd: int, run_dir: RunDir, folders: list[Path], lost: threadi
     torchrun has ``ended``: only the run dir is left to remove)."""
     while os.read(fd, 4096):
         pass
-    run_dir.remove()  # first: a torchrun still starting dies of the SIGTERM at once
+    run_dir.remove()  # first: torchrun's own clean-up may be past its look at the lifeline
     lost.set()
     if ended.is_set():
         return
@@ -256,12 +256,19 @@ def _run(run_dir: RunDir, lifeline_arg: str, options: _Options,
                              daemon=True).start()
         return _torchrun(run_dir, options)
     finally:  # (also when stopped while starting: this thread made the last of the files)
-        try:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # (a second stop: ignored)
-        finally:
-            if lifeline is not None and _closed(lifeline):
-                run_dir.remove()  # nobody else is left to clean up: torchrun stopped its ranks
-            _remove(folders)
+        _clean_up(run_dir, lifeline, folders)
+
+
+def _clean_up(run_dir: RunDir, lifeline: int | None, folders: list[Path]) -> None:
+    """torchrun is over (its ranks stopped): the node's folders go, and the run dir if
+    its kernel or agent has gone (nobody else is left to remove it). A second stop is
+    ignored from here, and one that lands as this begins still leaves the files gone."""
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    finally:
+        if lifeline is not None and _closed(lifeline):
+            run_dir.remove()
+        _remove(folders)
 
 
 def _torchrun(run_dir: RunDir, options: _Options) -> int:
