@@ -10,12 +10,19 @@ each Start at once (``noop``), or first log a metric ``--rate`` times a second f
 ``--seconds`` (``metrics``), as a rank's reporter sends them: a batch about ten times a
 second.
 
+The relays are placed as a session places them (``--layout auto``): past
+``TREE_FROM`` nodes they form a tree (``_wire.relay_tree``: the kernel speaks to one
+head per group of relays, each a real relay, merging its group's batches); ``--layout
+flat`` keeps every relay on a link to the kernel, ``--layout tree`` forms a tree at any
+count. A head's work is on its node, in the simulation's processes, not measured.
+
 Measured, in this process: the CPU time (every thread) and wall time per no-op cell (the
 median of ``--cells``), and the CPU share of one core while every rank logs. Targets (the
 issue's): a no-op cell on 1,024 nodes of 8 ranks under 50 ms of kernel CPU; 8,192 ranks'
 metrics at 10 a second under one core.
 
-Run: ``python benchmarks/bench_nodes.py [--nodes 128 1024] [--per-node 8] [--json PATH]``.
+Run: ``python benchmarks/bench_nodes.py [--nodes 128 1024] [--per-node 8]
+[--layout auto|flat|tree] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +45,7 @@ os.environ["NBDDP_DISPLAY"] = "text"
 
 import nbddp  # noqa: E402
 from nbddp._local.backend import LocalBackend  # noqa: E402
-from nbddp._rank.relay import NodeRelay  # noqa: E402
+from nbddp._rank.relay import placed_relay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
 from nbddp._run.shape import GroupShape  # noqa: E402
@@ -58,6 +65,7 @@ from nbddp._wire.messages import (  # noqa: E402
     decode,
 )
 from nbddp._wire.payload import dumps_value  # noqa: E402
+from nbddp._wire.relay_tree import RelayTree, uses_tree  # noqa: E402
 from nbddp._wire.rundir import RunDir  # noqa: E402
 
 CELL_CPU_TARGET_MS = 50.0  # 1,024 nodes of 8 ranks
@@ -89,12 +97,20 @@ class SimulatedRanks:
             self._seq[rank] = seq + 1
         self._deliver(Sequenced(seq, message))
 
+    def send_frame_to_each(self, ranks: Iterable[int], frame: bytes) -> set[int]:
+        return {rank for rank in ranks if not self.send_encoded(rank, frame)}
+
     def send_encoded(self, rank: int, frame: bytes) -> bool:
+        if rank not in self.ranks:
+            return False
         message = decode(frame[HEADER_SIZE:])
         if isinstance(message, RollCall):
             self._say(rank, Present(rank, message.call))
         elif isinstance(message, Start) and rank == self.ranks[-1]:  # (once per node)
-            threading.Thread(target=self._run, args=(message,), daemon=True).start()
+            if self._mode == "noop":  # (at once: a node's ranks answer in parallel)
+                self._run(message)
+            else:
+                threading.Thread(target=self._run, args=(message,), daemon=True).start()
         return True
 
     def _run(self, start: Start) -> None:
@@ -124,14 +140,15 @@ class SimulatedRanks:
 
 
 def serve(host: str, port: int, key_file: str, first: int, count: int, per_node: int,
-          mode: str) -> None:
-    """Nodes ``first`` to ``first + count``, each a real relay connected to the kernel;
-    until the kernel closes every link (or this process is killed)."""
+          mode: str, tree: bool) -> None:
+    """Nodes ``first`` to ``first + count``, each a real relay connected to the kernel
+    (``tree``: placed in the kernel's tree of relays, as a session's are); until the
+    kernel closes every link (or this process is killed)."""
     key = Path(key_file).read_bytes()
-    relays = [NodeRelay(ChannelClient((host, port), key),
-                        lambda deliver, node=node: SimulatedRanks(node, per_node, mode,
-                                                                  deliver))
-              for node in range(first, first + count)]
+    relays = [placed_relay(ChannelClient((host, port), key), key,
+                           lambda deliver, node=node: SimulatedRanks(node, per_node, mode,
+                                                                     deliver), tree=tree)
+              for node in range(first, first + count)]  # (a head never waits to be placed)
     for relay in relays:
         relay._sender.join()
 
@@ -143,12 +160,13 @@ class SimulatedNodes:
     """The launcher of a simulated group: the processes that hold its nodes."""
 
     def __init__(self, address: tuple[str, int], key_file: Path, nodes: int, per_node: int,
-                 mode: str) -> None:
+                 mode: str, tree: bool) -> None:
         share = -(-nodes // PROCESSES)
         self.processes = [
             subprocess.Popen([sys.executable, __file__, "--serve", address[0],
                               str(address[1]), str(key_file), str(first),
-                              str(min(share, nodes - first)), str(per_node), mode])
+                              str(min(share, nodes - first)), str(per_node), mode,
+                              str(int(tree))])
             for first in range(0, nodes, share)]
 
     def add_rank(self, pid: int) -> None:
@@ -170,28 +188,29 @@ class SimulatedNodes:
 class SimulatedGroup(WaitingGroup):
     """A session's group whose ranks are simulated nodes' (see ``SimulatedRanks``)."""
 
-    def __init__(self, shape: GroupShape, nodes: int, per_node: int, mode: str) -> None:
+    def __init__(self, shape: GroupShape, nodes: int, per_node: int, mode: str,
+                 tree: bool) -> None:
         run_dir = RunDir.reserve()
         run_dir.make()
         super().__init__(shape, run_dir)
         self.run_dir.write_private(self.run_dir.key, new_key())
         self._server = ChannelServer(("127.0.0.1", 0), self.run_dir.key.read_bytes(),
-                                     self._deliver)
+                                     self._deliver, tree=RelayTree(nodes) if tree else None)
         assert self._server.port is not None
         self._follow_launcher(SimulatedNodes(("127.0.0.1", self._server.port),
-                                             self.run_dir.key, nodes, per_node, mode))
+                                             self.run_dir.key, nodes, per_node, mode, tree))
 
 
 class SimulatedBackend(LocalBackend):
     start_timeout = 600.0
 
-    def __init__(self, nodes: int, per_node: int, mode: str) -> None:
+    def __init__(self, nodes: int, per_node: int, mode: str, tree: bool) -> None:
         super().__init__(RunOptions(nprocs=nodes * per_node, output="none").config(
             nodes * per_node))
-        self.nodes, self.per_node, self.mode = nodes, per_node, mode
+        self.nodes, self.per_node, self.mode, self.tree = nodes, per_node, mode, tree
 
     def session_group(self, standby: bool = True) -> WaitingGroup:
-        return SimulatedGroup(self.shape, self.nodes, self.per_node, self.mode)
+        return SimulatedGroup(self.shape, self.nodes, self.per_node, self.mode, self.tree)
 
     def session_records(self) -> FolderPerCell:
         """A cluster session's records: a folder per cell (the ranks' logs are theirs to
@@ -199,10 +218,13 @@ class SimulatedBackend(LocalBackend):
         return FolderPerCell(self.config.nprocs)
 
 
-def simulated_session(nodes: int, per_node: int, mode: str) -> nbddp.Session:
-    """A session as ``nbddp.Session()`` makes one, on simulated nodes."""
+def simulated_session(nodes: int, per_node: int, mode: str, layout: str = "auto"
+                      ) -> nbddp.Session:
+    """A session as ``nbddp.Session()`` makes one, on simulated nodes (``layout``: as
+    ``--layout``)."""
+    tree = layout == "tree" or (layout == "auto" and uses_tree(nodes))
     session = nbddp.Session.__new__(nbddp.Session)
-    session._begin(SimulatedBackend(nodes, per_node, mode))
+    session._begin(SimulatedBackend(nodes, per_node, mode, tree))
     session._group = session._new_group()
     session._wait_ready()
     return session
@@ -221,7 +243,7 @@ def cpu_and_wall(fn: Callable[[], Any]) -> tuple[float, float]:
 def measure(nodes: int, per_node: int, opts: argparse.Namespace) -> dict[str, float]:
     figures: dict[str, float] = {}
     began = time.perf_counter()
-    session = simulated_session(nodes, per_node, "noop")
+    session = simulated_session(nodes, per_node, "noop", opts.layout)
     try:
         figures["start_s"] = time.perf_counter() - began
         for _ in range(3):
@@ -231,7 +253,8 @@ def measure(nodes: int, per_node: int, opts: argparse.Namespace) -> dict[str, fl
         figures["cell_wall_ms"] = 1000 * statistics.median(w for _, w in cells)
     finally:
         session.close()
-    session = simulated_session(nodes, per_node, f"metrics:{opts.seconds}:{opts.rate}")
+    session = simulated_session(nodes, per_node, f"metrics:{opts.seconds}:{opts.rate}",
+                                opts.layout)
     try:
         cpu, wall = cpu_and_wall(lambda: session.run(noop))
         figures["metrics_cpu_share"] = cpu / wall
@@ -242,8 +265,9 @@ def measure(nodes: int, per_node: int, opts: argparse.Namespace) -> dict[str, fl
 
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
-        host, port, key_file, first, count, per_node, mode = sys.argv[2:]
-        serve(host, int(port), key_file, int(first), int(count), int(per_node), mode)
+        host, port, key_file, first, count, per_node, mode, tree = sys.argv[2:]
+        serve(host, int(port), key_file, int(first), int(count), int(per_node), mode,
+              tree == "1")
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[128, 1024])
@@ -251,10 +275,14 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=20, help="no-op cells per shape")
     parser.add_argument("--seconds", type=float, default=5.0, help="of metrics per shape")
     parser.add_argument("--rate", type=float, default=10.0, help="metric steps/s per rank")
+    parser.add_argument("--layout", choices=("auto", "flat", "tree"), default="auto",
+                        help="the relays: as a session places them, or all on the kernel's "
+                             "link, or in a tree at any count")
     parser.add_argument("--json", type=Path, help="write the numbers to this file")
     opts = parser.parse_args()
     results: dict[str, Any] = {"machine": platform.node(), "cpus": os.cpu_count(),
-                               "per_node": opts.per_node, "rate": opts.rate}
+                               "per_node": opts.per_node, "rate": opts.rate,
+                               "layout": opts.layout}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")  # keep the user's records
         print(f"{'nodes':>6} {'ranks':>6} {'start s':>8} {'cell CPU ms':>12} "

@@ -8,6 +8,7 @@ node whose torchrun (its relay) is killed said to be lost, nothing left."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import signal
 import time
@@ -215,10 +216,13 @@ def kill_the_second_node_s_torchrun(kernel: Kernel) -> None:
 # --- Ray ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def ray_relayed(ray_cluster, tmp_path_factory):  # noqa: F811
-    kernel = Kernel(tmp_path_factory.mktemp("ray-relay"))
+@contextlib.contextmanager
+def ray_session(ray_cluster, folder: Path, first: str = "pass"):  # noqa: F811
+    """A kernel with a Ray session of relayed nodes (``first``: a cell before it starts);
+    once it is stopped, nothing of it is left on the cluster."""
+    kernel = Kernel(folder)
     try:
+        kernel.run(first).assert_ok()
         kernel.run(ray_setup_cell(ray_cluster)).assert_ok()
         kernel.run(RAY_START, timeout=180).assert_ok()
         kernel.run(SESSION).assert_ok()
@@ -227,6 +231,12 @@ def ray_relayed(ray_cluster, tmp_path_factory):  # noqa: F811
     finally:
         kernel.shutdown()
     assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
+@pytest.fixture(scope="module")
+def ray_relayed(ray_cluster, tmp_path_factory):  # noqa: F811
+    with ray_session(ray_cluster, tmp_path_factory.mktemp("ray-relay")) as kernel:
+        yield kernel
 
 
 @pytest.mark.ray
@@ -388,3 +398,77 @@ def test_slurm_a_new_kernel_attaches_to_relayed_ranks_with_their_state(slurm_env
         wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
     finally:
         second.shutdown()
+
+
+# --- a tree of relays (``_wire.relay_tree``: formed from two nodes here) -----------------
+
+TREE = "import os\nos.environ['NBDDP_RELAY_TREE_FROM'] = '2'  # (a tree of the two nodes)"
+
+
+def check_the_kernel_speaks_to_the_group_s_head_alone(kernel: Kernel) -> None:
+    """Each node has its relay, and the kernel one connection: the group's head's (the
+    other node's relay speaks through it)."""
+    check_every_rank_speaks_through_its_node_s_relay(kernel)
+    assert kernel_connections(kernel) == 1
+
+
+def check_a_killed_relay_in_a_tree_loses_the_state_and_the_next_cell_runs(
+        kernel: Kernel) -> None:
+    """SIGKILL a node's torchrun (its relay: the head, or the relay behind it) mid-cell:
+    the cell says a rank was lost with its node; the next cell runs on new ranks, in a
+    tree again."""
+    relays = relays_of(kernel)
+    victim = relays[-1][1]
+    killer = min(rank for rank, (_, parent) in enumerate(relays) if parent != victim)
+    run = kernel.submit(f"%%ddp\nimport os, signal, time, torch.distributed as dist\n"
+                        f"if dist.get_rank() == {killer}:\n"
+                        f"    time.sleep(1)\n    os.kill({victim}, {int(signal.SIGKILL)})\n"
+                        f"time.sleep(60)")
+    run.finish(timeout=90)
+    assert run.error() is not None, run.describe()
+    assert re.search(r"rank \d+ was lost with its node", run.error_text()), run.describe()
+    assert cell(kernel, "'kept' in dir()", timeout=180).assert_ok().result() == "False"
+    check_the_kernel_speaks_to_the_group_s_head_alone(kernel)
+
+
+@pytest.fixture(scope="module")
+def ray_tree(ray_cluster, tmp_path_factory):  # noqa: F811
+    """(The test cluster has room for one session at a time: this one starts after the
+    last test of ``ray_relayed``'s has stopped that one.)"""
+    with ray_session(ray_cluster, tmp_path_factory.mktemp("ray-tree"), TREE) as kernel:
+        yield kernel
+
+
+@pytest.mark.ray
+def test_ray_a_tree_of_relays_keeps_the_state_the_exact_mean_errors_and_data(ray_tree):
+    check_the_kernel_speaks_to_the_group_s_head_alone(ray_tree)
+    check_metrics_exact(ray_tree)
+    check_a_failing_rank_is_named_with_its_traceback(ray_tree)
+    check_data_crosses_the_relays_both_ways(ray_tree)
+
+
+@pytest.mark.ray
+def test_ray_a_killed_relay_in_a_tree_is_a_node_lost_and_the_next_cell_runs(ray_tree):
+    check_a_killed_relay_in_a_tree_loses_the_state_and_the_next_cell_runs(ray_tree)
+    ray_tree.run("%ddp_session stop", timeout=120).assert_ok()
+
+
+@pytest.mark.slurm
+def test_slurm_a_tree_of_relays_keeps_the_state_the_exact_mean_errors_and_data(
+        slurm_env, session_jobs, tmp_path):  # noqa: F811
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(TREE).assert_ok()
+        job_id = start_session(kernel, slurm_env, session_jobs, f"--nprocs {PER_NODE}")
+        kernel.run(SESSION).assert_ok()
+        check_the_kernel_speaks_to_the_group_s_head_alone(kernel)
+        check_metrics_exact(kernel)
+        check_a_failing_rank_is_named_with_its_traceback(kernel)
+        check_data_crosses_the_relays_both_ways(kernel)
+        check_a_killed_relay_in_a_tree_loses_the_state_and_the_next_cell_runs(kernel)
+        wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
+        status = kernel.run("%ddp_session").assert_ok().result()
+        session_jobs.append(re.search(r"on SLURM job (\d+)", status).group(1))
+        kernel.run("%ddp_session stop", timeout=120).assert_ok()
+    finally:
+        kernel.shutdown()

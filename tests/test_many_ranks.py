@@ -146,8 +146,8 @@ def test_the_relay_killed_is_the_node_lost_said_within_seconds(own_session):
     with pytest.raises(nbddp.NbddpError) as caught:
         job.result(timeout=60)
     assert time.monotonic() - killed < 30
-    assert "rank 0 was lost with its node: the node's relay (its torchrun process) " \
-        "stopped" in str(caught.value)
+    assert "rank 0 was lost with its node: the relay it spoke through (a node's torchrun " \
+        "process) stopped" in str(caught.value)
     wait_until(lambda: torchrun not in descendants(), timeout=30)
 
 

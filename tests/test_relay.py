@@ -31,6 +31,7 @@ from nbddp._wire.messages import (
     RollCall,
     Sequenced,
     Start,
+    StatsColumns,
 )
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
@@ -279,9 +280,9 @@ def test_a_batch_says_once_what_ranks_said_alike_each_rank_s_messages_in_order()
     batch = [*metrics, value, plain[0], plain[1], later, plain[2], None]
     assert compact(batch) == [
         NodeMetrics([(7, (0, 1, 2, 3), {"loss": (4.0, 4)})], {}, []), value,
-        RanksFinished((1, 2), (stats(1), stats(2))),
+        RanksFinished((1, 2), StatsColumns.of([stats(1), stats(2)])),
         later,
-        RanksFinished((3,), (stats(3),)),
+        RanksFinished((3,), StatsColumns.of([stats(3)])),
     ]
     presents = [Sequenced(9, Present(rank, 5)) for rank in range(3)]
     assert compact([*presents, Sequenced(9, Present(3, 6))]) == [

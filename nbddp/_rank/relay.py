@@ -23,6 +23,7 @@ connection. What a rank said to the kernel that went, read late, goes to none.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import sys
 import threading
@@ -36,6 +37,8 @@ from .._wire.messages import (
     ForRank,
     FromRank,
     FromRanks,
+    HeadListens,
+    JoinTree,
     Metrics,
     NodeMetrics,
     Present,
@@ -43,13 +46,18 @@ from .._wire.messages import (
     RanksPresent,
     Result,
     Sequenced,
+    StatsColumns,
     ToRanks,
+    TreePlace,
     encode,
 )
 from .._wire.transfer import Inbox, Outgoing, place_in
 
 _BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ranks say
 _METRICS_WAIT = 0.05  # seconds a batch of metrics alone waits for the node's other ranks'
+_GROUP_GAP = 0.002  # seconds a head's batch waits for the next of its group's reports
+_GROUP_WAIT = 0.02  # ... and in all, at most
+_PLACE_WAIT = 120.0  # seconds a relay waits to learn its place in a tree (its head's word)
 
 
 Reattach = Callable[[Callable[[], bool]], ChannelClient | None]
@@ -59,11 +67,46 @@ Reattach = Callable[[Callable[[], bool]], ChannelClient | None]
 
 class Ranks(Protocol):
     """The relay's side towards its node's ranks: where it hands them the kernel's
-    messages (``ChannelServer``, or a simulation of ranks: ``benchmarks/bench_nodes.py``)."""
+    messages (``ChannelServer``, ``HeadDown`` for a group's head, or a simulation of
+    ranks: ``benchmarks/bench_nodes.py``)."""
 
     def send_encoded(self, rank: int, frame: bytes) -> bool: ...
 
+    def send_frame_to_each(self, ranks: Iterable[int], frame: bytes) -> set[int]: ...
+
     def close(self) -> None: ...
+
+
+class HeadDown:
+    """A group's head relay's side towards its node's ranks and its group's relays
+    (``_wire.relay_tree``): a message for ranks goes to those on this node, and once to
+    each relay for the ranks behind it. A message with a data file for a rank behind
+    another relay goes on to it with its file."""
+
+    def __init__(self, ranks: Ranks, relays: ChannelServer) -> None:
+        self.ranks, self.relays = ranks, relays
+
+    def send_encoded(self, rank: int, frame: bytes) -> bool:
+        return self.ranks.send_encoded(rank, frame) or self.relays.send_encoded(rank, frame)
+
+    def send_frame_to_each(self, ranks: Iterable[int], frame: bytes) -> set[int]:
+        missed = self.ranks.send_frame_to_each(ranks, frame)
+        return self.relays.send_frame_to_each(missed, frame) if missed else missed
+
+    def hand_on(self, message: ForRank) -> None:
+        """``message`` came with a data file, which landed on this node: to its rank here,
+        or on to the relay its rank is behind (the file goes with it, and leaves here)."""
+        if self.ranks.send_encoded(message.rank, encode(message.message)):
+            return
+        file = Path(message.message.file)
+        try:
+            self.relays.send(message.rank, message.message, Outgoing.of_file(file))
+        finally:
+            file.unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self.relays.close()
+        self.ranks.close()
 
 
 class NodeRelay:
@@ -151,22 +194,27 @@ class NodeRelay:
         """The next batch, each message with the kernel it was said to: whatever waits
         once a message came. Metrics alone wait up to ``_METRICS_WAIT`` more for the
         node's other ranks' (each rank sends its own about ten times a second): they
-        are reduced together."""
+        are reduced together. A group's head waits a moment for more of what it merges
+        (``_GROUP_GAP``): its group's relays report a cell's end one after another."""
         batch = [self._outbox.get()]
-        deadline = time.monotonic() + _METRICS_WAIT
+        began = time.monotonic()
         only_metrics = _is_metrics(batch[0][1])
+        merged = isinstance(self._down, HeadDown) and _merges(batch[0][1])
         while batch[-1][1] is not None and len(batch) < _BATCH_MOST:
             try:
                 batch.append(self._outbox.get_nowait())
             except queue.Empty:
-                wait = deadline - time.monotonic()
-                if not only_metrics or wait <= 0:
+                now = time.monotonic()
+                wait = began + _METRICS_WAIT - now if only_metrics else \
+                    min(_GROUP_GAP, began + _GROUP_WAIT - now) if merged else 0.0
+                if wait <= 0:
                     break
                 try:
                     batch.append(self._outbox.get(timeout=wait))
                 except queue.Empty:
                     break
             only_metrics = only_metrics and _is_metrics(batch[-1][1])
+            merged = merged and _merges(batch[-1][1])
         return batch
 
     def _hand_down(self) -> None:
@@ -184,10 +232,12 @@ class NodeRelay:
             while True:
                 message = up.receive()
                 if isinstance(message, ToRanks):
-                    for rank in message.ranks:
-                        self._down.send_encoded(rank, message.frame)
+                    self._down.send_frame_to_each(message.ranks, message.frame)
                 elif isinstance(message, ForRank):  # (its data file is on this node)
-                    self._down.send_encoded(message.rank, encode(message.message))
+                    if isinstance(self._down, HeadDown):
+                        self._down.hand_on(message)
+                    else:
+                        self._down.send_encoded(message.rank, encode(message.message))
         except (ConnectionError, EOFError):
             pass
 
@@ -251,65 +301,163 @@ class Landing:
 
 
 def node_relay(kernel: Address, listen: Path, key: bytes, inbox: Inbox | None = None,
-               landing: Landing | None = None, reattach: Reattach | None = None
-               ) -> NodeRelay:
+               landing: Landing | None = None, reattach: Reattach | None = None,
+               tree: bool = False) -> NodeRelay:
     """The relay of this node's ranks, which connect to ``listen`` with ``key``, to the
     kernel at ``kernel``. On a cluster's node (the kernel elsewhere) data files cross it
     both ways: a payload from the kernel lands in ``inbox`` for a rank to keep, and a
     rank's result lands in ``landing`` on its way to the kernel. ``reattach``: how it
-    reaches the next kernel, when one attaches (``NodeRelay``)."""
-    return NodeRelay(ChannelClient(kernel, key, inbox),
-                     lambda deliver: ChannelServer(listen, key, deliver,
-                                                   landing.inbox if landing else None),
-                     landing, reattach)
+    reaches the next kernel, when one attaches (``NodeRelay``). ``tree``: the kernel
+    arranges the nodes' relays as a tree (``placed_relay``)."""
+    files = landing.inbox if landing else None
+    return placed_relay(ChannelClient(kernel, key, inbox), key,
+                        lambda deliver: ChannelServer(listen, key, deliver, files),
+                        inbox=inbox, landing=landing, reattach=reattach, tree=tree)
+
+
+def placed_relay(up: ChannelClient, key: bytes,
+                 ranks: Callable[[Callable[[Any], None]], Ranks], *,
+                 inbox: Inbox | None = None, landing: Landing | None = None,
+                 reattach: Reattach | None = None, tree: bool = False) -> NodeRelay:
+    """The relay of the ranks ``ranks(deliver)`` makes, on ``up`` to the kernel (as
+    ``node_relay``'s). ``tree``: it first asks the kernel for its place in the tree of
+    relays (``_wire.relay_tree``): it may speak through its group's head instead, or head
+    a group, whose relays then connect to it as well as its ranks."""
+    up, heads = _place_in_tree(up, key, inbox) if tree else (up, False)
+    files = landing.inbox if landing else None
+    relays: list[ChannelServer] = []  # (a head's: where its group's relays connect)
+
+    def ranks_and_relays(deliver: Callable[[Any], None]) -> Ranks:
+        here = ranks(deliver)
+        if not heads or relays:  # (a next kernel's relays join it each on a link of its own)
+            return here
+        try:
+            relays.append(ChannelServer((up.local_host, 0), key, deliver, files))
+        except OSError as exc:
+            print(f"nbddp: this node's relay cannot listen for its group's relays ({exc}); "
+                  "they speak to the kernel themselves", file=sys.stderr)
+            return here
+        return HeadDown(here, relays[0])
+
+    relay = NodeRelay(up, ranks_and_relays, landing, reattach)
+    if heads:
+        with contextlib.suppress(OSError):  # (the kernel went: the relay's end says so)
+            up.send(HeadListens((up.local_host, relays[0].port or 0) if relays else None))
+    return relay
+
+
+def _place_in_tree(up: ChannelClient, key: bytes, inbox: Inbox | None
+                   ) -> tuple[ChannelClient, bool]:
+    """Ask the kernel (on ``up``) for this relay's place in the tree of relays: the link
+    it speaks on (the kernel's, or its group's head's), and whether it heads a group. A
+    relay that cannot reach its head stays on the kernel's link."""
+    try:
+        up.send(JoinTree())
+        place = up.receive(timeout=_PLACE_WAIT)
+        if not isinstance(place, TreePlace):
+            raise ConnectionError(f"the kernel sent a {type(place).__name__} where this "
+                                  "node's relay asked for its place")
+    except BaseException:
+        up.close()
+        raise
+    if place.parent is None:
+        return up, place.listen
+    try:
+        head = ChannelClient(place.parent, key, inbox)
+    except OSError as exc:
+        print(f"nbddp: this node's relay cannot reach its group's head at "
+              f"{place.parent[0]}:{place.parent[1]} ({exc}); it speaks to the kernel itself",
+              file=sys.stderr)
+        return up, False
+    up.close()
+    return head, False
 
 
 def compact(batch: list[Any]) -> list[Any]:
     """``batch`` (a ``None`` in it: the end) as it goes to the kernel: what many ranks
     said alike said once (the roll call's answers, plain results, metrics reduced: see
     ``_said_once``), every rank's messages still in the order it sent them. A group goes
-    where its last member came, or before a later message of one of its ranks."""
+    where its last member came, or before a later message of one of its ranks. What a
+    group's head relays for the relays of its group (already said once per node) is
+    merged the same way (``_wire.relay_tree``)."""
     out: list[Any] = []
-    groups: dict[tuple, tuple[list[int], list[Any]]] = {}
+    groups: dict[tuple, tuple[set[int], list[Any]]] = {}
     for message in batch:
-        inner = message.message if isinstance(message, Sequenced) else None
-        key = _group_of(message, inner)
-        rank = getattr(message, "rank", None)
-        for other in [k for k, (ranks, _) in groups.items() if k != key and rank in ranks]:
-            out.append(_said_once(other, *groups.pop(other)))  # (its rank speaks again)
-        if key is not None and inner is not None:
-            ranks, said = groups.setdefault(key, ([], []))
-            ranks.append(inner.rank)
-            said.append(inner)
+        key, ranks = _group_of(message)
+        for other in [k for k, (members, _) in groups.items()
+                      if k != key and not members.isdisjoint(ranks)]:
+            out.append(_said_once(other, groups.pop(other)[1]))  # (its rank speaks again)
+        if key is not None:
+            members, said = groups.setdefault(key, (set(), []))
+            members.update(ranks)
+            said.append(message)
         elif message is not None:
             out.append(message)
-    out.extend(_said_once(key, *group) for key, group in groups.items())
+    out.extend(_said_once(key, said) for key, (_, said) in groups.items())
     return out
 
 
+def _merges(message: Any) -> bool:
+    """``message`` is one that a batch says once for many ranks (``compact``)."""
+    return _group_of(message)[0] is not None
+
+
 def _is_metrics(message: Any) -> bool:
-    return isinstance(message, Sequenced) and isinstance(message.message, Metrics)
+    """A rank's metrics, or (to a group's head) a node's."""
+    return isinstance(message, NodeMetrics) or (
+        isinstance(message, Sequenced) and isinstance(message.message, Metrics))
 
 
-def _group_of(message: Any, inner: Any) -> tuple | None:
-    """Which group ``message`` joins, if it is said alike by many ranks."""
-    if isinstance(inner, Present):
-        return ("present", inner.call)
-    if isinstance(inner, Result) and inner.value is None and inner.file is None \
-            and inner.assigned is None:
-        return ("finished", message.attempt, message.requeue)
-    if isinstance(inner, Metrics):
-        return ("metrics", message.attempt, message.requeue)
-    return None
+def _group_of(message: Any) -> tuple[tuple | None, tuple[int, ...]]:
+    """Which group ``message`` joins, if many ranks say it alike, and its ranks."""
+    if isinstance(message, Sequenced):
+        inner = message.message
+        if isinstance(inner, Present):
+            return ("present", inner.call), (inner.rank,)
+        if isinstance(inner, Result) and inner.value is None and inner.file is None \
+                and inner.assigned is None:
+            return ("finished", message.attempt, message.requeue), (inner.rank,)
+        if isinstance(inner, Metrics):
+            return ("metrics", message.attempt, message.requeue), (inner.rank,)
+        return None, (inner.rank,)
+    if isinstance(message, RanksPresent):
+        return ("present", message.call), message.ranks
+    if isinstance(message, RanksFinished):
+        return ("finished", message.attempt, message.requeue), message.ranks
+    if isinstance(message, NodeMetrics):
+        return ("metrics", message.attempt, message.requeue), _metrics_ranks(message)
+    rank = getattr(message, "rank", None)
+    return None, (rank,) if rank is not None else ()
 
 
-def _said_once(key: tuple, ranks: list[int], said: list[Any]) -> Any:
+def _metrics_ranks(metrics: NodeMetrics) -> tuple[int, ...]:
+    heard = [rank for _, ranks, _ in metrics.partials for rank in ranks]
+    return (*heard, *metrics.positions, *(rank for rank, _ in metrics.for_all))
+
+
+def _said_once(key: tuple, said: list[Any]) -> Any:
     if key[0] == "present":
-        return RanksPresent(tuple(ranks), key[1])
+        return RanksPresent(tuple(rank for message in said for rank in _present(message)),
+                            key[1])
     if key[0] == "finished":
-        return RanksFinished(tuple(ranks), tuple(result.stats for result in said),
-                             attempt=key[1], requeue=key[2])
-    return reduced(said, attempt=key[1], requeue=key[2])
+        groups = [message for message in said if isinstance(message, RanksFinished)]
+        results = [message.message for message in said if isinstance(message, Sequenced)]
+        ranks = [rank for group in groups for rank in group.ranks]
+        ranks += [result.rank for result in results]
+        stats = [group.stats for group in groups]
+        if results:
+            stats.append(StatsColumns.of(result.stats for result in results))
+        return RanksFinished(tuple(ranks), StatsColumns.joined(stats), attempt=key[1],
+                             requeue=key[2])
+    nodes = [message for message in said if isinstance(message, NodeMetrics)]
+    ranks_own = [message.message for message in said if isinstance(message, Sequenced)]
+    if ranks_own:
+        nodes.append(reduced(ranks_own))
+    return merged(nodes, attempt=key[1], requeue=key[2])
+
+
+def _present(message: Any) -> tuple[int, ...]:
+    return message.ranks if isinstance(message, RanksPresent) else (message.message.rank,)
 
 
 def reduced(batches: list[Metrics], attempt: int = 0, requeue: int = 0) -> NodeMetrics:
@@ -332,3 +480,41 @@ def reduced(batches: list[Metrics], attempt: int = 0, requeue: int = 0) -> NodeM
                  {name: (sum(by_rank.values()), len(by_rank)) for name, by_rank in by_name.items()})
                 for step, by_name in values.items()]
     return NodeMetrics(partials, positions, for_all, attempt, requeue)
+
+
+def merged(nodes: list[NodeMetrics], attempt: int = 0, requeue: int = 0) -> NodeMetrics:
+    """Nodes' reduced metrics as one (a group's head merges its group's): per step, the
+    sums and counts added, where the nodes' ranks are apart (a node that sent the same
+    step twice keeps its two partials, for the kernel to tell apart)."""
+    if len(nodes) == 1:
+        only = nodes[0]
+        return NodeMetrics(only.partials, only.positions, only.for_all, attempt, requeue)
+    steps: dict[int, list[tuple[set[int], list[int], dict[str, list[float]]]]] = {}
+    positions: dict[int, tuple[int, int | None, str | None]] = {}
+    for_all: list[tuple[int, list[tuple[int, dict[str, float]]]]] = []
+    for node in nodes:
+        for step, ranks, sums in node.partials:
+            _add_partial(steps.setdefault(step, []), ranks, sums)
+        positions.update(node.positions)
+        for_all.extend(node.for_all)
+    partials = [(step, tuple(ranks), {name: (total, int(count))
+                                      for name, (total, count) in sums.items()})
+                for step, parts in steps.items() for _, ranks, sums in parts]
+    return NodeMetrics(partials, positions, for_all, attempt, requeue)
+
+
+def _add_partial(parts: list[tuple[set[int], list[int], dict[str, list[float]]]],
+                 ranks: tuple[int, ...], sums: dict[str, tuple[float, int]]) -> None:
+    """One node's partial of a step into the step's ``parts``: into the first whose ranks
+    it does not share, else a part of its own."""
+    part = next((part for part in parts if part[0].isdisjoint(ranks)), None)
+    if part is None:
+        part = (set(), [], {})
+        parts.append(part)
+    heard, in_order, totals = part
+    heard.update(ranks)
+    in_order.extend(ranks)
+    for name, (total, count) in sums.items():
+        into = totals.setdefault(name, [0.0, 0])
+        into[0] += total
+        into[1] += count

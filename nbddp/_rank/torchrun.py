@@ -16,7 +16,9 @@ torchrun's own command line (``torch.distributed.run``). Additions only:
   dir's log after). A SLURM job has no lifeline (``-``): it outlives a kernel restart,
   and can be re-attached;
 - with ``--relay`` (first), it starts the node's relay (``_rank.relay``) before its ranks,
-  which then talk to the kernel through it;
+  which then talk to the kernel through it; with ``--relay-tree`` too (a session of many
+  nodes), the relay asks the kernel for its place in a tree of relays
+  (``_wire.relay_tree``);
 - with ``--report FD`` (after ``--node-data``; a Ray agent's), it goes on in a child of
   its own and says its exit code on that pipe (see ``_leave_the_parent``);
 - with ``--node-data`` (after the lifeline; a cluster session's), it makes this node's
@@ -211,10 +213,11 @@ def _report(fd: int, code: int, lost: threading.Event | None) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class _Options:
-    """nbddp's options before torchrun's (in this order): ``--relay``, ``--node-data``,
-    ``--report FD``."""
+    """nbddp's options before torchrun's (in this order): ``--relay``, ``--relay-tree``,
+    ``--node-data``, ``--report FD``."""
 
     relay: bool
+    relay_tree: bool
     node_data: bool
     report: int | None
     torchrun: list[str]
@@ -224,13 +227,14 @@ def _own_options(argv: list[str]) -> _Options:
     """nbddp's own options, in any order, before torchrun's."""
     flags: set[str] = set()
     report = None
-    while argv[:1] in (["--relay"], ["--node-data"], ["--report"]):
+    while argv[:1] in (["--relay"], ["--relay-tree"], ["--node-data"], ["--report"]):
         if argv[0] == "--report":
             report, argv = int(argv[1]), argv[2:]
         else:
             flags.add(argv[0])
             argv = argv[1:]
-    return _Options("--relay" in flags, "--node-data" in flags, report, argv)
+    return _Options("--relay" in flags, "--relay-tree" in flags, "--node-data" in flags,
+                    report, argv)
 
 
 def _leave_the_parent() -> None:
@@ -276,7 +280,8 @@ def _torchrun(run_dir: RunDir, options: _Options) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    relay = _start_relay(run_dir, remote=options.node_data) if options.relay else None
+    relay = _start_relay(run_dir, remote=options.node_data, tree=options.relay_tree) \
+        if options.relay else None
     try:
         run(parse_args(["--log-dir", str(run_dir.torchrun_log_dir()), *options.torchrun]))
     except ChildFailedError as error:
@@ -297,11 +302,12 @@ def _closed(lifeline: int) -> bool:
     return bool(select.select([lifeline], [], [], 0)[0])
 
 
-def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
+def _start_relay(run_dir: RunDir, remote: bool, tree: bool = False) -> NodeRelay | None:
     """This node's relay, its socket named to the ranks; None (they connect to the
     kernel themselves) if the kernel cannot be reached from here. ``remote``: a cluster
     session's node, whose kernel listens on TCP (the address file) and whose data files
-    cross the relay (into the node's folders)."""
+    cross the relay (into the node's folders); ``tree``: its relay takes its place in
+    the kernel's tree of relays."""
     listen = _relay_socket() if remote else run_dir.relay_socket
     try:
         key = run_dir.key.read_bytes()
@@ -309,7 +315,8 @@ def _start_relay(run_dir: RunDir, remote: bool) -> NodeRelay | None:
             address, inbox = run_dir.address.read_text(), node_inbox(run_dir)
             relay = node_relay(parse_address(address), listen, key, inbox=inbox,
                                landing=_landing(),
-                               reattach=_next_kernel(run_dir, address, key, inbox))
+                               reattach=_next_kernel(run_dir, address, key, inbox),
+                               tree=tree)
         else:
             relay = node_relay(run_dir.socket, listen, key)
     except (OSError, ValueError, ConnectionError) as exc:

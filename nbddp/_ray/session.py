@@ -193,7 +193,8 @@ class RaySessionGroup(RemoteSessionGroup):
         return self.placement.tails(lines) or "(nothing)"
 
     def _torchrun_args(self, placement: RayPlacement) -> list[str]:
-        return [*relay_option(self.per_node),  # (nbddp's torchrun's own, before torchrun's)
+        # (nbddp's torchrun's own options, before torchrun's)
+        return [*relay_option(self.per_node, self.options.nodes),
                 "--nnodes", str(self.options.nodes), "--nproc-per-node", str(self.per_node),
                 "--max-restarts", "0", "--rdzv-backend", "c10d",
                 "--rdzv-id", f"nbddp-{self.session_id}",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Literal, get_args
 
 from .._wire.messages import RankOptions
+from .._wire.relay_tree import RelayTree, uses_tree
 from .devices import check_ranks_fit, select_gpus, visible_gpu_count
 from .flags import flag, no_flag
 
@@ -238,9 +239,18 @@ ranks a node the relay saved the kernel no CPU and cost a hop; from 4 it saves C
 cell, and most of the kernel's CPU while ranks log metrics."""
 
 
-def relay_option(nprocs_per_node: int) -> list[str]:
-    """nbddp's torchrun option for a cluster node of ``nprocs_per_node`` ranks."""
-    return ["--relay"] if nprocs_per_node >= RELAY_FROM_PER_NODE else []
+def relay_option(nprocs_per_node: int, nodes: int = 1) -> list[str]:
+    """nbddp's torchrun options for each of ``nodes`` cluster nodes of ``nprocs_per_node``
+    ranks: a relay per node, and past ``TREE_FROM`` nodes, a tree of relays."""
+    if nprocs_per_node < RELAY_FROM_PER_NODE:
+        return []
+    return ["--relay", "--relay-tree"] if uses_tree(nodes) else ["--relay"]
+
+
+def relay_tree(nprocs_per_node: int, nodes: int) -> RelayTree | None:
+    """The kernel's side of the tree of relays, where ``relay_option`` forms one."""
+    return RelayTree(nodes) if "--relay-tree" in relay_option(nprocs_per_node, nodes) \
+        else None
 
 
 RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

@@ -47,9 +47,10 @@ def diagnose(
     if isinstance(root, Failure):
         error = _raised(root, logs)
     elif root.relay_lost and root.rank not in exits:
-        error = WorkerError(root.rank, "was lost with its node: the node's relay (its "
-                            "torchrun process) stopped, and the node's ranks with it",
-                            logs=logs)
+        error = WorkerError(root.rank, "was lost with its node: the relay it spoke "
+                            "through (a node's torchrun process) stopped, and with it "
+                            "that node's ranks (and, where it headed a group of relays, "
+                            "the link to the group's other nodes)", logs=logs)
     else:
         error = _died(root.rank, exits.get(root.rank), logs)
     error.log_dir = str(records.path)

@@ -11,13 +11,15 @@ import statistics
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from typing import Any
 
-from .._wire.messages import RankStats
+from .._wire.messages import RankStats, StatsColumns
 
 _RATE_WINDOW = 10.0  # seconds of step samples a speed is measured over
 _BEHIND_SECONDS = 2.0  # behind: the leader is this many seconds (at the median speed) ahead
 _BEHIND_MIN_STEPS = 2
+_LOOKED_UP = 64  # ranks whose stats are looked up, not every rank's made
 
 
 class RankView:
@@ -26,6 +28,9 @@ class RankView:
     def __init__(self, nprocs: int) -> None:
         self.nprocs = nprocs
         self._stats: dict[int, RankStats] = {}
+        self._final: list[StatsColumns] = []
+        """Ranks' stats as their run ended, not yet in ``_stats``: made into each rank's
+        where they are looked at (most quick runs of many ranks are not)."""
         self._steps: defaultdict[int, deque[tuple[float, int]]] = defaultdict(deque)
         """Per rank that reported a step: its samples (made as ranks report: a run of
         thousands of ranks that log nothing makes none)."""
@@ -35,12 +40,13 @@ class RankView:
         """A rank has begun the user's code (its first stats came): start-up is no stall."""
         self.hosts: set[str] = set()
         """The nodes the ranks said they run on (several: the panel names each rank's)."""
-        self._lock = threading.Lock()  # the supervisor writes, the user's thread reads
+        self._lock = threading.RLock()  # the supervisor writes, the user's thread reads
 
     def add(self, stats: RankStats, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
         with self._lock:
             self.running = True
+            self._take_final()
             before = self._stats.get(stats.rank)
             if before is None or (stats.step, stats.output_bytes) != (before.step,
                                                                       before.output_bytes):
@@ -58,19 +64,44 @@ class RankView:
         while samples and now - samples[0][0] > _RATE_WINDOW:
             samples.popleft()
 
-    def add_final(self, final: list[RankStats], now: float | None = None) -> None:
+    def add_final(self, final: StatsColumns, now: float | None = None) -> None:
         """Ranks' stats as their run ended (a node's, reported together): ``add`` in bulk,
-        for many ranks at once."""
-        if not final:
+        for many ranks at once; each rank's is made where it is looked at."""
+        if not final.rank:
             return
         now = time.monotonic() if now is None else now
         with self._lock:
             self.running = True
             self.last_activity = now  # (a rank that ended moved)
-            self._stats.update((stats.rank, stats) for stats in final)
-            self.hosts.update(stats.host for stats in final)
-            for stats in final:
-                self._sample(stats, now)
+            self._final.append(final)
+            self.hosts.update(final.host)
+            if final.step.count(None) < len(final.step):  # (a rank reported a step)
+                for stats in final.rows():
+                    self._sample(stats, now)
+
+    def _stats_of(self, ranks: Sequence[int]) -> dict[int, RankStats]:
+        """(Under the lock) ``ranks``' latest stats: a few ranks' looked up among those
+        of ranks that ended (the panel's notes of the ranks it names), every rank's made."""
+        if len(ranks) > _LOOKED_UP:
+            self._take_final()
+            return self._stats
+        found = {}
+        for rank in ranks:
+            for final in reversed(self._final):  # (the latest first)
+                if rank in final.rank:
+                    at = final.rank.index(rank)
+                    found[rank] = RankStats._make(column[at] for column in final)
+                    break
+            else:
+                if rank in self._stats:
+                    found[rank] = self._stats[rank]
+        return found
+
+    def _take_final(self) -> None:
+        """(Under the lock) The stats of ranks that ended, each rank's made now."""
+        for final in self._final:
+            self._stats.update(zip(final.rank, final.rows(), strict=True))
+        self._final.clear()
 
     def touch(self) -> None:
         """Something moved (a rank started, the job began to run): not stalled."""
@@ -82,6 +113,7 @@ class RankView:
         with self._lock:
             self.running = False
             self._stats.clear()
+            self._final.clear()
             for samples in self._steps.values():
                 samples.clear()
         self.touch()
@@ -105,7 +137,9 @@ class RankView:
             rates = {r: self.steps_per_s(r) for r in range(self.nprocs)}
         if not any(rates.values()):
             return set()  # (no rank has a speed yet: nobody is behind; no look at each)
-        steps = {r: s.step for r, s in list(self._stats.items()) if s.step is not None}
+        with self._lock:
+            self._take_final()
+            steps = {r: s.step for r, s in self._stats.items() if s.step is not None}
         speeds = [rate for r in steps if (rate := rates.get(r))]
         if len(steps) < 2 or not speeds:
             return set()
@@ -133,9 +167,10 @@ class RankView:
     def _ranks(self, states: list[str], rates: dict[int, float | None],
                ranks: Any) -> dict[int, dict[str, Any]]:
         behind = self.behind(rates)
+        found = self._stats_of(ranks)
         view = {}
         for rank in ranks:
-            stats, rate = self._stats.get(rank), rates.get(rank)
+            stats, rate = found.get(rank), rates.get(rank)
             view[rank] = {
                 "state": states[rank],
                 "step": stats.step if stats else None,

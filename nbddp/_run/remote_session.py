@@ -40,6 +40,7 @@ from .._wire.messages import (
 )
 from .._wire.rundir import RunDir, address_text, read_own_key
 from .._wire.transfer import Outgoing, place_in
+from .config import relay_tree
 from .records import Records
 from .shape import GroupShape, Handover
 from .waiting import WaitingGroup
@@ -99,7 +100,8 @@ class RemoteSessionGroup(WaitingGroup):
                              "network") from None
         self._server = ChannelServer((address, 0), read_own_key(self.run_dir.path),
                                      self._deliver, inbox=place_in(shm_root(),
-                                                                   self.run_dir.path))
+                                                                   self.run_dir.path),
+                                     tree=relay_tree(self.nprocs // self.nodes, self.nodes))
         self.run_dir.replace_private(self.run_dir.address,
                                      address_text(address, self._server.port))
 

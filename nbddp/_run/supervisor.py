@@ -188,7 +188,7 @@ class Supervisor:
     def _finished(self, finished: RanksFinished) -> None:
         """A node's ranks finished with nothing to send back: each one's ``Result``, in
         bulk (a node's relay says this for its ranks at once)."""
-        self.view.add_final([stats for stats in finished.stats if stats is not None])
+        self.view.add_final(finished.stats)
         self.attempt.finished_quietly(finished.ranks)
         self.debugger.done_all(finished.ranks)
 

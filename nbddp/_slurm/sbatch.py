@@ -109,7 +109,7 @@ def session_torchrun(run_dir: str, python: str, nodes: int, nprocs_per_node: int
     job step of the kernel's allocation), up to its rendezvous options: nbddp's torchrun
     wrapper, with no lifeline (the job outlives a kernel), and folders on the node for
     the data files the kernel sends; a relay where a node has several ranks."""
-    return [python, "-m", "nbddp._torchrun", run_dir, "-", *relay_option(nprocs_per_node),
+    return [python, "-m", "nbddp._torchrun", run_dir, "-", *relay_option(nprocs_per_node, nodes),
             "--node-data", "--nnodes", str(nodes),
             "--nproc-per-node", str(nprocs_per_node), "--max-restarts", "0",
             "--rdzv-backend", "c10d"]

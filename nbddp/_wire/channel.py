@@ -53,11 +53,15 @@ from .messages import (
     ForRank,
     FromRank,
     FromRanks,
+    HeadListens,
+    JoinTree,
     ToRanks,
+    TreePlace,
     body_size,
     decode,
     encode,
 )
+from .relay_tree import RelayTree
 from .transfer import FileFollows, Inbox, Incoming, Outgoing
 
 logger = logging.getLogger(__name__)
@@ -346,6 +350,25 @@ class _Route:
 
 
 
+class _FanOut:
+    """How a set of ranks is reached: per link, the ranks it reaches (in order), which of
+    those links are relays' (a frame to them names its ranks: ``ToRanks``), and the
+    ranks not connected."""
+
+    def __init__(self, routes: list[tuple[int, _Route | None]]) -> None:
+        by_link: dict[_Link, list[int]] = {}
+        self.relays: set[_Link] = set()
+        self.missed: set[int] = set()
+        for rank, route in routes:
+            if route is None:
+                self.missed.add(rank)
+                continue
+            by_link.setdefault(route.link, []).append(rank)
+            if route.relayed:
+                self.relays.add(route.link)
+        self.links = [(link, tuple(sorted(on_link))) for link, on_link in by_link.items()]
+
+
 class _Peer:
     """A connection's state in the kernel: its link once the handshake is done, and the
     ranks that spoke through it."""
@@ -471,13 +494,14 @@ class ChannelServer:
     then one thread reads them all (``_ReadLoop``), or, where ranks may send data files,
     its own thread each.
     A rank's closed connection is delivered as ``Disconnected``. With an ``inbox``,
-    ranks may send data files (``_wire.transfer``): they land there.
+    ranks may send data files (``_wire.transfer``): they land there. With a ``tree``, the
+    nodes' relays ask it for their place (``_wire.relay_tree``); without, each stays.
     """
 
     def __init__(self, address: Address, key: bytes, deliver: Callable[[Any], None],
-                 inbox: Inbox | None = None) -> None:
+                 inbox: Inbox | None = None, tree: RelayTree | None = None) -> None:
         self.address, self._key, self._deliver = address, key, deliver
-        self._inbox = inbox
+        self._inbox, self._tree = inbox, tree
         self._listener, where = _new_socket(address)
         self._listener.bind(where)
         if isinstance(address, Path):
@@ -487,6 +511,8 @@ class ChannelServer:
         self._listener.listen(64)
         self._connections: set[socket.socket] = set()
         self._peers: dict[int, _Route] = {}
+        self._routes_changed = 0  # (under the lock) how often ``_peers`` changed
+        self._fan_out: tuple[int, tuple[int, ...], _FanOut] | None = None  # the last one
         self._lock = threading.Lock()
         self._closed = False
         self._reads = _ReadLoop(self._handle, self._end)
@@ -533,12 +559,24 @@ class ChannelServer:
                 self._take(each, peer.link, peer.spoke, relayed=True)
         elif isinstance(message, FromRank):  # ... and one's message with a data file
             self._take(message.message, peer.link, peer.spoke, relayed=True)
+        elif isinstance(message, (JoinTree, HeadListens)):
+            self._place(peer.link, message)
         else:
             self._take(message, peer.link, peer.spoke, relayed=False)
+
+    def _place(self, link: _Link, message: JoinTree | HeadListens) -> None:
+        """A relay asks for its place in the tree of relays (or a head says where it
+        listens); without a tree, every relay stays on its link to the kernel."""
+        if self._tree is not None:
+            self._tree.take(link, message)
+        elif isinstance(message, JoinTree):
+            link.send(TreePlace())
 
     def _end(self, peer: _Peer) -> None:
         """The connection is over: each rank that spoke through it (and, for a relay,
         was still connected to it) is disconnected."""
+        if self._tree is not None and peer.link is not None:
+            self._tree.ended(peer.link)
         self._forget(peer.sock, peer.spoke)
         for rank, route in sorted(peer.spoke.items()):
             self._deliver(Disconnected(rank, route.attempt, route.requeue,
@@ -554,11 +592,13 @@ class ChannelServer:
             with self._lock:
                 if route is not None and self._peers.get(message.rank) is route:
                     del self._peers[message.rank]
+                    self._routes_changed += 1
         elif rank is not None and rank not in spoke:
             spoke[rank] = _Route(link, relayed, getattr(message, "attempt", 0),
                                  getattr(message, "requeue", 0))
             with self._lock:
                 self._peers[rank] = spoke[rank]
+                self._routes_changed += 1
         self._deliver(message)
 
     def _forget(self, sock: socket.socket, spoke: dict[int, _Route]) -> None:
@@ -569,6 +609,7 @@ class ChannelServer:
             for rank, route in spoke.items():
                 if self._peers.get(rank) is route:
                     del self._peers[rank]
+                    self._routes_changed += 1
         sock.close()
 
     def send(self, rank: int, message: Any, data: Outgoing | None = None) -> bool:
@@ -597,27 +638,43 @@ class ChannelServer:
     def quiet(self, ranks: Iterable[int], since: float) -> set[int]:
         """Those of ``ranks`` whose link (their own, or their node relay's) brought no
         message since ``since`` (``time.monotonic()``), or that are not connected."""
-        with self._lock:
-            routes = [(rank, self._peers.get(rank)) for rank in ranks]
-        return {rank for rank, route in routes if route is None or route.link.heard < since}
+        fan_out = self._fan_out_to(ranks)
+        quiet = set(fan_out.missed)
+        for link, on_link in fan_out.links:
+            if link.heard < since:
+                quiet.update(on_link)
+        return quiet
 
     def send_to_each(self, ranks: Iterable[int], message: Any) -> set[int]:
         """Send ``message`` to each of ``ranks``, encoded once: to a rank's own connection,
         and once to a node's relay for all of its ranks. The ranks it could not reach."""
-        frame = encode(message)
-        with self._lock:
-            routes = {rank: self._peers.get(rank) for rank in ranks}
-        missed = {rank for rank, route in routes.items() if route is None}
-        by_relay: dict[_Link, list[int]] = {}
-        for rank, route in routes.items():
-            if route is not None and route.relayed:
-                by_relay.setdefault(route.link, []).append(rank)
-            elif route is not None and not self._send_on(route.link, frame):
-                missed.add(rank)
-        for link, on_node in by_relay.items():
-            if not self._send_on(link, encode(ToRanks(tuple(sorted(on_node)), frame))):
-                missed.update(on_node)
+        return self.send_frame_to_each(ranks, encode(message))
+
+    def send_frame_to_each(self, ranks: Iterable[int], frame: bytes) -> set[int]:
+        """``send_to_each`` for a message already ``encode``d (a relay hands on the
+        kernel's frame to the ranks, or relays, behind it)."""
+        fan_out = self._fan_out_to(ranks)
+        missed = set(fan_out.missed)
+        for link, on_link in fan_out.links:
+            if not self._send_on(link, encode(ToRanks(on_link, frame)) if link in
+                                 fan_out.relays else frame):
+                missed.update(on_link)
         return missed
+
+    def _fan_out_to(self, ranks: Iterable[int]) -> _FanOut:
+        """How ``ranks`` are reached, link by link; the last one is kept until a route
+        changes (a session's every cell goes to the same ranks: with a tree of relays,
+        thousands of ranks over a few dozen links)."""
+        wanted = ranks if isinstance(ranks, tuple) else tuple(ranks)
+        with self._lock:
+            last, changed = self._fan_out, self._routes_changed
+            if last is not None and last[0] == changed and last[1] == wanted:
+                return last[2]
+            routes = [(rank, self._peers.get(rank)) for rank in wanted]
+        fan_out = _FanOut(routes)
+        with self._lock:
+            self._fan_out = (changed, wanted, fan_out)
+        return fan_out
 
     @staticmethod
     def _send_on(link: _Link, frame: bytes) -> bool:
@@ -664,13 +721,26 @@ class ChannelClient:
     def send(self, message: Any, data: Outgoing | None = None) -> None:
         self._link.send(message, data)
 
-    def receive(self) -> Any:
+    def receive(self, timeout: float | None = None) -> Any:
         """The kernel's next message; ConnectionError once the kernel has closed the link
-        (or a frame on the way was forged)."""
+        (or a frame on the way was forged, or none came within ``timeout`` seconds: the
+        link is then of no more use)."""
         try:
-            return self._link.receive()
+            if timeout is None:
+                return self._link.receive()
+            self._link.sock.settimeout(timeout)
+            try:
+                return self._link.receive()
+            finally:
+                self._link.sock.settimeout(None)
         except OSError as exc:
             raise ConnectionError(f"the kernel's link broke: {exc}") from exc
+
+    @property
+    def local_host(self) -> str:
+        """The address this end of a TCP link has: where the kernel's machine (and so the
+        cluster's other machines) reach this one."""
+        return str(self._link.sock.getsockname()[0])
 
     def close(self) -> None:
         """Hang up (a thread waiting in ``receive`` gets ConnectionError)."""

@@ -25,7 +25,9 @@ from __future__ import annotations
 import pickle
 import struct
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any, NamedTuple
 
 _HEADER = struct.Struct("!Q")  # any length
@@ -163,6 +165,44 @@ class RankStats(NamedTuple):
     rss_mb: float | None
     gpu_mem_mb: float | None
     output_bytes: int
+
+
+class StatsColumns(NamedTuple):
+    """Many ranks' ``RankStats``, a tuple per field: a node's (or a group's) as their run
+    ended. It crosses and unpickles as a few tuples, not an object per rank (thousands,
+    each cell, which the kernel's garbage collector would go through); ``rows()`` makes
+    the ranks' own where they are looked at."""
+
+    rank: tuple[int, ...]
+    host: tuple[str, ...]
+    pid: tuple[int, ...]
+    step: tuple[int | None, ...]
+    rss_mb: tuple[float | None, ...]
+    gpu_mem_mb: tuple[float | None, ...]
+    output_bytes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, stats: Iterable[RankStats | None]) -> StatsColumns:
+        """The columns of ``stats`` (those that are None left out). A node's ranks' host
+        is one string, pickled once."""
+        rows = [each for each in stats if each is not None]
+        if not rows:
+            return cls((), (), (), (), (), (), ())
+        columns = cls(*zip(*rows, strict=True))
+        hosts: dict[str, str] = {}
+        return columns._replace(host=tuple(hosts.setdefault(host, host)
+                                           for host in columns.host))
+
+    @classmethod
+    def joined(cls, parts: list[StatsColumns]) -> StatsColumns:
+        """``parts`` as one, in their order."""
+        if len(parts) == 1:
+            return parts[0]
+        return cls(*(tuple(chain.from_iterable(column))
+                     for column in zip(*parts, strict=True))) if parts else cls.of(())
+
+    def rows(self) -> Iterator[RankStats]:
+        return map(RankStats._make, zip(*self, strict=True))
 
 
 @dataclass(frozen=True)
@@ -456,10 +496,11 @@ class RanksPresent:
 @dataclass(frozen=True)
 class RanksFinished:
     """From a node's relay: each of ``ranks`` finished its run with nothing to send back
-    (no value, no names): their ``Result``s, at once; ``stats[i]`` is ``ranks[i]``'s."""
+    (no value, no names): their ``Result``s, at once, and their stats (of those that
+    sent some)."""
 
     ranks: tuple[int, ...]
-    stats: tuple[RankStats | None, ...]
+    stats: StatsColumns
     attempt: int = 0
     requeue: int = 0
 
@@ -476,6 +517,34 @@ class NodeMetrics:
     for_all: list[tuple[int, list[tuple[int, dict[str, float]]]]]
     attempt: int = 0
     requeue: int = 0
+
+
+# --- a tree of relays (many nodes: ``_wire.relay_tree``) -------------------------------
+
+
+@dataclass(frozen=True)
+class JoinTree:
+    """From a node's relay, its first word where the kernel arranges the relays as a tree:
+    where is its place? The kernel answers ``TreePlace``."""
+
+
+@dataclass(frozen=True)
+class TreePlace:
+    """To a relay that asked (``JoinTree``). ``listen``: it heads a group, stays on the
+    kernel's link, and listens for the group's other relays (and says where:
+    ``HeadListens``); ``parent``: it speaks to the kernel through that relay, its group's
+    head; neither: it stays on the kernel's link alone."""
+
+    listen: bool = False
+    parent: tuple[str, int] | None = None
+
+
+@dataclass(frozen=True)
+class HeadListens:
+    """From a group's head relay: the relays of its group connect to ``address`` (None:
+    it cannot listen; they stay on the kernel's link)."""
+
+    address: tuple[str, int] | None
 
 
 # --- kernel-side events ---------------------------------------------------------------
