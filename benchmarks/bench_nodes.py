@@ -145,7 +145,7 @@ def serve(host: str, port: int, key_file: str, first: int, count: int, per_node:
     (``tree``: placed in the kernel's tree of relays, as a session's are); until the
     kernel closes every link (or this process is killed)."""
     key = Path(key_file).read_bytes()
-    relays = [placed_relay(ChannelClient((host, port), key), key,
+    relays = [placed_relay(lambda: ChannelClient((host, port), key), key,
                            lambda deliver, node=node: SimulatedRanks(node, per_node, mode,
                                                                      deliver), tree=tree)
               for node in range(first, first + count)]  # (a head never waits to be placed)

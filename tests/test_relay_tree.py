@@ -287,6 +287,24 @@ def test_a_group_whose_head_went_before_it_said_where_stays_on_the_kernel_s_link
         close_all([], [relay], kernel.server)
 
 
+def test_a_relay_told_nothing_in_time_stays_on_a_kernel_link_of_its_own(
+        tmp_path, monkeypatch, capfd):
+    """(Its head asked for its place and hangs: it says nothing, and its link stays.)"""
+    import nbddp._rank.relay
+
+    monkeypatch.setattr(nbddp._rank.relay, "_PLACE_WAIT", 1.0)
+    folder = private_folder(tmp_path)
+    key = new_key()
+    kernel = Kernel(key)
+    head = join_as_head(kernel, key, None)
+    relay = node_relay(kernel.address, folder / "relay.sock", key, tree=True)
+    try:
+        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key, head)
+        assert "was given no place among the relays" in capfd.readouterr().err
+    finally:
+        close_all([head], [relay], kernel.server)
+
+
 class Impostor:
     """A listener without the run's key where a head was said to be: it speaks the
     channel's greeting, reads what a relay that connects says, and answers with a proof
@@ -392,6 +410,23 @@ def test_a_payload_for_a_rank_behind_a_head_lands_on_its_own_node_only(cluster_t
     assert isinstance(kept, KeepPayload) and Path(kept.file).parent == folder / "in1"
     assert torch.equal(dataplane.read(Path(kept.file)).load()["x"], value)
     assert list((folder / "in0").iterdir()) == []  # (the head's copy went on, and left)
+
+
+def test_a_payload_the_head_s_node_has_no_room_for_reaches_the_rank_behind_it_as_such(
+        cluster_tree):
+    """(No room on the head's node: the rank is told so, and reads the payload as a rank
+    on a full node does; the head goes on handing on what comes next.)"""
+    from nbddp._wire import dataplane
+    from nbddp._wire.messages import KeepPayload
+    from nbddp._wire.transfer import Outgoing
+
+    kernel, ranks, folder = cluster_tree
+    (folder / "in0").rmdir()  # (the head's node has nowhere to put it)
+    assert kernel.server.send(1, KeepPayload(), Outgoing(dataplane.pack({"x": b"y" * 10})))
+    assert ranks[1].receive() == KeepPayload(file="")
+    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
+    assert kernel.server.send_to_each(range(2), start) == set()
+    assert ranks[0].receive() == start and ranks[1].receive() == start
 
 
 def test_a_result_file_from_behind_a_head_reaches_the_kernel_and_leaves_both_nodes(

@@ -57,7 +57,7 @@ _BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ra
 _METRICS_WAIT = 0.05  # seconds a batch of metrics alone waits for the node's other ranks'
 _GROUP_GAP = 0.002  # seconds a head's batch waits for the next of its group's reports
 _GROUP_WAIT = 0.02  # ... and in all, at most
-_PLACE_WAIT = 120.0  # seconds a relay waits to learn its place in a tree (its head's word)
+_PLACE_WAIT = 30.0  # seconds a relay waits to learn its place in a tree (its head's word)
 
 
 Reattach = Callable[[Callable[[], bool]], ChannelClient | None]
@@ -95,8 +95,13 @@ class HeadDown:
 
     def hand_on(self, message: ForRank) -> None:
         """``message`` came with a data file, which landed on this node: to its rank here,
-        or on to the relay its rank is behind (the file goes with it, and leaves here)."""
+        or on to the relay its rank is behind (the file goes with it, and leaves here).
+        Where this node had no room for it (no ``file``), the rank is told so, as it
+        would be on its own node."""
         if self.ranks.send_encoded(message.rank, encode(message.message)):
+            return
+        if not message.message.file:
+            self.relays.send_encoded(message.rank, encode(message.message))
             return
         file = Path(message.message.file)
         try:
@@ -230,16 +235,25 @@ class NodeRelay:
     def _serve(self, up: ChannelClient) -> None:
         try:
             while True:
-                message = up.receive()
-                if isinstance(message, ToRanks):
-                    self._down.send_frame_to_each(message.ranks, message.frame)
-                elif isinstance(message, ForRank):  # (its data file is on this node)
-                    if isinstance(self._down, HeadDown):
-                        self._down.hand_on(message)
-                    else:
-                        self._down.send_encoded(message.rank, encode(message.message))
+                self._hand_on(up.receive())
         except (ConnectionError, EOFError):
             pass
+
+    def _hand_on(self, message: Any) -> None:
+        """One of the kernel's messages to the ranks (or relays) it is for. One that
+        cannot be handed on is said and dropped: the kernel's next ones still go (a
+        relay that stopped reading would leave its ranks, and the kernel, waiting)."""
+        try:
+            if isinstance(message, ToRanks):
+                self._down.send_frame_to_each(message.ranks, message.frame)
+            elif isinstance(message, ForRank):  # (its data file is on this node)
+                if isinstance(self._down, HeadDown):
+                    self._down.hand_on(message)
+                else:
+                    self._down.send_encoded(message.rank, encode(message.message))
+        except Exception as exc:  # noqa: BLE001 - said, and the relay goes on
+            print(f"nbddp: this node's relay could not hand on a {type(message).__name__} "
+                  f"({exc})", file=sys.stderr)
 
     def _next_kernel(self) -> bool:
         """The kernel went: close the ranks' links (they stop their run and wait for a
@@ -310,27 +324,30 @@ def node_relay(kernel: Address, listen: Path, key: bytes, inbox: Inbox | None = 
     reaches the next kernel, when one attaches (``NodeRelay``). ``tree``: the kernel
     arranges the nodes' relays as a tree (``placed_relay``)."""
     files = landing.inbox if landing else None
-    return placed_relay(ChannelClient(kernel, key, inbox), key,
+    return placed_relay(lambda: ChannelClient(kernel, key, inbox), key,
                         lambda deliver: ChannelServer(listen, key, deliver, files),
                         inbox=inbox, landing=landing, reattach=reattach, tree=tree)
 
 
-def placed_relay(up: ChannelClient, key: bytes,
+def placed_relay(connect: Callable[[], ChannelClient], key: bytes,
                  ranks: Callable[[Callable[[Any], None]], Ranks], *,
                  inbox: Inbox | None = None, landing: Landing | None = None,
                  reattach: Reattach | None = None, tree: bool = False) -> NodeRelay:
-    """The relay of the ranks ``ranks(deliver)`` makes, on ``up`` to the kernel (as
-    ``node_relay``'s). ``tree``: it first asks the kernel for its place in the tree of
-    relays (``_wire.relay_tree``): it may speak through its group's head instead, or head
-    a group, whose relays then connect to it as well as its ranks."""
-    up, heads = _place_in_tree(up, key, inbox) if tree else (up, False)
+    """The relay of the ranks ``ranks(deliver)`` makes, on a link to the kernel that
+    ``connect`` makes (as ``node_relay``'s). ``tree``: it first asks the kernel for its
+    place in the tree of relays (``_wire.relay_tree``): it may speak through its group's
+    head instead, or head a group, whose relays then connect to it as well as its
+    ranks."""
+    up, heads = _place_in_tree(connect, key, inbox) if tree else (connect(), False)
     files = landing.inbox if landing else None
     relays: list[ChannelServer] = []  # (a head's: where its group's relays connect)
+    first = [True]  # (a next kernel's relays join it each on a link of its own)
 
     def ranks_and_relays(deliver: Callable[[Any], None]) -> Ranks:
         here = ranks(deliver)
-        if not heads or relays:  # (a next kernel's relays join it each on a link of its own)
+        if not heads or not first[0]:
             return here
+        first[0] = False
         try:
             relays.append(ChannelServer((up.local_host, 0), key, deliver, files))
         except OSError as exc:
@@ -346,20 +363,26 @@ def placed_relay(up: ChannelClient, key: bytes,
     return relay
 
 
-def _place_in_tree(up: ChannelClient, key: bytes, inbox: Inbox | None
+def _place_in_tree(connect: Callable[[], ChannelClient], key: bytes, inbox: Inbox | None
                    ) -> tuple[ChannelClient, bool]:
-    """Ask the kernel (on ``up``) for this relay's place in the tree of relays: the link
-    it speaks on (the kernel's, or its group's head's), and whether it heads a group. A
-    relay that cannot reach its head stays on the kernel's link."""
+    """Ask the kernel (on a link ``connect`` makes) for this relay's place in the tree of
+    relays: the link it speaks on (the kernel's, or its group's head's), and whether it
+    heads a group. A relay that cannot reach its head, or is told nothing in
+    ``_PLACE_WAIT`` seconds (its head asked, and hangs), stays on a kernel link of its
+    own."""
+    up = connect()
     try:
         up.send(JoinTree())
         place = up.receive(timeout=_PLACE_WAIT)
-        if not isinstance(place, TreePlace):
-            raise ConnectionError(f"the kernel sent a {type(place).__name__} where this "
-                                  "node's relay asked for its place")
-    except BaseException:
+    except ConnectionError as exc:
         up.close()
-        raise
+        print(f"nbddp: this node's relay was given no place among the relays ({exc}); it "
+              "speaks to the kernel itself", file=sys.stderr)
+        return connect(), False
+    if not isinstance(place, TreePlace):
+        up.close()
+        raise ConnectionError(f"the kernel sent a {type(place).__name__} where this "
+                              "node's relay asked for its place")
     if place.parent is None:
         return up, place.listen
     try:
@@ -377,9 +400,9 @@ def compact(batch: list[Any]) -> list[Any]:
     """``batch`` (a ``None`` in it: the end) as it goes to the kernel: what many ranks
     said alike said once (the roll call's answers, plain results, metrics reduced: see
     ``_said_once``), every rank's messages still in the order it sent them. A group goes
-    where its last member came, or before a later message of one of its ranks. What a
-    group's head relays for the relays of its group (already said once per node) is
-    merged the same way (``_wire.relay_tree``)."""
+    before a later message of one of its ranks, else at the batch's end. What a group's
+    head relays for the relays of its group (already said once per node) is merged the
+    same way (``_wire.relay_tree``)."""
     out: list[Any] = []
     groups: dict[tuple, tuple[set[int], list[Any]]] = {}
     for message in batch:
@@ -484,8 +507,8 @@ def reduced(batches: list[Metrics], attempt: int = 0, requeue: int = 0) -> NodeM
 
 def merged(nodes: list[NodeMetrics], attempt: int = 0, requeue: int = 0) -> NodeMetrics:
     """Nodes' reduced metrics as one (a group's head merges its group's): per step, the
-    sums and counts added, where the nodes' ranks are apart (a node that sent the same
-    step twice keeps its two partials, for the kernel to tell apart)."""
+    sums and counts added, where the nodes' ranks are apart (a node's two batches that
+    both hold a step keep a partial each, as they would reach the kernel unmerged)."""
     if len(nodes) == 1:
         only = nodes[0]
         return NodeMetrics(only.partials, only.positions, only.for_all, attempt, requeue)

@@ -241,7 +241,7 @@ cell, and most of the kernel's CPU while ranks log metrics."""
 
 def relay_option(nprocs_per_node: int, nodes: int = 1) -> list[str]:
     """nbddp's torchrun options for each of ``nodes`` cluster nodes of ``nprocs_per_node``
-    ranks: a relay per node, and past ``TREE_FROM`` nodes, a tree of relays."""
+    ranks: a relay per node, and from ``TREE_FROM`` nodes, a tree of relays."""
     if nprocs_per_node < RELAY_FROM_PER_NODE:
         return []
     return ["--relay", "--relay-tree"] if uses_tree(nodes) else ["--relay"]

@@ -724,7 +724,8 @@ class ChannelClient:
     def receive(self, timeout: float | None = None) -> Any:
         """The kernel's next message; ConnectionError once the kernel has closed the link
         (or a frame on the way was forged, or none came within ``timeout`` seconds: the
-        link is then of no more use)."""
+        link is then of no more use). A ``timeout`` is for a link no other thread uses
+        yet (it holds for the socket's sends too)."""
         try:
             if timeout is None:
                 return self._link.receive()
@@ -740,6 +741,8 @@ class ChannelClient:
     def local_host(self) -> str:
         """The address this end of a TCP link has: where the kernel's machine (and so the
         cluster's other machines) reach this one."""
+        if self._link.sock.family not in (socket.AF_INET, socket.AF_INET6):
+            raise OSError("a link on this machine (a Unix socket) has no network address")
         return str(self._link.sock.getsockname()[0])
 
     def close(self) -> None:

@@ -15,9 +15,13 @@ that a message names; to and from another machine, the file goes along with the 
     kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks,
                      ShowCollectives
     kernel only      Disconnected (a rank's connection closed)
-    relay <-> kernel ToRanks (down), FromRanks (up): a node's ranks' messages, batched
-                     by the node's relay (``_rank.relay``), with RanksPresent,
-                     RanksFinished and NodeMetrics for what many of them said alike
+    relay <-> kernel ToRanks and ForRank (down), FromRanks and FromRank (up): a node's
+                     ranks' messages, batched by the node's relay (``_rank.relay``),
+                     with RanksPresent, RanksFinished and NodeMetrics for what many of
+                     them said alike; past many nodes the same between a group's head
+                     and its group's relays (a head merges its group's batches), and
+                     JoinTree, HeadListens (up) and TreePlace (down) to form the tree
+                     (``_wire.relay_tree``)
 """
 
 from __future__ import annotations
@@ -477,10 +481,11 @@ class FromRank:
 
 @dataclass(frozen=True)
 class FromRanks:
-    """From a node's relay: what the node's ranks sent since its last batch, each rank's
-    in the order it sent them (``Disconnected`` where a rank's connection to the relay
-    closed), what many ranks said alike said once (``RanksPresent``, ``RanksFinished``).
-    One frame, one check and one wake-up of the kernel for the whole node."""
+    """From a node's relay (or a group's head, for its group): what the node's ranks sent
+    since its last batch, each rank's in the order it sent them (``Disconnected`` where a
+    rank's connection to the relay closed), what many ranks said alike said once
+    (``RanksPresent``, ``RanksFinished``). One frame, one check and one wake-up of the
+    kernel for the whole node."""
 
     messages: list[Any]
 
@@ -495,7 +500,8 @@ class RanksPresent:
 
 @dataclass(frozen=True)
 class RanksFinished:
-    """From a node's relay: each of ``ranks`` finished its run with nothing to send back
+    """From a node's relay (or a group's head, merged for its group): each of ``ranks``
+    finished its run with nothing to send back
     (no value, no names): their ``Result``s, at once, and their stats (of those that
     sent some)."""
 
@@ -507,7 +513,8 @@ class RanksFinished:
 
 @dataclass(frozen=True)
 class NodeMetrics:
-    """From a node's relay: its ranks' ``Metrics`` since its last batch, reduced. Per step,
+    """From a node's relay (or a group's head, merged for its group): its ranks' ``Metrics``
+    since its last batch, reduced. Per step,
     the ranks heard and per metric the sum and count of their values (a rank's last value
     of a step and metric, if it sent several); each rank's latest progress position; and
     the records that speak for every rank, as each rank sent them."""

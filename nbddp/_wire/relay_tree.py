@@ -1,8 +1,8 @@
-"""A tree of relays: past a few dozen nodes, the kernel speaks to one relay per group.
+"""A tree of relays: from a few dozen nodes, the kernel speaks to one relay per group.
 
 With a relay per node (``_rank.relay``) the kernel's work per cell grows with the nodes:
 per node, a Start sealed and sent, and a batch of reports read, checked, decoded and
-taken in. Past ``TREE_FROM`` nodes that is most of the kernel's work. The relays then
+taken in. From ``TREE_FROM`` nodes on that is most of the kernel's work. The relays then
 form groups of about the square root of the nodes: the first relay of a group to reach
 the kernel heads it, and the group's other relays connect to their head instead of the
 kernel. To the kernel a head is a relay whose ranks are its group's; to the relays of its
@@ -108,11 +108,13 @@ class RelayTree:
             _tell(member, TreePlace(parent=self._addresses[group]))
 
     def ended(self, link: Link) -> None:
-        """``link`` closed: if it was a head that had not said where it listens, its
-        group's relays stay on the kernel's link."""
+        """``link`` closed: if it was a head, its group's relays that ask from now on (or
+        still wait: it had not said where it listens) stay on the kernel's link."""
         self._listens(link, None)
         with self._lock:
-            self._heads.pop(link, None)
+            group = self._heads.pop(link, None)
+            if group is not None:
+                self._addresses[group] = None
 
 
 def _tell(link: Link, place: TreePlace) -> None:
