@@ -254,15 +254,25 @@ def check_stays_on_the_kernel_s_link(kernel: Kernel, relay_socket: Path, key: by
     del head
 
 
-def test_a_relay_that_cannot_reach_its_head_stays_on_the_kernel_s_link(tmp_path, capfd):
+@pytest.mark.parametrize("head_says", ["an address that refuses", "nothing, and hangs"])
+def test_a_relay_that_cannot_reach_its_head_stays_on_a_kernel_link_of_its_own(
+        tmp_path, monkeypatch, capfd, head_says):
+    """Its head said where it listens, and nothing answers there; or its head asked for
+    its place and then said nothing (its link open): the relay waits ``_PLACE_WAIT``."""
+    import nbddp._rank.relay
+
+    monkeypatch.setattr(nbddp._rank.relay, "_PLACE_WAIT", 1.0)
     folder = private_folder(tmp_path)
     key = new_key()
     kernel = Kernel(key)
-    head = join_as_head(kernel, key, ("127.0.0.1", closed_port()))
+    refusing = head_says == "an address that refuses"
+    head = join_as_head(kernel, key, ("127.0.0.1", closed_port()) if refusing else None)
     relay = node_relay(kernel.address, folder / "relay.sock", key, tree=True)
     try:
         check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key, head)
-        assert "cannot reach its group's head" in capfd.readouterr().err
+        said = "cannot reach its group's head" if refusing else \
+            "was given no place among the relays"
+        assert said in capfd.readouterr().err
     finally:
         close_all([head], [relay], kernel.server)
 
@@ -285,24 +295,6 @@ def test_a_group_whose_head_went_before_it_said_where_stays_on_the_kernel_s_link
         check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key, head)
     finally:
         close_all([], [relay], kernel.server)
-
-
-def test_a_relay_told_nothing_in_time_stays_on_a_kernel_link_of_its_own(
-        tmp_path, monkeypatch, capfd):
-    """(Its head asked for its place and hangs: it says nothing, and its link stays.)"""
-    import nbddp._rank.relay
-
-    monkeypatch.setattr(nbddp._rank.relay, "_PLACE_WAIT", 1.0)
-    folder = private_folder(tmp_path)
-    key = new_key()
-    kernel = Kernel(key)
-    head = join_as_head(kernel, key, None)
-    relay = node_relay(kernel.address, folder / "relay.sock", key, tree=True)
-    try:
-        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key, head)
-        assert "was given no place among the relays" in capfd.readouterr().err
-    finally:
-        close_all([head], [relay], kernel.server)
 
 
 class Impostor:
