@@ -38,6 +38,8 @@ from nbddp._wire.messages import (
 )
 from nbddp._wire.relay_tree import RelayTree, group_size, uses_tree
 
+from .test_relay import _frames_sent
+
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
 NODES = 4  # groups of 2: two heads, each with one other relay
@@ -70,10 +72,6 @@ class Kernel:
     def links(self) -> int:
         """The links its ranks are reached by."""
         return len({id(route.link) for route in self.server._peers.values()})
-
-    def frames_sent(self) -> int:
-        links = {id(route.link): route.link for route in self.server._peers.values()}
-        return sum(link._sent for link in links.values())
 
 
 def private_folder(tmp_path: Path) -> Path:
@@ -125,9 +123,9 @@ def test_the_kernel_speaks_to_one_relay_per_group_and_every_rank_hears_it(tree):
     kernel, _, ranks = tree
     assert kernel.links() == NODES // group_size(NODES) == 2
     start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
-    sent = kernel.frames_sent()
+    sent = _frames_sent(kernel.server)
     assert kernel.server.send_to_each(range(len(ranks)), start) == set()
-    assert kernel.frames_sent() - sent == 2  # one frame for each group of four ranks
+    assert _frames_sent(kernel.server) - sent == 2  # one frame for each group of four ranks
     for rank in ranks:
         assert rank.receive() == start
 
@@ -240,8 +238,7 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-def check_stays_on_the_kernel_s_link(kernel: Kernel, relay_socket: Path, key: bytes,
-                                     head: ChannelClient) -> None:
+def check_stays_on_the_kernel_s_link(kernel: Kernel, relay_socket: Path, key: bytes) -> None:
     """The relay's ranks reach the kernel on a link of the relay's own (not the head's)."""
     rank = ChannelClient(relay_socket, key)
     try:
@@ -251,7 +248,6 @@ def check_stays_on_the_kernel_s_link(kernel: Kernel, relay_socket: Path, key: by
         assert rank.receive() == Ready(0)
     finally:
         rank.close()
-    del head
 
 
 @pytest.mark.parametrize("head_says", ["an address that refuses", "nothing, and hangs"])
@@ -269,7 +265,7 @@ def test_a_relay_that_cannot_reach_its_head_stays_on_a_kernel_link_of_its_own(
     head = join_as_head(kernel, key, ("127.0.0.1", closed_port()) if refusing else None)
     relay = node_relay(kernel.address, folder / "relay.sock", key, tree=True)
     try:
-        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key, head)
+        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key)
         said = "cannot reach its group's head" if refusing else \
             "was given no place among the relays"
         assert said in capfd.readouterr().err
@@ -292,7 +288,7 @@ def test_a_group_whose_head_went_before_it_said_where_stays_on_the_kernel_s_link
     joining.join(timeout=10)
     relay = placed.get(timeout=1)
     try:
-        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key, head)
+        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key)
     finally:
         close_all([], [relay], kernel.server)
 
@@ -337,7 +333,7 @@ def test_a_relay_sent_to_an_impostor_tells_it_nothing_and_stays_on_the_kernel_s_
     head = join_as_head(kernel, key, impostor.address)
     relay = node_relay(kernel.address, folder / "relay.sock", key, tree=True)
     try:
-        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key, head)
+        check_stays_on_the_kernel_s_link(kernel, folder / "relay.sock", key)
         impostor.thread.join(timeout=10)
         assert len(impostor.heard) == 64  # the relay's nonce and proof: nothing more
         assert key not in impostor.heard

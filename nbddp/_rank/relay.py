@@ -340,26 +340,27 @@ def placed_relay(connect: Callable[[], ChannelClient], key: bytes,
     ranks."""
     up, heads = _place_in_tree(connect, key, inbox) if tree else (connect(), False)
     files = landing.inbox if landing else None
-    relays: list[ChannelServer] = []  # (a head's: where its group's relays connect)
-    first = [True]  # (a next kernel's relays join it each on a link of its own)
+    group: ChannelServer | None = None  # (a head's: where its group's relays connect)
+    heading = heads  # (a next kernel's relays join it each on a link of its own)
 
     def ranks_and_relays(deliver: Callable[[Any], None]) -> Ranks:
+        nonlocal group, heading
         here = ranks(deliver)
-        if not heads or not first[0]:
+        if not heading:
             return here
-        first[0] = False
+        heading = False
         try:
-            relays.append(ChannelServer((up.local_host, 0), key, deliver, files))
+            group = ChannelServer((up.local_host, 0), key, deliver, files)
         except OSError as exc:
             print(f"nbddp: this node's relay cannot listen for its group's relays ({exc}); "
                   "they speak to the kernel themselves", file=sys.stderr)
             return here
-        return HeadDown(here, relays[0])
+        return HeadDown(here, group)
 
     relay = NodeRelay(up, ranks_and_relays, landing, reattach)
     if heads:
         with contextlib.suppress(OSError):  # (the kernel went: the relay's end says so)
-            up.send(HeadListens((up.local_host, relays[0].port or 0) if relays else None))
+            up.send(HeadListens((up.local_host, group.port or 0) if group else None))
     return relay
 
 
@@ -406,7 +407,7 @@ def compact(batch: list[Any]) -> list[Any]:
     out: list[Any] = []
     groups: dict[tuple, tuple[set[int], list[Any]]] = {}
     for message in batch:
-        key, ranks = _group_of(message)
+        key, ranks = _group_of(message), _ranks_of(message)
         for other in [k for k, (members, _) in groups.items()
                       if k != key and not members.isdisjoint(ranks)]:
             out.append(_said_once(other, groups.pop(other)[1]))  # (its rank speaks again)
@@ -422,7 +423,7 @@ def compact(batch: list[Any]) -> list[Any]:
 
 def _merges(message: Any) -> bool:
     """``message`` is one that a batch says once for many ranks (``compact``)."""
-    return _group_of(message)[0] is not None
+    return _group_of(message) is not None
 
 
 def _is_metrics(message: Any) -> bool:
@@ -431,31 +432,35 @@ def _is_metrics(message: Any) -> bool:
         isinstance(message, Sequenced) and isinstance(message.message, Metrics))
 
 
-def _group_of(message: Any) -> tuple[tuple | None, tuple[int, ...]]:
-    """Which group ``message`` joins, if many ranks say it alike, and its ranks."""
+def _group_of(message: Any) -> tuple | None:
+    """Which group ``message`` joins, if many ranks say it alike."""
     if isinstance(message, Sequenced):
         inner = message.message
         if isinstance(inner, Present):
-            return ("present", inner.call), (inner.rank,)
+            return ("present", inner.call)
         if isinstance(inner, Result) and inner.value is None and inner.file is None \
                 and inner.assigned is None:
-            return ("finished", message.attempt, message.requeue), (inner.rank,)
+            return ("finished", message.attempt, message.requeue)
         if isinstance(inner, Metrics):
-            return ("metrics", message.attempt, message.requeue), (inner.rank,)
-        return None, (inner.rank,)
+            return ("metrics", message.attempt, message.requeue)
+        return None
     if isinstance(message, RanksPresent):
-        return ("present", message.call), message.ranks
-    if isinstance(message, RanksFinished):
-        return ("finished", message.attempt, message.requeue), message.ranks
+        return ("present", message.call)
+    if isinstance(message, (RanksFinished, NodeMetrics)):
+        kind = "finished" if isinstance(message, RanksFinished) else "metrics"
+        return (kind, message.attempt, message.requeue)
+    return None
+
+
+def _ranks_of(message: Any) -> tuple[int, ...]:
+    """The ranks ``message`` speaks for (none: the end, or a relay's own word)."""
+    if isinstance(message, (RanksPresent, RanksFinished)):
+        return message.ranks
     if isinstance(message, NodeMetrics):
-        return ("metrics", message.attempt, message.requeue), _metrics_ranks(message)
-    rank = getattr(message, "rank", None)
-    return None, (rank,) if rank is not None else ()
-
-
-def _metrics_ranks(metrics: NodeMetrics) -> tuple[int, ...]:
-    heard = [rank for _, ranks, _ in metrics.partials for rank in ranks]
-    return (*heard, *metrics.positions, *(rank for rank, _ in metrics.for_all))
+        heard = [rank for _, ranks, _ in message.partials for rank in ranks]
+        return (*heard, *message.positions, *(rank for rank, _ in message.for_all))
+    rank = getattr(message, "rank", None)  # (a Sequenced's is its message's)
+    return (rank,) if rank is not None else ()
 
 
 def _said_once(key: tuple, said: list[Any]) -> Any:
@@ -512,7 +517,7 @@ def merged(nodes: list[NodeMetrics], attempt: int = 0, requeue: int = 0) -> Node
     if len(nodes) == 1:
         only = nodes[0]
         return NodeMetrics(only.partials, only.positions, only.for_all, attempt, requeue)
-    steps: dict[int, list[tuple[set[int], list[int], dict[str, list[float]]]]] = {}
+    steps: dict[int, list[tuple[dict[int, None], dict[str, list[float]]]]] = {}
     positions: dict[int, tuple[int, int | None, str | None]] = {}
     for_all: list[tuple[int, list[tuple[int, dict[str, float]]]]] = []
     for node in nodes:
@@ -522,21 +527,20 @@ def merged(nodes: list[NodeMetrics], attempt: int = 0, requeue: int = 0) -> Node
         for_all.extend(node.for_all)
     partials = [(step, tuple(ranks), {name: (total, int(count))
                                       for name, (total, count) in sums.items()})
-                for step, parts in steps.items() for _, ranks, sums in parts]
+                for step, parts in steps.items() for ranks, sums in parts]
     return NodeMetrics(partials, positions, for_all, attempt, requeue)
 
 
-def _add_partial(parts: list[tuple[set[int], list[int], dict[str, list[float]]]],
+def _add_partial(parts: list[tuple[dict[int, None], dict[str, list[float]]]],
                  ranks: tuple[int, ...], sums: dict[str, tuple[float, int]]) -> None:
     """One node's partial of a step into the step's ``parts``: into the first whose ranks
-    it does not share, else a part of its own."""
-    part = next((part for part in parts if part[0].isdisjoint(ranks)), None)
+    (in the order heard) it does not share, else a part of its own."""
+    part = next((part for part in parts if part[0].keys().isdisjoint(ranks)), None)
     if part is None:
-        part = (set(), [], {})
+        part = ({}, {})
         parts.append(part)
-    heard, in_order, totals = part
-    heard.update(ranks)
-    in_order.extend(ranks)
+    heard, totals = part
+    heard.update(dict.fromkeys(ranks))
     for name, (total, count) in sums.items():
         into = totals.setdefault(name, [0.0, 0])
         into[0] += total

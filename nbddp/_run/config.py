@@ -249,8 +249,9 @@ def relay_option(nprocs_per_node: int, nodes: int = 1) -> list[str]:
 
 def relay_tree(nprocs_per_node: int, nodes: int) -> RelayTree | None:
     """The kernel's side of the tree of relays, where ``relay_option`` forms one."""
-    return RelayTree(nodes) if "--relay-tree" in relay_option(nprocs_per_node, nodes) \
-        else None
+    if nprocs_per_node < RELAY_FROM_PER_NODE or not uses_tree(nodes):
+        return None
+    return RelayTree(nodes)
 
 
 RESTART_SAFE_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}

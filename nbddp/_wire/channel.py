@@ -511,8 +511,8 @@ class ChannelServer:
         self._listener.listen(64)
         self._connections: set[socket.socket] = set()
         self._peers: dict[int, _Route] = {}
-        self._routes_changed = 0  # (under the lock) how often ``_peers`` changed
-        self._fan_out: tuple[int, tuple[int, ...], _FanOut] | None = None  # the last one
+        self._fan_out: tuple[tuple[int, ...], _FanOut] | None = None
+        """(Under the lock) The last fan-out asked for, until a route changes."""
         self._lock = threading.Lock()
         self._closed = False
         self._reads = _ReadLoop(self._handle, self._end)
@@ -592,13 +592,13 @@ class ChannelServer:
             with self._lock:
                 if route is not None and self._peers.get(message.rank) is route:
                     del self._peers[message.rank]
-                    self._routes_changed += 1
+                    self._fan_out = None
         elif rank is not None and rank not in spoke:
             spoke[rank] = _Route(link, relayed, getattr(message, "attempt", 0),
                                  getattr(message, "requeue", 0))
             with self._lock:
                 self._peers[rank] = spoke[rank]
-                self._routes_changed += 1
+                self._fan_out = None
         self._deliver(message)
 
     def _forget(self, sock: socket.socket, spoke: dict[int, _Route]) -> None:
@@ -609,7 +609,7 @@ class ChannelServer:
             for rank, route in spoke.items():
                 if self._peers.get(rank) is route:
                     del self._peers[rank]
-                    self._routes_changed += 1
+                    self._fan_out = None
         sock.close()
 
     def send(self, rank: int, message: Any, data: Outgoing | None = None) -> bool:
@@ -667,14 +667,10 @@ class ChannelServer:
         thousands of ranks over a few dozen links)."""
         wanted = ranks if isinstance(ranks, tuple) else tuple(ranks)
         with self._lock:
-            last, changed = self._fan_out, self._routes_changed
-            if last is not None and last[0] == changed and last[1] == wanted:
-                return last[2]
-            routes = [(rank, self._peers.get(rank)) for rank in wanted]
-        fan_out = _FanOut(routes)
-        with self._lock:
-            self._fan_out = (changed, wanted, fan_out)
-        return fan_out
+            if self._fan_out is None or self._fan_out[0] != wanted:
+                self._fan_out = (wanted, _FanOut([(rank, self._peers.get(rank))
+                                                  for rank in wanted]))
+            return self._fan_out[1]
 
     @staticmethod
     def _send_on(link: _Link, frame: bytes) -> bool:

@@ -75,7 +75,7 @@ class RelayTree:
         if isinstance(message, JoinTree):
             self._join(link)
         elif isinstance(message, HeadListens):
-            self._listens(link, message.address)
+            self._settle(link, message.address, gone=False)
         else:
             return False
         return True
@@ -95,26 +95,24 @@ class RelayTree:
         if answer is not None:
             _tell(link, answer)
 
-    def _listens(self, link: Link, address: tuple[str, int] | None) -> None:
-        """The head on ``link`` listens at ``address`` (None: it is gone): its group's
-        relays that wait are told, and those that ask later."""
-        with self._lock:
-            group = self._heads.get(link)
-            if group is None or group in self._addresses:
-                return  # (a stranger's word, or said twice)
-            self._addresses[group] = (str(address[0]), int(address[1])) if address else None
-            waiting = self._waiting.pop(group, [])
-        for member in waiting:
-            _tell(member, TreePlace(parent=self._addresses[group]))
-
     def ended(self, link: Link) -> None:
         """``link`` closed: if it was a head, its group's relays that ask from now on (or
         still wait: it had not said where it listens) stay on the kernel's link."""
-        self._listens(link, None)
+        self._settle(link, None, gone=True)
+
+    def _settle(self, link: Link, address: tuple[str, int] | None, gone: bool) -> None:
+        """Where the group of the head on ``link`` connects from now on: at ``address``
+        (None: to the kernel, each on its link), as its head says once, or as it goes;
+        the group's relays that wait are told."""
         with self._lock:
-            group = self._heads.pop(link, None)
-            if group is not None:
-                self._addresses[group] = None
+            group = self._heads.pop(link, None) if gone else self._heads.get(link)
+            if group is None or (not gone and group in self._addresses):
+                return  # (a stranger's word, or said twice)
+            parent = (str(address[0]), int(address[1])) if address else None
+            self._addresses[group] = parent
+            waiting = self._waiting.pop(group, [])
+        for member in waiting:
+            _tell(member, TreePlace(parent=parent))
 
 
 def _tell(link: Link, place: TreePlace) -> None:
