@@ -27,10 +27,13 @@ from nbddp._wire.messages import (
     JoinTree,
     Metrics,
     NodeMetrics,
+    Present,
     RanksFinished,
+    RanksPresent,
     RankStats,
     Ready,
     Result,
+    RollCall,
     Sequenced,
     Start,
     StatsColumns,
@@ -155,6 +158,57 @@ def test_a_group_s_ends_and_metrics_come_merged_and_the_mean_is_exact(tree):
     assert history.series["loss"] == [
         (step, sum(rank * 10.0 + step for rank in range(len(ranks))) / len(ranks))
         for step in range(steps)]
+
+
+SPREAD = 0.015  # seconds between one rank's end and the next's: more than a head's gap
+
+
+def _answer(kind: str, rank: int, seq: int):
+    return Sequenced(seq, Result(rank, stats=stats(rank)) if kind == "Start"
+                     else Present(rank, 7))
+
+
+def _answered(kind: str, found: list) -> list[int]:
+    """The ranks ``found`` holds the ends (or roll call answers) of."""
+    merged = RanksFinished if kind == "Start" else RanksPresent
+    return sorted(rank for m in found if isinstance(m, merged) for rank in m.ranks)
+
+
+@pytest.mark.parametrize("kind", ["Start", "RollCall"])
+def test_a_head_sends_its_group_s_ends_once_even_when_its_ranks_end_spread_out(tree, kind):
+    """Each rank ends (or answers the roll call) 15 ms after the one before, over 120 ms
+    in all: a head that sent what came within a moment of each report sent its group's
+    in several messages. It knows whom it handed the Start (the roll call) to, and waits
+    for them all: one message per group."""
+    kernel, _, ranks = tree
+    message = Start("v", "records", "payload", options=None) if kind == "Start" \
+        else RollCall(7)  # type: ignore[arg-type]
+    assert kernel.server.send_to_each(range(len(ranks)), message) == set()
+    for rank in ranks:
+        assert rank.receive() == message
+    for number, rank in enumerate(ranks):
+        rank.send(_answer(kind, number, 1))
+        time.sleep(SPREAD)
+    came = kernel.until(lambda found: _answered(kind, found) == list(range(len(ranks))))
+    assert len(came) == NODES // group_size(NODES) == 2, came
+
+
+def test_a_head_sends_its_group_s_ends_without_a_rank_that_stays_silent(tree):
+    """One rank of the first group does not end: the head does not hold the others' ends
+    for it (only ``WHOLE_WAIT``), and the silent rank's end follows when it comes."""
+    kernel, _, ranks = tree
+    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
+    assert kernel.server.send_to_each(range(len(ranks)), start) == set()
+    for rank in ranks:
+        assert rank.receive() == start
+    silent = 3  # (node 1's second rank: node 1 speaks through node 0, the group's head)
+    for number, rank in enumerate(ranks):
+        if number != silent:
+            rank.send(_answer("Start", number, 1))
+    others = [rank for rank in range(len(ranks)) if rank != silent]
+    kernel.until(lambda found: _answered("Start", found) == others)
+    ranks[silent].send(_answer("Start", silent, 1))
+    assert _answered("Start", kernel.take(1)) == [silent]
 
 
 RELAY_PROCESS = """

@@ -52,6 +52,7 @@ from .._wire.messages import (
     encode,
 )
 from .._wire.transfer import Inbox, Outgoing, place_in
+from .group_answers import WHOLE_WAIT, GroupAnswers
 
 _BATCH_MOST = 1024  # messages in one batch: a frame stays small whatever the ranks say
 _METRICS_WAIT = 0.05  # seconds a batch of metrics alone waits for the node's other ranks'
@@ -125,6 +126,7 @@ class NodeRelay:
         self._up, self._landing, self._ranks, self._reattach = up, landing, ranks, reattach
         self._outbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._kernel = 0  # which kernel the ranks' links speak to: one more each attach
+        self._answers = GroupAnswers()  # (a head's: whom of its group it waits for)
         try:
             self._down = ranks(self._said_to(0))
         except BaseException:
@@ -199,19 +201,22 @@ class NodeRelay:
         """The next batch, each message with the kernel it was said to: whatever waits
         once a message came. Metrics alone wait up to ``_METRICS_WAIT`` more for the
         node's other ranks' (each rank sends its own about ten times a second): they
-        are reduced together. A group's head waits a moment for more of what it merges
+        are reduced together. A group's head waits for more of what it merges: until
+        every rank it handed the last Start (or roll call) to has said its end (up to
+        ``WHOLE_WAIT``: see ``group_answers``), else a moment after each report
         (``_GROUP_GAP``): its group's relays report a cell's end one after another."""
+        heads = isinstance(self._down, HeadDown)
         batch = [self._outbox.get()]
         began = time.monotonic()
         only_metrics = _is_metrics(batch[0][1])
-        merged = isinstance(self._down, HeadDown) and _merges(batch[0][1])
+        merged = heads and _merges(batch[0][1])
         while batch[-1][1] is not None and len(batch) < _BATCH_MOST:
+            if heads:
+                self._answers.heard(batch[-1][1])
             try:
                 batch.append(self._outbox.get_nowait())
             except queue.Empty:
-                now = time.monotonic()
-                wait = began + _METRICS_WAIT - now if only_metrics else \
-                    min(_GROUP_GAP, began + _GROUP_WAIT - now) if merged else 0.0
+                wait = self._more_wait(began, only_metrics, merged)
                 if wait <= 0:
                     break
                 try:
@@ -220,7 +225,20 @@ class NodeRelay:
                     break
             only_metrics = only_metrics and _is_metrics(batch[-1][1])
             merged = merged and _merges(batch[-1][1])
+        if heads and batch[-1][1] is not None:
+            self._answers.heard(batch[-1][1])
         return batch
+
+    def _more_wait(self, began: float, only_metrics: bool, merged: bool) -> float:
+        """How much longer a batch begun at ``began`` waits for the next message."""
+        now = time.monotonic()
+        if only_metrics:
+            return began + _METRICS_WAIT - now
+        if not merged:
+            return 0.0
+        if self._answers.awaited():
+            return began + WHOLE_WAIT - now
+        return min(_GROUP_GAP, began + _GROUP_WAIT - now)
 
     def _hand_down(self) -> None:
         """Hand each of the kernel's messages to the ranks it is for, until the kernel's
@@ -245,6 +263,8 @@ class NodeRelay:
         relay that stopped reading would leave its ranks, and the kernel, waiting)."""
         try:
             if isinstance(message, ToRanks):
+                if isinstance(self._down, HeadDown):
+                    self._answers.expect(message)  # (before a rank can answer)
                 self._down.send_frame_to_each(message.ranks, message.frame)
             elif isinstance(message, ForRank):  # (its data file is on this node)
                 if isinstance(self._down, HeadDown):
