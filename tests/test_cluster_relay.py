@@ -440,11 +440,14 @@ def ray_tree(ray_cluster, tmp_path_factory):  # noqa: F811
 
 
 @pytest.mark.ray
-def test_ray_a_tree_of_relays_keeps_the_state_the_exact_mean_errors_and_data(ray_tree):
+def test_ray_a_tree_of_relays_keeps_the_state_the_exact_mean_errors_data_and_interrupts(
+        ray_tree):
     check_the_kernel_speaks_to_the_group_s_head_alone(ray_tree)
     check_metrics_exact(ray_tree)
     check_a_failing_rank_is_named_with_its_traceback(ray_tree)
     check_data_crosses_the_relays_both_ways(ray_tree)
+    check_an_interrupt_reaches_every_rank_and_keeps_the_state(ray_tree)
+    check_stacks_come_from_every_rank(ray_tree)  # (a timeout's)
 
 
 @pytest.mark.ray
@@ -454,7 +457,7 @@ def test_ray_a_killed_relay_in_a_tree_is_a_node_lost_and_the_next_cell_runs(ray_
 
 
 @pytest.mark.slurm
-def test_slurm_a_tree_of_relays_keeps_the_state_the_exact_mean_errors_and_data(
+def test_slurm_a_tree_of_relays_keeps_the_state_the_exact_mean_errors_data_and_interrupts(
         slurm_env, session_jobs, tmp_path):  # noqa: F811
     kernel = Kernel(tmp_path)
     try:
@@ -465,6 +468,8 @@ def test_slurm_a_tree_of_relays_keeps_the_state_the_exact_mean_errors_and_data(
         check_metrics_exact(kernel)
         check_a_failing_rank_is_named_with_its_traceback(kernel)
         check_data_crosses_the_relays_both_ways(kernel)
+        check_an_interrupt_reaches_every_rank_and_keeps_the_state(kernel)
+        check_stacks_come_from_every_rank(kernel)  # (a timeout's)
         check_a_killed_relay_in_a_tree_loses_the_state_and_the_next_cell_runs(kernel)
         wait_until(lambda: job_ended(slurm_env, job_id), timeout=60, interval=0.2)
         status = kernel.run("%ddp_session").assert_ok().result()
