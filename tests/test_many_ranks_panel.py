@@ -30,7 +30,7 @@ def test_the_ranks_named_are_the_failed_the_behind_the_slowest_and_the_fastest()
     states = ["running"] * 40
     states[7] = states[9] = states[11] = states[13] = "failed"
     rates = {rank: 10.0 for rank in range(40)} | {20: 2.0, 30: 15.0, 7: None}
-    named = notable(states, behind={20, 21, 22, 23}, rates=rates)
+    named = notable(states, reported=[13, 9, 11, 7, 9], behind={20, 21, 22, 23}, rates=rates)
     assert named == [("failed", 7), ("failed", 9), ("failed", 11),  # three, the rest counted
                      ("behind", 20), ("behind", 21), ("behind", 22),
                      ("fastest", 30)]  # (the slowest, 20, is named already: behind)
@@ -91,3 +91,31 @@ def test_every_rank_s_state_at_once_is_each_rank_s_state():
                 attempt.stopped.add(rank)
         for ended in (False, True):
             assert attempt.states(ended) == [attempt.state(r, ended) for r in range(nprocs)]
+
+
+def test_every_rank_s_state_asked_again_and_again_as_reports_come_is_each_rank_s_state():
+    """The panel asks ten times a second while reports come (every rank started, or not
+    yet): each answer is what each rank's own state says."""
+    rng = random.Random(5)
+    for _ in range(100):
+        nprocs = rng.randint(1, 24)
+        attempt = Attempt(nprocs)
+        for _ in range(rng.randint(1, 60)):
+            rank, roll = rng.randrange(nprocs), rng.random()
+            if roll < 0.3:
+                attempt.started.add(rank)
+            elif roll < 0.6:
+                attempt.finished_quietly((rank, rng.randrange(nprocs)))
+            elif roll < 0.7:
+                attempt.results[rank] = Result(rank)
+            elif roll < 0.8:
+                attempt.debugging.symmetric_difference_update({rank})
+            elif roll < 0.85:
+                attempt.requeueing.add(rank)
+            elif roll < 0.9:
+                attempt.failures.append(failure(rank))
+            elif roll < 0.95:
+                attempt.stopped.add(rank)
+            ended = rng.random() < 0.2
+            assert attempt.states(ended) == [attempt.state(r, ended) for r in range(nprocs)]
+

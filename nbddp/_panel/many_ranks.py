@@ -9,7 +9,7 @@ widget panel's toggle); until then the kernel works out the notes of those few a
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 MANY_RANKS = 16
 """More ranks than this: counts and notable ranks, every rank on demand."""
@@ -27,12 +27,14 @@ def counts(states: Sequence[str]) -> str:
     return ", ".join(f"{tally[state]} {state}" for state in ordered)
 
 
-def notable(states: Sequence[str], behind: set[int],
+def notable(states: Sequence[str], reported: Iterable[int], behind: set[int],
             rates: Mapping[int, float | None]) -> list[tuple[str, int]]:
-    """The ranks worth naming, each with why: the first few that failed and that fall
-    behind, then the slowest and the fastest of those that report a speed."""
+    """The ranks worth naming, each with why: the first few that failed (of those that
+    ``reported`` a failure: thousands of states are not looked at one by one ten times a
+    second) and that fall behind, then the slowest and the fastest of those that report
+    a speed."""
     named: list[tuple[str, int]] = []
-    failed = [rank for rank, state in enumerate(states) if state == "failed"]
+    failed = sorted(rank for rank in set(reported) if states[rank] == "failed")
     named += [("failed", rank) for rank in failed[:SHOWN_PER_KIND]]
     named += [("behind", rank) for rank in sorted(behind)[:SHOWN_PER_KIND]]
     speeds = {rank: rate for rank, rate in rates.items() if rate is not None}

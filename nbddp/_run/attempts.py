@@ -100,10 +100,14 @@ class Attempt:
     def states(self, ended: bool = False) -> list[str]:
         """Every rank's ``state``, read from each set once (not rank by rank: a run may
         have thousands of ranks, and many failures after an interrupt)."""
-        states = ["stopped" if ended else "starting"] * self.nprocs  # (the run may have
-        # been stopped before a rank said hello: a timeout while torch imports)
-        for ranks, state in ((self.started, "stopped" if ended else "running"),
-                             (self.debugging, "debugging"), (self.requeueing, "requeueing")):
+        running = "stopped" if ended else "running"
+        if len(self.started) == self.nprocs:  # (a session's warm ranks: every one)
+            states = [running] * self.nprocs
+        else:  # (the run may have been stopped before a rank said hello: a timeout while
+            states = ["stopped" if ended else "starting"] * self.nprocs  # torch imports)
+            for rank in tuple(self.started):
+                states[rank] = running
+        for ranks, state in ((self.debugging, "debugging"), (self.requeueing, "requeueing")):
             for rank in tuple(ranks):  # (a copy: the panel may ask while reports come)
                 states[rank] = state
         failures = list(self.failures)

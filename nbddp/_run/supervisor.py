@@ -397,7 +397,8 @@ class Supervisor:
         self.state.behind = {r for r in self.view.behind(rates) if states[r] == "running"}
         only = None
         if self.config.nprocs > MANY_RANKS:
-            self.state.notable = notable(states, self.state.behind, rates)
+            reported = [failure.rank for failure in self.attempt.failures]
+            self.state.notable = notable(states, reported, self.state.behind, rates)
             only = {rank for _, rank in self.state.notable}
             view = self.view  # (the panel keeps this: no reference back to the supervisor)
             self.state.every_note = lambda: _notes(view, states, rates)
