@@ -12,7 +12,7 @@ import pytest
 
 from nbddp._run.attempts import Attempt
 from nbddp._run.config import RunConfig
-from nbddp._run.group import RankGroup
+from nbddp._run.group import LauncherExited, RankGroup
 from nbddp._run.pump import Pump
 from nbddp._run.records import Records
 from nbddp._run.supervisor import Supervisor
@@ -166,6 +166,24 @@ def test_ranks_that_fail_of_themselves_are_failed_those_that_lose_a_peer_stopped
     sup.pump.drain()
     sup.ended = True
     assert sup.rank_states() == ["stopped", "failed", "failed", "stopped"]
+
+
+def test_torchrun_heard_to_end_before_its_ranks_links_the_ranks_are_named_as_they_ended(
+        supervised):
+    """torchrun is killed mid-run with a node's relay in it: the kernel may hear that it
+    ended before the relay's link closes, which says the node's ranks were lost with it.
+    The run waits for that (not: "torchrun failed before the ranks ran")."""
+    sup, put = supervised()
+    for rank in (0, 1):
+        put(said(rank, Hello(rank, 100 + rank), 0))
+    put(LauncherExited(-9))
+    links_close = threading.Timer(0.3, lambda: [put(Disconnected(rank, relay_lost=True))
+                                                for rank in (0, 1)])
+    links_close.start()
+    ending = sup.watch(time.monotonic() + 30, lambda: None)
+    links_close.join()
+    assert ending.kind == "failed"
+    assert [(f.rank, f.relay_lost) for f in sup.attempt.failures] == [(0, True), (1, True)]
 
 
 def test_a_cancelled_run_takes_in_nothing_more(supervised):

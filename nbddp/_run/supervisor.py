@@ -319,7 +319,16 @@ class Supervisor:
         error = self.hooks.ended_early()
         if error is not None:
             return Ending("stopped", error)
+        self.pump.run(self._every_started_rank_heard_of, _DEATH_REPORT_WAIT)
         return self._stopped_from_outside() or Ending("failed")
+
+    def _every_started_rank_heard_of(self) -> bool:
+        """Every rank that said hello has reported its end, or its link has closed. (When
+        torchrun dies, its ranks die with it, and a node's relay in it: the kernel may
+        hear that it ended before their links' ends, which say how the ranks ended.)"""
+        attempt = self.attempt
+        heard = {*attempt.results, *attempt.requeueing, *(f.rank for f in attempt.failures)}
+        return attempt.started <= heard
 
     def _stopped_from_outside(self) -> Ending | None:
         """The run's end if someone else stopped the ranks (SLURM's time limit, a
