@@ -52,7 +52,10 @@ class GroupAnswers:
     def expect(self, message: ToRanks) -> None:
         """The head hands ``message`` down to its group's ranks: if it is a Start or a
         roll call, wait for those ranks' ends or answers (instead of the last one's)."""
-        kind = type(decode(memoryview(message.frame)[HEADER_SIZE:]))
+        try:
+            kind = type(decode(memoryview(message.frame)[HEADER_SIZE:]))
+        except Exception:  # noqa: BLE001 - the ranks are told it all the same; unawaited
+            return
         if kind in (Start, RollCall):
             with self._lock:
                 self._kind, self._waiting = kind, set(message.ranks)
