@@ -118,4 +118,3 @@ def test_every_rank_s_state_asked_again_and_again_as_reports_come_is_each_rank_s
                 attempt.stopped.add(rank)
             ended = rng.random() < 0.2
             assert attempt.states(ended) == [attempt.state(r, ended) for r in range(nprocs)]
-

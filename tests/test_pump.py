@@ -186,6 +186,21 @@ def test_torchrun_heard_to_end_before_its_ranks_links_the_ranks_are_named_as_the
     assert [(f.rank, f.relay_lost) for f in sup.attempt.failures] == [(0, True), (1, True)]
 
 
+def test_torchrun_heard_to_end_before_its_ranks_last_results_the_run_returned(supervised):
+    """torchrun ends as its ranks return: their last results, read a moment after its
+    end, still make the run's end a return."""
+    sup, put = supervised()
+    for rank in (0, 1):
+        put(said(rank, Hello(rank, 100 + rank), 0))
+    put(said(0, Result(0, b"x"), 1))
+    put(LauncherExited(0))
+    last = threading.Timer(0.3, lambda: put(said(1, Result(1), 1)))
+    last.start()
+    ending = sup.watch(time.monotonic() + 30, lambda: None)
+    last.join()
+    assert ending.kind == "returned"
+
+
 def test_a_cancelled_run_takes_in_nothing_more(supervised):
     sup, put = supervised()
     put(said(0, Result(0), 0))

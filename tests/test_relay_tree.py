@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from nbddp._rank import relay as relay_module
 from nbddp._rank.relay import compact, merged, node_relay
 from nbddp._wire.channel import MAGIC, ChannelClient, ChannelServer, new_key
 from nbddp._wire.history import History
@@ -174,18 +175,35 @@ def _answered(kind: str, found: list) -> list[int]:
     return sorted(rank for m in found if isinstance(m, merged) for rank in m.ranks)
 
 
+HELD = 30.0  # seconds a head may hold its group's ends in these tests: longer than they
+# wait for anything (a head that held them that long, not until its group is whole, fails)
+
+
+def started(kernel: Kernel, ranks, parts) -> Start:
+    """Send a Start to each of ``parts`` (lists of ranks) in turn; every rank has it."""
+    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
+    for part in parts:
+        assert kernel.server.send_to_each(part, start) == set()
+    for rank in sorted(rank for part in parts for rank in part):
+        assert ranks[rank].receive() == start
+    return start
+
+
 @pytest.mark.parametrize("kind", ["Start", "RollCall"])
-def test_a_head_sends_its_group_s_ends_once_even_when_its_ranks_end_spread_out(tree, kind):
+def test_a_head_sends_its_group_s_ends_once_even_when_its_ranks_end_spread_out(
+        tree, kind, monkeypatch):
     """Each rank ends (or answers the roll call) 15 ms after the one before, over 120 ms
     in all: a head that sent what came within a moment of each report sent its group's
     in several messages. It knows whom it handed the Start (the roll call) to, and waits
-    for them all: one message per group."""
+    for them all: one message per group, as soon as the last one has spoken."""
     kernel, _, ranks = tree
-    message = Start("v", "records", "payload", options=None) if kind == "Start" \
-        else RollCall(7)  # type: ignore[arg-type]
-    assert kernel.server.send_to_each(range(len(ranks)), message) == set()
-    for rank in ranks:
-        assert rank.receive() == message
+    monkeypatch.setattr(relay_module, "WHOLE_WAIT", HELD)
+    if kind == "Start":
+        started(kernel, ranks, [range(len(ranks))])
+    else:
+        assert kernel.server.send_to_each(range(len(ranks)), RollCall(7)) == set()
+        for rank in ranks:
+            assert rank.receive() == RollCall(7)
     for number, rank in enumerate(ranks):
         rank.send(_answer(kind, number, 1))
         time.sleep(SPREAD)
@@ -193,14 +211,25 @@ def test_a_head_sends_its_group_s_ends_once_even_when_its_ranks_end_spread_out(t
     assert len(came) == NODES // group_size(NODES) == 2, came
 
 
-def test_a_head_sends_its_group_s_ends_without_a_rank_that_stays_silent(tree):
-    """One rank of the first group does not end: the head does not hold the others' ends
-    for it (only ``WHOLE_WAIT``), and the silent rank's end follows when it comes."""
+def test_a_start_handed_to_a_group_in_parts_is_awaited_from_every_part(tree, monkeypatch):
+    """A cluster session sends a cell's Start node by node when its payload is a file
+    (each node's once its copy is kept): the head waits for the ranks of every part."""
     kernel, _, ranks = tree
-    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
-    assert kernel.server.send_to_each(range(len(ranks)), start) == set()
-    for rank in ranks:
-        assert rank.receive() == start
+    monkeypatch.setattr(relay_module, "WHOLE_WAIT", HELD)
+    started(kernel, ranks, [ranks_of(0), ranks_of(1)])  # (the first group, in two parts)
+    for number in [*ranks_of(1), *ranks_of(0)]:  # (the last part's ranks end first)
+        ranks[number].send(_answer("Start", number, 1))
+        time.sleep(SPREAD)
+    group = [*ranks_of(0), *ranks_of(1)]
+    came = kernel.until(lambda found: _answered("Start", found) == group)
+    assert len(came) == 1, came
+
+
+def test_a_head_sends_its_group_s_ends_without_a_rank_that_stays_silent(tree):
+    """One rank of the first group does not end: the head holds the others' ends no
+    longer than ``WHOLE_WAIT``, and the silent rank's end follows when it comes."""
+    kernel, _, ranks = tree
+    started(kernel, ranks, [range(len(ranks))])
     silent = 3  # (node 1's second rank: node 1 speaks through node 0, the group's head)
     for number, rank in enumerate(ranks):
         if number != silent:
@@ -209,6 +238,23 @@ def test_a_head_sends_its_group_s_ends_without_a_rank_that_stays_silent(tree):
     kernel.until(lambda found: _answered("Start", found) == others)
     ranks[silent].send(_answer("Start", silent, 1))
     assert _answered("Start", kernel.take(1)) == [silent]
+
+
+def test_a_rank_whose_link_closes_is_not_waited_for(tree, monkeypatch):
+    """A rank of the first group goes without a word before the others end: the kernel
+    hears that it went, and the others' ends come on once they have all ended."""
+    kernel, _, ranks = tree
+    monkeypatch.setattr(relay_module, "WHOLE_WAIT", HELD)
+    started(kernel, ranks, [range(len(ranks))])
+    gone = 3
+    ranks[gone].close()
+    kernel.until(lambda found: any(isinstance(m, Disconnected) and m.rank == gone
+                                   for m in found))
+    others = [rank for rank in range(len(ranks)) if rank != gone]
+    for number in others:
+        ranks[number].send(_answer("Start", number, 1))
+    came = kernel.until(lambda found: _answered("Start", found) == others)
+    assert len(came) == 2, came
 
 
 RELAY_PROCESS = """

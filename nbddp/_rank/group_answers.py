@@ -14,6 +14,7 @@ failure, a prompt) goes on at once with what was held.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 from .._wire.messages import (
@@ -40,25 +41,38 @@ _ENDS = (Result, Failure, Requeueing)
 
 
 class GroupAnswers:
-    """The ranks whose end of the run (or answer to the roll call) the head handed on last
-    has not come yet. ``expect`` is called as the head hands a message down, ``heard``
-    as its group's messages come up: two threads."""
+    """Of the ranks the head handed the last Start (or roll call) to, those that have not
+    said their end (their answer) yet. ``expect`` and ``unreached`` are called as the
+    head hands messages down, ``heard`` as its group's messages come up: two threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._kind: type | None = None  # Start or RollCall: what is awaited
-        self._waiting: set[int] = set()
+        self._handed: set[int] = set()  # the ranks it went to
+        self._waiting: set[int] = set()  # ... that have not answered yet
 
     def expect(self, message: ToRanks) -> None:
         """The head hands ``message`` down to its group's ranks: if it is a Start or a
-        roll call, wait for those ranks' ends or answers (instead of the last one's)."""
+        roll call, wait for those ranks' ends or answers. A cell's Start may come in
+        parts (a node's when its copy of the payload is kept, a rank's when it says
+        hello): ranks it did not go to yet are awaited along with the others; one it
+        went to already means the next cell's."""
         try:
             kind = type(decode(memoryview(message.frame)[HEADER_SIZE:]))
         except Exception:  # noqa: BLE001 - the ranks are told it all the same; unawaited
             return
-        if kind in (Start, RollCall):
-            with self._lock:
-                self._kind, self._waiting = kind, set(message.ranks)
+        if kind not in (Start, RollCall):
+            return
+        with self._lock:
+            if kind is not self._kind or not self._handed.isdisjoint(message.ranks):
+                self._kind, self._handed, self._waiting = kind, set(), set()
+            self._handed.update(message.ranks)
+            self._waiting.update(message.ranks)
+
+    def unreached(self, ranks: Iterable[int]) -> None:
+        """The head could not hand the message on to ``ranks`` (gone): none will answer."""
+        with self._lock:
+            self._waiting.difference_update(ranks)
 
     def heard(self, message: Any) -> None:
         """``message`` came up from the group: the ranks it ends for are no longer awaited."""

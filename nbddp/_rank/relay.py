@@ -263,9 +263,12 @@ class NodeRelay:
         relay that stopped reading would leave its ranks, and the kernel, waiting)."""
         try:
             if isinstance(message, ToRanks):
-                if isinstance(self._down, HeadDown):
+                heads = isinstance(self._down, HeadDown)
+                if heads:
                     self._answers.expect(message)  # (before a rank can answer)
-                self._down.send_frame_to_each(message.ranks, message.frame)
+                missed = self._down.send_frame_to_each(message.ranks, message.frame)
+                if heads and missed:
+                    self._answers.unreached(missed)
             elif isinstance(message, ForRank):  # (its data file is on this node)
                 if isinstance(self._down, HeadDown):
                     self._down.hand_on(message)

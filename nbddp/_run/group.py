@@ -84,6 +84,8 @@ class RankGroup:
     ended: true where the kernel owns the processes (and sees them off regardless)."""
     reusable = False
     """A session's group: its ranks go back to rest after each run, for the next."""
+    hears_link_ends = True
+    """A rank whose link to the kernel closes is said to be gone (``Disconnected``)."""
 
     def __init__(self, nprocs: int, run_dir: RunDir) -> None:
         self.nprocs, self.run_dir = nprocs, run_dir

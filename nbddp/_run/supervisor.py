@@ -51,6 +51,7 @@ _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
 _OUTPUT_INTERVAL = 0.05  # the ranks' logs are read at most twenty times a second
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
 _RESTART_GATHER = 1.0  # how long a failed attempt's other reports may take to come in
+_LINKS_END_WAIT = 2.0  # how long the ranks' links' ends may come after torchrun's
 
 
 @dataclass(frozen=True)
@@ -310,22 +311,27 @@ class Supervisor:
         self.panel.refresh(self.state)
 
     def _launcher_ended(self) -> Ending:
-        """torchrun or the batch job ended before every rank returned."""
+        """torchrun or the batch job ended before every rank returned (as far as the
+        kernel has heard: where it hears its ranks' links close, it waits up to
+        ``_LINKS_END_WAIT`` for every rank that said hello to be heard of first)."""
         self.group.sync()  # what the ranks wrote just before it ended
         self.pump.drain()
         self._follow_restarts()
+        if not self.attempt.returned and self.group.hears_link_ends:
+            self.pump.run(self._every_started_rank_heard_of, _LINKS_END_WAIT)
+            self._follow_restarts()
         if self.attempt.returned:
             return Ending("returned")  # e.g. gloo aborting at exit after a clean run
         error = self.hooks.ended_early()
         if error is not None:
             return Ending("stopped", error)
-        self.pump.run(self._every_started_rank_heard_of, _DEATH_REPORT_WAIT)
         return self._stopped_from_outside() or Ending("failed")
 
     def _every_started_rank_heard_of(self) -> bool:
         """Every rank that said hello has reported its end, or its link has closed. (When
-        torchrun dies, its ranks die with it, and a node's relay in it: the kernel may
-        hear that it ended before their links' ends, which say how the ranks ended.)"""
+        torchrun ends, its ranks end with it, and a node's relay in it: the kernel may
+        hear that it ended before their links' ends and last reports, which say how the
+        ranks ended, or that they all returned.)"""
         attempt = self.attempt
         heard = {*attempt.results, *attempt.requeueing, *(f.rank for f in attempt.failures)}
         return attempt.started <= heard

@@ -33,6 +33,8 @@ class SlurmGroup(RankGroup):
     """A batch job's ranks: they report over TCP when they can reach the kernel, and
     always through mailbox files in the run folder (which is also its records)."""
 
+    hears_link_ends = False  # (a rank's mailbox speaks for it: see ``_deliver``)
+
     def __init__(self, config: RunConfig, run_dir: RunDir) -> None:
         super().__init__(config.nprocs, run_dir)
         self.config = config
