@@ -168,20 +168,27 @@ def test_ranks_that_fail_of_themselves_are_failed_those_that_lose_a_peer_stopped
     assert sup.rank_states() == ["stopped", "failed", "failed", "stopped"]
 
 
+def watched_as_torchrun_ends(sup, put, before: list, code: int, after: list):
+    """Both ranks say hello and ``before``, then torchrun ends with ``code``, and ``after``
+    comes a moment later: how the run ended."""
+    for event in [said(0, Hello(0, 100), 0), said(1, Hello(1, 101), 0), *before]:
+        put(event)
+    put(LauncherExited(code))
+    later = threading.Timer(0.3, lambda: [put(event) for event in after])
+    later.start()
+    ending = sup.watch(time.monotonic() + 30, lambda: None)
+    later.join()
+    return ending
+
+
 def test_torchrun_heard_to_end_before_its_ranks_links_the_ranks_are_named_as_they_ended(
         supervised):
     """torchrun is killed mid-run with a node's relay in it: the kernel may hear that it
     ended before the relay's link closes, which says the node's ranks were lost with it.
     The run waits for that (not: "torchrun failed before the ranks ran")."""
     sup, put = supervised()
-    for rank in (0, 1):
-        put(said(rank, Hello(rank, 100 + rank), 0))
-    put(LauncherExited(-9))
-    links_close = threading.Timer(0.3, lambda: [put(Disconnected(rank, relay_lost=True))
-                                                for rank in (0, 1)])
-    links_close.start()
-    ending = sup.watch(time.monotonic() + 30, lambda: None)
-    links_close.join()
+    ending = watched_as_torchrun_ends(
+        sup, put, [], -9, [Disconnected(rank, relay_lost=True) for rank in (0, 1)])
     assert ending.kind == "failed"
     assert [(f.rank, f.relay_lost) for f in sup.attempt.failures] == [(0, True), (1, True)]
 
@@ -190,14 +197,8 @@ def test_torchrun_heard_to_end_before_its_ranks_last_results_the_run_returned(su
     """torchrun ends as its ranks return: their last results, read a moment after its
     end, still make the run's end a return."""
     sup, put = supervised()
-    for rank in (0, 1):
-        put(said(rank, Hello(rank, 100 + rank), 0))
-    put(said(0, Result(0, b"x"), 1))
-    put(LauncherExited(0))
-    last = threading.Timer(0.3, lambda: put(said(1, Result(1), 1)))
-    last.start()
-    ending = sup.watch(time.monotonic() + 30, lambda: None)
-    last.join()
+    ending = watched_as_torchrun_ends(sup, put, [said(0, Result(0, b"x"), 1)], 0,
+                                      [said(1, Result(1), 1)])
     assert ending.kind == "returned"
 
 

@@ -179,14 +179,15 @@ HELD = 30.0  # seconds a head may hold its group's ends in these tests: longer t
 # wait for anything (a head that held them that long, not until its group is whole, fails)
 
 
-def started(kernel: Kernel, ranks, parts) -> Start:
-    """Send a Start to each of ``parts`` (lists of ranks) in turn; every rank has it."""
-    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
+def handed(kernel: Kernel, ranks, parts, kind: str = "Start") -> None:
+    """Send a Start (or a roll call) to each of ``parts`` (lists of ranks) in turn; every
+    rank has it."""
+    message = Start("v", "records", "payload", options=None) if kind == "Start" \
+        else RollCall(7)  # type: ignore[arg-type]
     for part in parts:
-        assert kernel.server.send_to_each(part, start) == set()
+        assert kernel.server.send_to_each(part, message) == set()
     for rank in sorted(rank for part in parts for rank in part):
-        assert ranks[rank].receive() == start
-    return start
+        assert ranks[rank].receive() == message
 
 
 @pytest.mark.parametrize("kind", ["Start", "RollCall"])
@@ -198,12 +199,7 @@ def test_a_head_sends_its_group_s_ends_once_even_when_its_ranks_end_spread_out(
     for them all: one message per group, as soon as the last one has spoken."""
     kernel, _, ranks = tree
     monkeypatch.setattr(relay_module, "WHOLE_WAIT", HELD)
-    if kind == "Start":
-        started(kernel, ranks, [range(len(ranks))])
-    else:
-        assert kernel.server.send_to_each(range(len(ranks)), RollCall(7)) == set()
-        for rank in ranks:
-            assert rank.receive() == RollCall(7)
+    handed(kernel, ranks, [range(len(ranks))], kind)
     for number, rank in enumerate(ranks):
         rank.send(_answer(kind, number, 1))
         time.sleep(SPREAD)
@@ -216,7 +212,7 @@ def test_a_start_handed_to_a_group_in_parts_is_awaited_from_every_part(tree, mon
     (each node's once its copy is kept): the head waits for the ranks of every part."""
     kernel, _, ranks = tree
     monkeypatch.setattr(relay_module, "WHOLE_WAIT", HELD)
-    started(kernel, ranks, [ranks_of(0), ranks_of(1)])  # (the first group, in two parts)
+    handed(kernel, ranks, [ranks_of(0), ranks_of(1)])  # (the first group, in two parts)
     for number in [*ranks_of(1), *ranks_of(0)]:  # (the last part's ranks end first)
         ranks[number].send(_answer("Start", number, 1))
         time.sleep(SPREAD)
@@ -229,7 +225,7 @@ def test_a_head_sends_its_group_s_ends_without_a_rank_that_stays_silent(tree):
     """One rank of the first group does not end: the head holds the others' ends no
     longer than ``WHOLE_WAIT``, and the silent rank's end follows when it comes."""
     kernel, _, ranks = tree
-    started(kernel, ranks, [range(len(ranks))])
+    handed(kernel, ranks, [range(len(ranks))])
     silent = 3  # (node 1's second rank: node 1 speaks through node 0, the group's head)
     for number, rank in enumerate(ranks):
         if number != silent:
@@ -245,7 +241,7 @@ def test_a_rank_whose_link_closes_is_not_waited_for(tree, monkeypatch):
     hears that it went, and the others' ends come on once they have all ended."""
     kernel, _, ranks = tree
     monkeypatch.setattr(relay_module, "WHOLE_WAIT", HELD)
-    started(kernel, ranks, [range(len(ranks))])
+    handed(kernel, ranks, [range(len(ranks))])
     gone = 3
     ranks[gone].close()
     kernel.until(lambda found: any(isinstance(m, Disconnected) and m.rank == gone

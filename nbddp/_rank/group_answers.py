@@ -29,7 +29,6 @@ from .._wire.messages import (
     RollCall,
     Sequenced,
     Start,
-    ToRanks,
     decode,
 )
 
@@ -43,7 +42,8 @@ _ENDS = (Result, Failure, Requeueing)
 class GroupAnswers:
     """Of the ranks the head handed the last Start (or roll call) to, those that have not
     said their end (their answer) yet. ``expect`` and ``unreached`` are called as the
-    head hands messages down, ``heard`` as its group's messages come up: two threads."""
+    head hands messages down (``relay.HeadDown``), ``heard`` as its group's messages
+    come up: two threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -51,23 +51,23 @@ class GroupAnswers:
         self._handed: set[int] = set()  # the ranks it went to
         self._waiting: set[int] = set()  # ... that have not answered yet
 
-    def expect(self, message: ToRanks) -> None:
-        """The head hands ``message`` down to its group's ranks: if it is a Start or a
+    def expect(self, ranks: tuple[int, ...], frame: bytes) -> None:
+        """The head hands ``frame`` down to ``ranks`` of its group: if it is a Start or a
         roll call, wait for those ranks' ends or answers. A cell's Start may come in
         parts (a node's when its copy of the payload is kept, a rank's when it says
         hello): ranks it did not go to yet are awaited along with the others; one it
         went to already means the next cell's."""
         try:
-            kind = type(decode(memoryview(message.frame)[HEADER_SIZE:]))
+            kind = type(decode(memoryview(frame)[HEADER_SIZE:]))
         except Exception:  # noqa: BLE001 - the ranks are told it all the same; unawaited
             return
         if kind not in (Start, RollCall):
             return
         with self._lock:
-            if kind is not self._kind or not self._handed.isdisjoint(message.ranks):
+            if kind is not self._kind or not self._handed.isdisjoint(ranks):
                 self._kind, self._handed, self._waiting = kind, set(), set()
-            self._handed.update(message.ranks)
-            self._waiting.update(message.ranks)
+            self._handed.update(ranks)
+            self._waiting.update(ranks)
 
     def unreached(self, ranks: Iterable[int]) -> None:
         """The head could not hand the message on to ``ranks`` (gone): none will answer."""

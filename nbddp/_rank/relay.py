@@ -82,17 +82,25 @@ class HeadDown:
     """A group's head relay's side towards its node's ranks and its group's relays
     (``_wire.relay_tree``): a message for ranks goes to those on this node, and once to
     each relay for the ranks behind it. A message with a data file for a rank behind
-    another relay goes on to it with its file."""
+    another relay goes on to it with its file. Whom it hands a Start (or a roll call)
+    to, it waits to hear from (``answers``: the head's relay holds their ends until
+    then)."""
 
     def __init__(self, ranks: Ranks, relays: ChannelServer) -> None:
         self.ranks, self.relays = ranks, relays
+        self.answers = GroupAnswers()
 
     def send_encoded(self, rank: int, frame: bytes) -> bool:
         return self.ranks.send_encoded(rank, frame) or self.relays.send_encoded(rank, frame)
 
     def send_frame_to_each(self, ranks: Iterable[int], frame: bytes) -> set[int]:
+        ranks = tuple(ranks)
+        self.answers.expect(ranks, frame)  # (before a rank can answer)
         missed = self.ranks.send_frame_to_each(ranks, frame)
-        return self.relays.send_frame_to_each(missed, frame) if missed else missed
+        missed = self.relays.send_frame_to_each(missed, frame) if missed else missed
+        if missed:
+            self.answers.unreached(missed)
+        return missed
 
     def hand_on(self, message: ForRank) -> None:
         """``message`` came with a data file, which landed on this node: to its rank here,
@@ -126,7 +134,6 @@ class NodeRelay:
         self._up, self._landing, self._ranks, self._reattach = up, landing, ranks, reattach
         self._outbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._kernel = 0  # which kernel the ranks' links speak to: one more each attach
-        self._answers = GroupAnswers()  # (a head's: whom of its group it waits for)
         try:
             self._down = ranks(self._said_to(0))
         except BaseException:
@@ -205,18 +212,22 @@ class NodeRelay:
         every rank it handed the last Start (or roll call) to has said its end (up to
         ``WHOLE_WAIT``: see ``group_answers``), else a moment after each report
         (``_GROUP_GAP``): its group's relays report a cell's end one after another."""
-        heads = isinstance(self._down, HeadDown)
         batch = [self._outbox.get()]
         began = time.monotonic()
+        down = self._down  # (a head's, as the batch begins)
+        answers = down.answers if isinstance(down, HeadDown) else None
         only_metrics = _is_metrics(batch[0][1])
-        merged = heads and _merges(batch[0][1])
-        while batch[-1][1] is not None and len(batch) < _BATCH_MOST:
-            if heads:
-                self._answers.heard(batch[-1][1])
+        merged = answers is not None and _merges(batch[0][1])
+        while True:
+            if answers is not None:
+                answers.heard(batch[-1][1])  # (each message once, as it joins)
+            if batch[-1][1] is None or len(batch) >= _BATCH_MOST:
+                break
             try:
                 batch.append(self._outbox.get_nowait())
             except queue.Empty:
-                wait = self._more_wait(began, only_metrics, merged)
+                awaited = answers is not None and answers.awaited()
+                wait = _more_wait(began, only_metrics, merged, awaited)
                 if wait <= 0:
                     break
                 try:
@@ -225,20 +236,7 @@ class NodeRelay:
                     break
             only_metrics = only_metrics and _is_metrics(batch[-1][1])
             merged = merged and _merges(batch[-1][1])
-        if heads and batch[-1][1] is not None:
-            self._answers.heard(batch[-1][1])
         return batch
-
-    def _more_wait(self, began: float, only_metrics: bool, merged: bool) -> float:
-        """How much longer a batch begun at ``began`` waits for the next message."""
-        now = time.monotonic()
-        if only_metrics:
-            return began + _METRICS_WAIT - now
-        if not merged:
-            return 0.0
-        if self._answers.awaited():
-            return began + WHOLE_WAIT - now
-        return min(_GROUP_GAP, began + _GROUP_WAIT - now)
 
     def _hand_down(self) -> None:
         """Hand each of the kernel's messages to the ranks it is for, until the kernel's
@@ -263,12 +261,7 @@ class NodeRelay:
         relay that stopped reading would leave its ranks, and the kernel, waiting)."""
         try:
             if isinstance(message, ToRanks):
-                heads = isinstance(self._down, HeadDown)
-                if heads:
-                    self._answers.expect(message)  # (before a rank can answer)
-                missed = self._down.send_frame_to_each(message.ranks, message.frame)
-                if heads and missed:
-                    self._answers.unreached(missed)
+                self._down.send_frame_to_each(message.ranks, message.frame)
             elif isinstance(message, ForRank):  # (its data file is on this node)
                 if isinstance(self._down, HeadDown):
                     self._down.hand_on(message)
@@ -418,6 +411,18 @@ def _place_in_tree(connect: Callable[[], ChannelClient], key: bytes, inbox: Inbo
         return up, False
     up.close()
     return head, False
+
+
+def _more_wait(began: float, only_metrics: bool, merged: bool, awaited: bool) -> float:
+    """How much longer a batch begun at ``began`` waits for the next message."""
+    now = time.monotonic()
+    if only_metrics:
+        return began + _METRICS_WAIT - now
+    if not merged:
+        return 0.0
+    if awaited:
+        return began + WHOLE_WAIT - now
+    return min(_GROUP_GAP, began + _GROUP_WAIT - now)
 
 
 def compact(batch: list[Any]) -> list[Any]:

@@ -333,8 +333,7 @@ class Supervisor:
         hear that it ended before their links' ends and last reports, which say how the
         ranks ended, or that they all returned.)"""
         attempt = self.attempt
-        heard = {*attempt.results, *attempt.requeueing, *(f.rank for f in attempt.failures)}
-        return attempt.started <= heard
+        return attempt.started <= attempt.reported | {f.rank for f in attempt.failures}
 
     def _stopped_from_outside(self) -> Ending | None:
         """The run's end if someone else stopped the ranks (SLURM's time limit, a
