@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -106,10 +107,11 @@ NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                reason="ray is not installed")
 
 
-def _launch_says(address: str | None, ray_address: str, first: str = "") -> str:
+def _launch_says(address: str | None, ray_address: str, first: str = "",
+                 **env_too: str) -> str:
     """What a launch on Ray at ``address`` prints, in a process of its own (which runs
-    ``first`` before it)."""
-    env = {**os.environ, "RAY_ADDRESS": ray_address}
+    ``first`` before it), with ``env_too`` in its environment."""
+    env = {**os.environ, "RAY_ADDRESS": ray_address, **env_too}
     code = first + CONNECT.replace("ADDRESS", repr(address))
     return subprocess.run([sys.executable, "-c", code], env=env, timeout=60,
                           capture_output=True, text=True).stdout
@@ -124,6 +126,25 @@ def test_no_cluster_at_the_address_given_is_a_clear_error_at_once(where):
     said = _launch_says(address, "") if where == "address" else _launch_says(None, address)
     assert f"no Ray cluster reachable at '{address}' (nothing answers there" in said, said
     assert "start one (`ray start --head` on this machine" in said, said
+
+
+@NEEDS_RAY
+def test_a_dead_cluster_s_address_left_by_ray_start_is_a_clear_error_at_once(tmp_path):
+    """No address given: Ray would take the one the last ``ray start`` left in its temp
+    folder, which stays after a cluster killed without ``ray stop``, and retry it for
+    minutes. The launch says that nothing answers there, and where the address came
+    from. (Ray's look for clusters running on this machine, which would take a test
+    cluster running beside this test instead, finds none here.)"""
+    port = _closed_port()
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(f"127.0.0.1:{port}")
+    said = _launch_says(None, "", first=NO_RAY_RUNNING, RAY_TMPDIR=str(tmp_path))
+    assert re.search(rf"no Ray cluster reachable at '[0-9.]+:{port}' \(nothing answers "
+                     r"there: .*the last `ray start`'s on this machine", said), said
+
+
+NO_RAY_RUNNING = ("import functools, ray._private.services as services\n"
+                  "services.find_gcs_addresses = functools.cache(lambda: [])\n")
 
 
 @NEEDS_RAY

@@ -3,7 +3,10 @@
 ``import nbddp`` never imports ray: this module does, when a Ray run or session starts.
 ``ray.init()`` with no cluster would start one inside the kernel; nbddp asks for a
 running cluster instead (``RAY_ADDRESS``, or the one started on this machine by ``ray
-start``), and says how to start one when there is none. A kernel already connected
+start``), and says how to start one when there is none. Wherever the address comes from
+(the one ``ray start`` left in Ray's temp folder too, which outlives a cluster killed
+without ``ray stop``), nbddp first checks that something answers there: ``ray.init``
+would retry a dead address for minutes. A kernel already connected
 (the user's own ``ray.init``) is used as it is. ``ray.init`` points ``breakpoint()``
 at Ray's debugger (``PYTHONBREAKPOINT``): nbddp puts the notebook's own setting back,
 so that every rank's ``breakpoint()`` still opens in the notebook.
@@ -44,7 +47,11 @@ def connect(address: str | None) -> ModuleType:
     if target.startswith("ray://"):
         raise NbddpError(f"RAY_ADDRESS={target} is a Ray Client address: nbddp needs the "
                          "kernel inside the cluster (give the GCS address, host:port)")
-    _check_answers(target)
+    found = _found(target)
+    _check_answers(found, "" if found == target else
+                   "; that address is the last `ray start`'s on this machine: was its "
+                   "cluster stopped without `ray stop`?")
+    target = found
     breakpoint_hook = os.environ.get("PYTHONBREAKPOINT")
     try:
         ray.init(address=target, namespace=NAMESPACE, log_to_driver=False,
@@ -56,16 +63,31 @@ def connect(address: str | None) -> ModuleType:
     return ray
 
 
-def _check_answers(target: str) -> None:
+def _found(target: str) -> str:
+    """``target``, or for ``"auto"`` the cluster Ray would connect to: one running on
+    this machine, else the last ``ray start``'s address (still ``"auto"`` where Ray finds
+    neither: its ``ray.init`` then says so at once)."""
+    if target != "auto":
+        return target
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(target) or target
+    except Exception:  # noqa: BLE001 - nothing found, or Ray's lookup moved: ray.init looks
+        return target
+
+
+def _check_answers(target: str, found_as: str = "") -> None:
     """An address given as ``HOST:PORT`` where nothing answers raises at once: ``ray.init``
-    would wait minutes for it, retrying."""
+    would wait minutes for it, retrying (``found_as``: where it came from, said after)."""
     host, _, port = target.rpartition(":")
     if not host or not port.isdigit():
         return  # ("auto": Ray looks for a cluster on this machine itself, at once)
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_WAIT).close()
     except OSError as exc:
-        raise _unreachable(target, f"nothing answers there: {exc.strerror or exc}") from None
+        raise _unreachable(target, f"nothing answers there: {exc.strerror or exc}"
+                                   f"{found_as}") from None
 
 
 def _unreachable(target: str, why: str) -> NbddpError:
