@@ -269,10 +269,12 @@ class DDPMagics(Magics):
         if args.export:
             return _export_cell(code, args.export, run, _values(Slurm, args))
         if session is not None:
-            result = Job.started_held(lambda: session.submit(
-                code, timeout=run["timeout"],  # None: the session's
+            config = session._config_for(
+                timeout=run["timeout"],  # None: the session's
                 output=None if run["output"] == "rank0" else run["output"],
-                stall_after=run["stall_after"], pdb=run["pdb"], ranks=ranks)).result()
+                stall_after=run["stall_after"], pdb=run["pdb"], ranks=ranks)
+            result = Job.started_held(lambda: session._submitted(
+                code, (), {}, config, caller_waits=True)).result()
         else:
             result = self._launch(code, args, run)
         self._shell.user_ns.update(result.outputs)

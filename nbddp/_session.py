@@ -145,14 +145,16 @@ class Session:
         their state; the value is the lowest one's; a collective in ``fn`` would wait for
         the others forever). Interrupting the wait interrupts the ranks."""
         __tracebackhide__ = True
-        return Job.started_held(lambda: self.submit(fn, args, kwargs, ranks=ranks)).result()
+        return Job.started_held(lambda: self._submitted(
+            fn, args, kwargs, self._config_for(ranks=ranks), caller_waits=True)).result()
 
     def run_all(self, fn: Callable[..., R], /, *args: Any, ranks: Sequence[int] | None = None,
                 **kwargs: Any) -> list[R]:
         """Like ``run``, with every rank's value (each of ``ranks``'), in rank order."""
         __tracebackhide__ = True
-        return Job.started_held(lambda: self.submit(fn, args, kwargs, all_ranks=True,
-                                                    ranks=ranks)).result()
+        return Job.started_held(lambda: self._submitted(
+            fn, args, kwargs, self._config_for(all_ranks=True, ranks=ranks),
+            caller_waits=True)).result()
 
     def submit(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None, *, all_ranks: bool = False,
@@ -161,22 +163,39 @@ class Session:
                stdout: TextIO | None = None,
                stall_after: float | None = DEFAULT_STALL_AFTER, pdb: bool = False,
                ranks: Sequence[int] | None = None) -> Job:
-        """Hand one run to the ranks and return its ``Job`` at once (``%%ddp`` uses this).
+        """Hand one run to the ranks and return its ``Job`` at once.
         ``timeout`` and ``output`` default to the session's; ``pdb``: a rank that raises
         opens pdb in the notebook at the failing frame first (as ``launch``'s);
         ``ranks``: the ranks that run it (as ``run``'s)."""
         __tracebackhide__ = True
-        config = self._configs.for_run(self.config, all_ranks=all_ranks,
-                                       output=output or self.config.output,
-                                       timeout=timeout or self.config.timeout,
-                                       stall_after=stall_after, pdb=pdb,
-                                       ranks=chosen_ranks(ranks, self.config.nprocs),
-                                       autoreload=self.reloads)
+        config = self._config_for(all_ranks, timeout, output, stall_after, pdb, ranks)
+        return self._submitted(fn, args, kwargs, config, stdout)._handed_back()
+
+    def _config_for(self, all_ranks: bool = False, timeout: float | None = None,
+                    output: Literal["rank0", "all", "none"] | None = None,
+                    stall_after: float | None = DEFAULT_STALL_AFTER, pdb: bool = False,
+                    ranks: Sequence[int] | None = None) -> RunConfig:
+        """A run's config: the session's, with ``submit``'s settings."""
+        return self._configs.for_run(self.config, all_ranks=all_ranks,
+                                     output=output or self.config.output,
+                                     timeout=timeout or self.config.timeout,
+                                     stall_after=stall_after, pdb=pdb,
+                                     ranks=chosen_ranks(ranks, self.config.nprocs),
+                                     autoreload=self.reloads)
+
+    def _submitted(self, fn: Callable[..., Any], args: Sequence[Any],
+                   kwargs: Mapping[str, Any] | None, config: RunConfig,
+                   stdout: TextIO | None = None, caller_waits: bool = False) -> Job:
+        """Hand one run to the ranks, with Ctrl-C held back; its ``Job``, not yet handed
+        back. ``caller_waits``: the caller (nbddp's own, under ``Job.started_held``) calls
+        its ``result()`` next, and follows the run's start itself (see ``_run.job``)."""
+        __tracebackhide__ = True
         here = self._where.kernels_copies()
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(here)
-        return Job.started_held(lambda: self._start(config, payload, stdout))._handed_back()
+        return Job.started_held(lambda: self._start(config, payload, stdout, caller_waits))
 
-    def _start(self, config: RunConfig, payload: Packed, stdout: TextIO | None) -> Job:
+    def _start(self, config: RunConfig, payload: Packed, stdout: TextIO | None,
+               caller_waits: bool) -> Job:
         """Hand the ranks the run, unless they are busy; its ``Job``."""
         with self._lock:
             self._check_idle()
@@ -188,7 +207,7 @@ class Session:
                                sent=payload.buffer_bytes, staying=run,
                                after=lambda job: self._after_run(job, run),
                                where=_labelled(self._group.where, self.runs + 1, self.auto,
-                                               config.autoreload))
+                                               config.autoreload), caller_waits=caller_waits)
                 self._group.notice = None  # said once, under this run
             except BaseException:
                 self._busy = False

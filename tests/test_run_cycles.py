@@ -35,9 +35,25 @@ def noop() -> None:
     """The run."""
 
 
-@pytest.mark.parametrize("output, many_ranks", [("none", False), ("rank0", False),
-                                                ("rank0", True)])
-def test_a_runs_objects_go_with_its_job(output, many_ranks, collector_off, capsys,
+def submitted(session: nbddp.Session) -> nbddp.Job:
+    """A run followed by a thread (``submit``), waited for."""
+    job = session.submit(noop)
+    job.result()
+    return job
+
+
+def run_here(session: nbddp.Session) -> nbddp.Job:
+    """A run followed by its caller (``run``: a quick run ends in the caller's thread)."""
+    session.run(noop)
+    job = nbddp.last_job()
+    assert job is not None
+    return job
+
+
+@pytest.mark.parametrize("output, many_ranks, how", [
+    ("none", False, submitted), ("rank0", False, submitted), ("rank0", True, submitted),
+    ("none", False, run_here), ("rank0", False, run_here)])
+def test_a_runs_objects_go_with_its_job(output, many_ranks, how, collector_off, capsys,
                                         monkeypatch):
     monkeypatch.setenv("NBDDP_DISPLAY", "text")
     if many_ranks:  # (the panel of many ranks keeps a way to every rank's note)
@@ -47,8 +63,7 @@ def test_a_runs_objects_go_with_its_job(output, many_ranks, collector_off, capsy
         gc.collect()  # (what starting the session left)
         jobs = []
         for _ in range(3):
-            job = session.submit(noop)
-            job.result()
+            job = how(session)
             jobs.append((weakref.ref(job), weakref.ref(job._supervisor)))
             del job
         left = [(job(), sup()) for job, sup in jobs[:-1]]  # (the session keeps its last)

@@ -87,6 +87,21 @@ def test_cells_run_on_the_same_ranks_and_keep_their_names(skernel):
     assert skernel.run("'steps' in dir()").result() == "False"  # it lives on the ranks
 
 
+def test_a_run_asked_for_from_another_thread_returns_its_value(skernel):
+    """``Session.run`` from a thread of the user's (no Ctrl-C reaches it: a follower
+    thread follows its run, not the caller) returns as from the cell itself."""
+    run = skernel.run("""
+import threading
+_session = get_ipython().magics_manager.registry['DDPMagics'].session
+_got = []
+_asker = threading.Thread(target=lambda: _got.append(_session.run(lambda: 6 * 7)))
+_asker.start()
+_asker.join(60)
+_got
+""").assert_ok()
+    assert run.result() == "[42]"
+
+
 def test_a_session_cells_assignment_wins_over_the_notebooks_name(skernel):
     skernel.run("learning_rate = 0.1\nshared = 'from the notebook'").assert_ok()
     cell(skernel, "shared = 'from the ranks'").assert_ok()
@@ -276,6 +291,22 @@ time.sleep(120)""", timeout=60)
     assert "the session's ranks are back at rest, with their state" in run.error_text()
     assert cell(fresh_session, "'ready for the next cell'").assert_ok().result() == \
         "'ready for the next cell'"
+
+
+def test_an_interrupt_in_a_run_s_first_moments_stops_it_and_keeps_the_state(fresh_session):
+    """Ctrl-C pressed a few milliseconds into a run, while the cell itself follows it (a
+    run the caller waits for is followed by no other thread at first: ``_run.job``),
+    stops it on the ranks as a press at any other moment does."""
+    cell(fresh_session, "kept = 'the state'").assert_ok()
+    run = fresh_session.run("""
+import os, signal, threading, time
+_session = get_ipython().magics_manager.registry['DDPMagics'].session
+threading.Timer(0.03, os.kill, (os.getpid(), signal.SIGINT)).start()
+_session.run(time.sleep, 120)
+""")
+    assert run.error()["ename"] == "KeyboardInterrupt", run.describe()
+    assert "the session's ranks are back at rest, with their state" in run.error_text()
+    assert cell(fresh_session, "kept").assert_ok().result() == "'the state'"
 
 
 def test_an_interrupt_while_the_ranks_take_up_the_cell_stops_it_there(fresh_session):

@@ -46,6 +46,11 @@ class InterruptHold:
             self._previous = _signal.signal(signal.SIGINT, self._note)
             InterruptHold._current = self
 
+    @property
+    def holding(self) -> bool:
+        """Whether a press is noted now, not raised (False: nothing to hold here)."""
+        return self._previous is not None
+
     def _note(self, signum: int, frame: FrameType | None) -> None:
         self.pressed = True
 

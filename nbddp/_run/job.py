@@ -1,6 +1,11 @@
 """``Job``: one run on a rank group, from hand-over to teardown, followed in a thread.
 
-A ``Supervisor`` follows the run's messages and says how it ended. Then the job ends
+A ``Supervisor`` follows the run's messages and says how it ended. A caller that waits
+for the run at once (``Session.run``, a session's cell) follows it itself for its first
+``CALLER_FOLLOWS`` seconds, and a quick run that returns meanwhile ends there: handing
+a run to a thread and back costs two wake-ups of a quick cell's few. A longer run, and
+any other ending, goes on in a follower thread, as every run does otherwise, so that
+the caller serves pdb's prompts and takes Ctrl-C while it waits. Then the job ends
 the run, in one place (``_end``). A run whose ranks all returned has its value at once,
 and its processes (already exiting) are seen off in the background: ``result()``
 returns, and ``done()`` turns true once they are gone. A session's ranks stay for the
@@ -40,6 +45,10 @@ from .supervisor import Ending, Supervisor
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
+
+CALLER_FOLLOWS = 0.1
+"""Seconds a caller that waits at once follows its run itself (see the module): meanwhile
+Ctrl-C is noted (it ends this and stops the run) and pdb's prompts wait."""
 
 
 class Staying(Protocol):
@@ -83,12 +92,15 @@ class Job(Generic[R]):
     def __init__(self, group: RankGroup, config: RunConfig, records: Records, *,
                  stdout: TextIO | None = None, warm: bool = False, sent: int = 0,
                  after: Callable[[Job], None] | None = None,
-                 staying: Staying | None = None, where: str | None = None) -> None:
+                 staying: Staying | None = None, where: str | None = None,
+                 caller_waits: bool = False) -> None:
         """Follow the run ``group`` was handed (``sent``: the bytes of tensor and array
         data its payload holds). ``after`` runs once the ranks have ended it themselves
         (returned or failed; a session's run, however it ended), before the caller is
         told. ``staying``: the session's side of a run on its ranks. ``where``: where
-        the panel says the run runs (default: the group's ``where``)."""
+        the panel says the run runs (default: the group's ``where``). ``caller_waits``:
+        the caller calls ``result()`` next, under its ``started_held`` hold, and follows
+        the run's start itself (see the module)."""
         self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
         self._group, self._records, self._after = group, records, after
         self._staying = staying
@@ -105,9 +117,15 @@ class Job(Generic[R]):
         if staying is not None:
             staying.watch(self._supervisor)
         Job._latest = self
-        # The caller's context goes along, so a notebook routes the output to the cell
-        # that launched the run even while other cells execute (ipykernel >= 7).
-        follow(functools.partial(self._context.copy().run, self._supervise))
+        self._caller_follows = caller_waits
+        if not caller_waits:
+            self._follow()
+
+    def _follow(self, ending: Ending | None = None) -> None:
+        """Hand the run to a follower thread (which ends it: from ``ending``, if known).
+        The caller's context goes along, so a notebook routes the output to the cell
+        that launched the run even while other cells execute (ipykernel >= 7)."""
+        follow(functools.partial(self._context.copy().run, self._supervise, ending))
 
     # --- public ---------------------------------------------------------------------
 
@@ -136,6 +154,7 @@ class Job(Generic[R]):
         debugger = self._supervisor.debugger
         debugger.serving.set()  # a rank's pdb may ask this thread for input
         try:
+            self._follow_first()
             self._let_go()
             while not self._ended.wait(0.1):
                 debugger.serve()
@@ -168,6 +187,24 @@ class Job(Generic[R]):
         except KeyboardInterrupt as interrupt:
             self._stop_interrupted(interrupt)
         return self
+
+    def _follow_first(self) -> None:
+        """(The caller, still holding Ctrl-C back, if it was made to follow the run's
+        start) Follow the run for ``CALLER_FOLLOWS`` s, or until Ctrl-C is pressed; end it
+        here if it returned meanwhile, else hand it to a follower thread. Where nothing
+        holds Ctrl-C back (another thread than the main one), a thread follows it all."""
+        if not self._caller_follows:
+            return
+        self._caller_follows = False
+        hold = self._hold
+        if hold is None or not hold.holding:
+            self._follow()
+            return
+        ending = self._watch(CALLER_FOLLOWS, pause=lambda: hold.pressed)
+        if ending is not None and ending.kind == "returned":
+            self._supervise(ending)
+        else:
+            self._follow(ending)
 
     def _let_go(self) -> None:
         """Ctrl-C raises again; ``KeyboardInterrupt`` if it was pressed while held."""
@@ -267,9 +304,11 @@ class Job(Generic[R]):
 
     # --- ending ---------------------------------------------------------------------
 
-    def _supervise(self) -> None:
+    def _supervise(self, ending: Ending | None = None) -> None:
+        """Follow the run (from ``ending``, if already known) and end it."""
         try:
-            ending = self._watch()
+            ending = ending or self._watch()
+            assert ending is not None
             self.ended_by = ending.kind
             self._end(ending)
         except BaseException as exc:  # a bug here must not leave the run going
@@ -284,10 +323,13 @@ class Job(Generic[R]):
             self._supervisor.release()
             self._finished.set()
 
-    def _watch(self) -> Ending:
+    def _watch(self, seconds: float | None = None, pause: Callable[[], bool] = lambda: False
+               ) -> Ending | None:
+        """The run's ending (None: not within ``seconds``, or ``pause()`` turned true)."""
         deadline = None if self.config.timeout is None else self._started + self.config.timeout
         try:
-            return self._supervisor.watch(deadline, lambda: self._cancel_reason)
+            return self._supervisor.watch(deadline, lambda: self._cancel_reason, seconds,
+                                          pause)
         except Exception as exc:
             logger.exception("nbddp supervisor failed")
             return Ending("stopped", NbddpError(f"nbddp supervisor failed: {exc!r}"))

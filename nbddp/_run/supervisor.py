@@ -224,12 +224,14 @@ class Supervisor:
 
     # --- the run's course -----------------------------------------------------------------
 
-    def watch(self, deadline: float | None, cancelled: Callable[[], str | None]) -> Ending:
-        """Follow the run until its ending is known."""
-        self.pump.run(lambda: self._ending is not None,
+    def watch(self, deadline: float | None, cancelled: Callable[[], str | None],
+              seconds: float | None = None, pause: Callable[[], bool] = lambda: False
+              ) -> Ending | None:
+        """Follow the run until its ending is known; None if ``seconds`` passed first, or
+        ``pause()`` turned true (the run is then followed on by a next ``watch``)."""
+        self.pump.run(lambda: self._ending is not None or pause(), seconds,
                       gate=lambda: self._going_on(deadline, cancelled),
                       then=self._decide, turn=self._refresh_now_and_then)
-        assert self._ending is not None
         return self._ending
 
     def _going_on(self, deadline: float | None, cancelled: Callable[[], str | None]) -> bool:
