@@ -24,6 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 IN_FEATURES, HIDDEN, CLASSES, BATCH, BATCHES = 128, 256, 10, 64, 16
 
 
+def noop() -> None:
+    """Nothing: a call's own cost, with its code already on the ranks (by reference)."""
+
+
 def allreduce_once() -> float:
     """All-reduce one tensor over the default process group; return the sum (world size)."""
     value = torch.ones(1)

@@ -2,11 +2,19 @@
 
 A trivial call on N CPU ranks (2; ``--ranks 2 4 8``: each count in turn) that keep their
 state, each with a gloo process group: ``nbddp.Session.run`` against a Monarch actor
-endpoint (``mesh.noop.call().get()``), each of a no-op and of one all-reduce. Both sides'
-ranks stay up for the whole run and are called in alternating blocks, so that a machine
-whose speed drifts (as a shared virtual machine's does, by a factor of two within an
-hour) slows both alike. Then the same through a real Jupyter kernel, as a person meets
-it (unless ``--calls-only``): a ``%%ddp`` session cell and a cell that calls the Monarch
+endpoint (``mesh.noop.call().get()``), each of a no-op and of one all-reduce. nbddp's
+no-op is timed twice: defined here, in ``__main__`` as a notebook's function is, which
+``Session.run`` pickles by value with every call (``nbddp noop``), and imported from a
+module the ranks import too (``nbddp noop imported``), pickled by reference as the
+all-reduce is: like a Monarch endpoint, whose code the actors hold from their start.
+
+Both sides' ranks stay up for the whole run and are called in alternating blocks, so
+that a machine whose speed drifts (as a shared virtual machine's does, by a factor of
+two within an hour) slows both alike. Every other round runs the blocks in reverse
+order: a block pays for what the one before it left running (a Monarch all-reduce
+block leaves its processes busy for a while), and in one fixed order the same side
+always followed it. Then the same through a real Jupyter kernel, as a person meets it
+(unless ``--calls-only``): a ``%%ddp`` session cell and a cell that calls the Monarch
 endpoint, each timed from the execute request to the kernel going idle, alternated with
 a plain cell (``1 + 1``) whose time is taken off: a cell's own time. Medians of every
 call and the ratio nbddp / Monarch are printed (``--json`` saves every figure).
@@ -32,7 +40,8 @@ from typing import Any
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 
-from _workloads import allreduce_once  # noqa: E402 - (ranks find it: see bench_launch)
+import _workloads  # noqa: E402 - (ranks find it: see bench_launch)
+from _workloads import allreduce_once  # noqa: E402
 from bench_launch import write_json  # noqa: E402
 from bench_session import run_cell, time_cells  # noqa: E402
 
@@ -45,7 +54,7 @@ CELL_TARGET = 0.002  # seconds, a trivial %%ddp session cell's own time: at most
 
 
 def noop() -> None:
-    """The trivial call."""
+    """The trivial call (a function of ``__main__``: pickled by value)."""
 
 
 def monarch_ranks(nprocs: int = NPROCS) -> tuple[Any, Any]:
@@ -90,6 +99,7 @@ def side_by_side(rounds: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
         with nbddp.Session(nprocs, output="none") as session:
             calls: dict[str, Callable[[], object]] = {
                 "nbddp noop": lambda: session.run(noop),
+                "nbddp noop imported": lambda: session.run(_workloads.noop),
                 "monarch noop": lambda: actors.noop.call().get(),
                 "nbddp all_reduce": lambda: session.run(allreduce_once),
                 "monarch all_reduce": lambda: actors.allreduce.call().get(),
@@ -97,8 +107,9 @@ def side_by_side(rounds: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
             times: dict[str, list[float]] = {name: [] for name in calls}
             for call in calls.values():
                 timed(call, [])
-            for _ in range(rounds):
-                for name, call in calls.items():
+            order = list(calls.items())
+            for round_ in range(rounds):
+                for name, call in order if round_ % 2 == 0 else order[::-1]:
                     timed(call, times[name])
     finally:
         procs.stop().get()
@@ -147,8 +158,9 @@ def main() -> int:
         return 0
     figures = {str(nprocs): one_count(nprocs, opts) for nprocs in opts.ranks}
     if len(figures) > 1:
-        print("\nno-op call, nbddp / Monarch, by ranks: " + ", ".join(
-            f"{n}: {f['ratios']['noop']:.2f}" for n, f in figures.items()))
+        for call in ("noop", "noop imported"):
+            print(f"\n{call} call, nbddp / Monarch, by ranks: " + ", ".join(
+                f"{n}: {f['ratios'][call]:.2f}" for n, f in figures.items()))
     write_json(opts.json, {"block": BLOCK, "rounds": opts.rounds,
                            "python": platform.python_version(), "cpus": os.cpu_count(),
                            "by_ranks": figures})
@@ -164,6 +176,7 @@ def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = {call: medians[f"nbddp {call}"] / medians[f"monarch {call}"]
               for call in ("noop", "all_reduce")}
+    ratios["noop imported"] = medians["nbddp noop imported"] / medians["monarch noop"]
     if not opts.calls_only:
         for name in ("%%ddp noop", "monarch noop cell"):
             medians[f"{name} - plain cell"] = medians[name] - medians["plain cell"]
