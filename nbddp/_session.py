@@ -213,7 +213,11 @@ class Session:
                 self._busy = False
                 raise
             self._running = job
-        self._records.prepare()
+        try:
+            self._records.prepare()
+        except BaseException:
+            job._followed_after_all()  # (nobody will wait for the run: it still ends)
+            raise
         return job
 
     @property

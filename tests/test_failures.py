@@ -161,6 +161,28 @@ def test_keyboard_interrupt_stops_every_rank_then_raises(tmp_path):
     assert nbddp.launch(len, 2, args=("ab",), init=False) == 2
 
 
+def test_a_session_run_no_thread_could_take_over_ends_clearly_and_ctrl_c_works_again(
+        monkeypatch):
+    """A run the caller follows for its first moments, then hands to a follower thread:
+    if no thread can start (a process out of threads), the run ends in the caller with
+    nbddp's error, its ranks stopped, Ctrl-C raises again, and the session goes on with
+    fresh ranks."""
+    from nbddp._run import job
+
+    with nbddp.Session(nprocs=2, output="none") as session:
+        session.run(len, "ab")
+
+        def no_thread(task):
+            raise RuntimeError("can't start new thread")
+
+        monkeypatch.setattr(job, "follow", no_thread)
+        with pytest.raises(nbddp.NbddpError, match="can't start new thread"):
+            session.run(time.sleep, 30)
+        monkeypatch.undo()
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert session.run(len, "abc") == 3
+
+
 def test_gloo_aborting_at_exit_after_a_clean_run_is_not_a_failure():
     def fn():
         import atexit

@@ -196,21 +196,38 @@ class Job(Generic[R]):
         if not self._caller_follows:
             return
         self._caller_follows = False
-        hold = self._hold
-        if hold is None or not hold.holding:
-            self._follow()
-            return
-        ending = self._watch(CALLER_FOLLOWS, pause=lambda: hold.pressed)
-        if ending is not None and ending.kind == "returned":
-            self._supervise(ending)
-        else:
+        hold, ending = self._hold, None
+        if hold is not None and hold.holding:
+            ending = self._watch(CALLER_FOLLOWS, pause=lambda: hold.pressed)
+            if ending is not None and ending.kind == "returned":
+                self._supervise(ending)
+                return
+        try:
             self._follow(ending)
+        except BaseException as exc:  # (no thread could take it: the run ends here)
+            try:
+                self._end_broken(exc)
+            finally:
+                self._supervisor.release()
+                self._finished.set()
+
+    def _followed_after_all(self) -> None:
+        """The caller that was to follow the run's start raised before it waited: a
+        follower thread follows the run instead (which ends it, and frees its ranks)."""
+        if self._caller_follows:
+            self._caller_follows = False
+            self._follow()
 
     def _let_go(self) -> None:
-        """Ctrl-C raises again; ``KeyboardInterrupt`` if it was pressed while held."""
-        hold, self._hold = self._hold, None
-        if hold is not None:
-            hold.release()
+        """Ctrl-C raises again; ``KeyboardInterrupt`` if it was pressed while held. (Only
+        the main thread, which holds it, lets it go: another thread waiting in
+        ``result()`` meanwhile leaves it.)"""
+        hold = self._hold
+        if hold is None or (hold.holding and
+                            threading.current_thread() is not threading.main_thread()):
+            return
+        self._hold = None
+        hold.release()
 
     def _stop_interrupted(self, interrupt: KeyboardInterrupt) -> NoReturn:
         """Ctrl-C: stop the run, then raise its ``KeyboardInterrupt`` (which may say what
@@ -312,16 +329,20 @@ class Job(Generic[R]):
             self.ended_by = ending.kind
             self._end(ending)
         except BaseException as exc:  # a bug here must not leave the run going
-            logger.exception("nbddp could not end the run cleanly")
-            with contextlib.suppress(BaseException):
-                self._group.stop()
-                self._group.close()
-            if self._staying is not None and self._staying.abandoned():
-                self._call_after()  # the session starts fresh ranks
-            self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
+            self._end_broken(exc)
         finally:
             self._supervisor.release()
             self._finished.set()
+
+    def _end_broken(self, exc: BaseException) -> None:
+        """nbddp itself could not follow or end the run: stop its ranks, and say so."""
+        logger.error("nbddp could not end the run cleanly", exc_info=exc)
+        with contextlib.suppress(BaseException):
+            self._group.stop()
+            self._group.close()
+        if self._staying is not None and self._staying.abandoned():
+            self._call_after()  # the session starts fresh ranks
+        self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
 
     def _watch(self, seconds: float | None = None, pause: Callable[[], bool] = lambda: False
                ) -> Ending | None:
