@@ -40,8 +40,8 @@ from typing import Any
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 
-import _workloads  # noqa: E402 - (ranks find it: see bench_launch)
-from _workloads import allreduce_once  # noqa: E402
+from _workloads import allreduce_once  # noqa: E402 - (ranks find it: see bench_launch)
+from _workloads import noop as imported_noop  # noqa: E402
 from bench_launch import write_json  # noqa: E402
 from bench_session import run_cell, time_cells  # noqa: E402
 
@@ -99,7 +99,7 @@ def side_by_side(rounds: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
         with nbddp.Session(nprocs, output="none") as session:
             calls: dict[str, Callable[[], object]] = {
                 "nbddp noop": lambda: session.run(noop),
-                "nbddp noop imported": lambda: session.run(_workloads.noop),
+                "nbddp noop imported": lambda: session.run(imported_noop),
                 "monarch noop": lambda: actors.noop.call().get(),
                 "nbddp all_reduce": lambda: session.run(allreduce_once),
                 "monarch all_reduce": lambda: actors.allreduce.call().get(),

@@ -47,11 +47,10 @@ def connect(address: str | None) -> ModuleType:
     if target.startswith("ray://"):
         raise NbddpError(f"RAY_ADDRESS={target} is a Ray Client address: nbddp needs the "
                          "kernel inside the cluster (give the GCS address, host:port)")
-    found = _found(target)
-    _check_answers(found, "" if found == target else
-                   "; that address is the last `ray start`'s on this machine: was its "
-                   "cluster stopped without `ray stop`?")
-    target = found
+    found_as = ""
+    if target == "auto":
+        target, found_as = _auto_address(), _LEFT_BY_RAY_START
+    _check_answers(target, found_as)
     breakpoint_hook = os.environ.get("PYTHONBREAKPOINT")
     try:
         ray.init(address=target, namespace=NAMESPACE, log_to_driver=False,
@@ -63,18 +62,20 @@ def connect(address: str | None) -> ModuleType:
     return ray
 
 
-def _found(target: str) -> str:
-    """``target``, or for ``"auto"`` the cluster Ray would connect to: one running on
-    this machine, else the last ``ray start``'s address (still ``"auto"`` where Ray finds
-    neither: its ``ray.init`` then says so at once)."""
-    if target != "auto":
-        return target
+def _auto_address() -> str:
+    """The cluster ``"auto"`` names for Ray: one running on this machine, else the last
+    ``ray start``'s address (still ``"auto"`` where Ray finds neither: its ``ray.init``
+    then says so at once)."""
     try:
         from ray._private.services import canonicalize_bootstrap_address
 
-        return canonicalize_bootstrap_address(target) or target
+        return canonicalize_bootstrap_address("auto") or "auto"
     except Exception:  # noqa: BLE001 - nothing found, or Ray's lookup moved: ray.init looks
-        return target
+        return "auto"
+
+
+_LEFT_BY_RAY_START = ("; that address is the last `ray start`'s on this machine: was its "
+                      "cluster stopped without `ray stop`?")
 
 
 def _check_answers(target: str, found_as: str = "") -> None:
