@@ -190,22 +190,30 @@ class Session:
         back. ``caller_waits``: the caller (nbddp's own, under ``Job.started_held``) calls
         its ``result()`` next, and follows the run's start itself (see ``_run.job``)."""
         __tracebackhide__ = True
-        here = self._where.kernels_copies()
-        payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(here)
-        return Job.started_held(lambda: self._start(config, payload, stdout, caller_waits))
+        payload = Payload.capture(fn, tuple(args), dict(kwargs or {}))
+        packed = self._packed(payload, config, self._group)
+        return Job.started_held(lambda: self._start(config, payload, packed, stdout,
+                                                    caller_waits))
 
-    def _start(self, config: RunConfig, payload: Packed, stdout: TextIO | None,
-               caller_waits: bool) -> Job:
+    def _packed(self, payload: Payload, config: RunConfig, group: WaitingGroup) -> Packed:
+        """``payload`` pickled for ``group``'s ranks: the notebook functions they hold
+        by number, unless the run is on some ranks only (which alone would take it)."""
+        functions = group.functions if config.ranks is None else None
+        return payload.dumps(self._where.kernels_copies(), functions)
+
+    def _start(self, config: RunConfig, payload: Payload, packed: Packed,
+               stdout: TextIO | None, caller_waits: bool) -> Job:
         """Hand the ranks the run, unless they are busy; its ``Job``."""
         with self._lock:
             self._check_idle()
             self._busy = True
             try:
-                records, warm = self._hand_over(config, payload)
+                records, warm, packed = self._hand_over(config, payload, packed)
                 run = OnSession(self._group)
+                sent = packed
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
-                               sent=payload.buffer_bytes, staying=run,
-                               after=lambda job: self._after_run(job, run),
+                               sent=packed.buffer_bytes, staying=run,
+                               after=lambda job: self._after_run(job, run, sent),
                                where=_labelled(self._group.where, self.runs + 1, self.auto,
                                                config.autoreload), caller_waits=caller_waits)
                 self._group.notice = None  # said once, under this run
@@ -227,27 +235,32 @@ class Session:
         (``%autoreload 2`` or 3)."""
         return self.autoreload if self.autoreload is not None else notebook_autoreloads()
 
-    def _hand_over(self, config: RunConfig, payload: Packed) -> tuple[Records, bool]:
+    def _hand_over(self, config: RunConfig, payload: Payload,
+                   packed: Packed) -> tuple[Records, bool, Packed]:
         """(Under the lock) Give the ranks the run; if one of their processes died while
-        they were idle, give it to fresh ranks, and say so. The run's records, and
-        whether the session's ranks (not fresh ones) took it."""
+        they were idle, give it to fresh ranks, and say so. The run's records, whether
+        the session's ranks (not fresh ones) took it, and the payload as they took it."""
         records = self._records.next_cell(self.runs + 1)
         try:
-            self._hand_to(config, payload, records)
-            return records, True
+            return records, True, self._hand_to(config, payload, packed, records)
         except RanksGone as gone:
             self._replace_group(standby=False)
             records = self._records.redo(records, self.runs + 1)
             lost = STATE_LOST if self.runs else "this first run starts on fresh ranks"
             self._group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
-        self._hand_to(config, payload, records)
-        return records, False
+        return records, False, self._hand_to(config, payload, packed, records)
 
-    def _hand_to(self, config: RunConfig, payload: Packed, records: Records) -> None:
+    def _hand_to(self, config: RunConfig, payload: Payload, packed: Packed,
+                 records: Records) -> Packed:
+        """Give the session's ranks the run; the payload they took (pickled again if it
+        named functions other ranks held: the ranks were replaced since)."""
         group = self._group
+        if packed.functions is not None and packed.functions is not group.functions:
+            packed = self._packed(payload, config, group)
         handover, left_out = group.shape.take_up(GroupShape.of(config))
         self._held.warn_left_out(left_out)
-        group.hand_over(payload, records, config.rank_options, handover)
+        group.hand_over(packed, records, config.rank_options, handover)
+        return packed
 
     def _check_idle(self) -> None:
         if self._closed:
@@ -256,16 +269,19 @@ class Session:
             raise NbddpError("the session's ranks are still running the last run; wait "
                              "for it (job.result()) or cancel it first")
 
-    def _after_run(self, job: Job, run: OnSession) -> None:
-        """A run ended: keep the ranks' names, or start fresh ranks if they were lost.
-        The next run's rooms are made as large as this one's data (the next cell likely
-        sends and gets as much again)."""
+    def _after_run(self, job: Job, run: OnSession, payload: Packed) -> None:
+        """A run ended: keep the ranks' names, or start fresh ranks if they were lost;
+        the functions its payload taught, once every rank returned, are held. The next
+        run's rooms are made as large as this one's data (the next cell likely sends and
+        gets as much again)."""
         self.runs += 1
         if self._where.left(self._group):
             self._closed = True  # the kernel left the job for another: nothing to restart
         try:
             if run.kept:
                 self._group.payload_taken()
+                if run.returned and payload.functions is not None:
+                    payload.functions.taught(payload.teaches)
                 self._held.kept(run, some_ranks=job.config.ranks is not None)
             else:
                 self._held.lost()

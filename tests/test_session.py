@@ -125,6 +125,32 @@ def test_notebook_functions_see_the_ranks_names(skernel):
     assert cell(skernel, "(scaled(2), Counter().bump())").assert_ok().result() == "(6, 4)"
 
 
+def test_a_notebook_function_called_again_runs_as_the_notebook_has_it_now(skernel):
+    """Once every rank holds a function's code it goes by number (``held_functions``):
+    the notebook's globals, defaults, closures and a redefinition still arrive, and a
+    run on some ranks only teaches the others nothing."""
+    run = skernel.run("""
+_session = get_ipython().magics_manager.registry['DDPMagics'].session
+offset = 1
+def shifted(x, by=0):
+    return x + offset + by
+def scaler(k):
+    return lambda x: x * k
+_seen = [_session.run(shifted, 1), _session.run(shifted, 1)]
+offset = 10
+_seen.append(_session.run(shifted, 1))
+shifted.__defaults__ = (100,)
+_seen.append(_session.run(shifted, 1))
+_seen += [_session.run(scaler(k), 2) for k in (2, 3)]
+def shifted(x, by=0):
+    return x - offset
+_seen.append(_session.run(shifted, 1, ranks=[0]))  # rank 1 is not taught this one
+_seen.append(_session.run_all(shifted, 2))
+_seen
+""").assert_ok()
+    assert run.result() == "[2, 2, 11, 111, 4, 6, -9, [-8, -8]]"
+
+
 def test_notebook_environment_and_directory_reach_the_ranks(skernel, tmp_path):
     skernel.run(f"""
         import warnings
@@ -364,15 +390,17 @@ time.sleep(30)
 
 def test_a_rank_killed_while_idle_means_fresh_ranks_for_the_next_cell(fresh_session):
     """The out-of-memory killer picks idle processes too: the next cell runs on fresh
-    ranks and says the state is gone, whether nbddp has seen the death yet or not."""
+    ranks and says the state is gone, whether nbddp has seen the death yet or not. A
+    notebook function the old ranks held goes whole to the fresh ones."""
+    fresh_session.run("def rank_pid():\n    return os.getpid()").assert_ok()
     for victim, seen in ((1, False), (0, True)):
-        cell(fresh_session, "lost = 'soon gone'").assert_ok()
+        cell(fresh_session, "lost = 'soon gone'\nrank_pid()").assert_ok()
         idle = _snapshot(descendants(fresh_session.pid))  # torchrun and the ranks
         fresh_session.run(f"import signal\nos.kill({session_pids(fresh_session)[victim]}, "
                           "signal.SIGKILL)").assert_ok()
         if seen:  # torchrun has stopped the other rank, and the kernel knows
             wait_until(lambda idle=idle: not _alive(idle), timeout=15)
-        run = cell(fresh_session, "import os\n('lost' in dir(), os.getpid())").assert_ok()
+        run = cell(fresh_session, "('lost' in dir(), rank_pid())").assert_ok()
         lost, pid = eval(run.result())  # noqa: S307 - our own repr
         assert not lost and pid not in idle
         # Unseen, the victim's death races torchrun stopping the other rank: the kernel

@@ -50,6 +50,8 @@ class OnSession:
         self._group = group
         self.kept: bool | None = None
         """Whether the ranks kept their state: None until the run's end decided it."""
+        self.returned = False
+        """Every rank returned (so each took the run's payload whole)."""
         self.names: tuple[str, ...] | None = None
 
     def watch(self, supervisor: Supervisor) -> None:
@@ -62,7 +64,8 @@ class OnSession:
             self.names = names
 
     def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
-        self.kept = ending.kind == "returned" or self._bring_back(supervisor)
+        self.returned = ending.kind == "returned"
+        self.kept = self.returned or self._bring_back(supervisor)
         return self.kept
 
     def told(self, error: BaseException) -> BaseException:

@@ -29,6 +29,7 @@ from typing import Any
 
 from .._wire import dataplane
 from .._wire.dataplane import Packed
+from .._wire.held_functions import RanksFunctions
 from .._wire.messages import (
     Disconnected,
     Failure,
@@ -87,6 +88,9 @@ class WaitingGroup(RankGroup):
         self._payload: Packed | None = None
         """The latest run's payload: the kept copies of tensors it names stay open
         (``_wire.kept_storages``) until the ranks have mapped them."""
+        self.functions = RanksFunctions()
+        """The notebook functions these ranks hold (a session's next payloads name them
+        by number: ``_wire.held_functions``)."""
         self._stopped = False
 
     launcher_name = "torchrun"

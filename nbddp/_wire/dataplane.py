@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import cloudpickle
 
-from . import code_files
+from . import code_files, held_functions
 
 OUT_OF_BAND_MIN = 64 * 1024
 """Buffers smaller than this stay in the pickle (a file is not worth it)."""
@@ -62,6 +62,10 @@ class Packed:
     """What the buffers' memory belongs to (tensor storages), kept alive with them."""
     code_files: frozenset[str] = frozenset()
     """The files (notebook cells) of the code the pickle carries by value."""
+    functions: held_functions.RanksFunctions | None = None
+    """The ranks' held functions this pickle names by number (``held_functions``)."""
+    teaches: frozenset[int] = frozenset()
+    """The numbers of the functions this pickle teaches those ranks, whole."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -85,13 +89,17 @@ class Kept(Protocol):
 
 
 def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
-         kept: Kept | None = None) -> Packed:
+         kept: Kept | None = None,
+         functions: held_functions.RanksFunctions | None = None) -> Packed:
     """Pickle ``value`` (cloudpickle, protocol 5), tensor and array bytes out of band
     (unless ``out_of_band`` is false); ``to_cpu`` moves device tensors to the CPU first
     (for the kernel, which has no GPU). Large tensors' storages go by their ``kept``
-    copies, where given (for ranks on this machine): made now, or still current."""
-    if kept is None and type(value) in _PLAIN_VALUES:  # (a quick cell's None: the same
-        return Packed(pickle.dumps(value, protocol=5))  # bytes, without a pickler made)
+    copies, where given (for ranks on this machine): made now, or still current.
+    Notebook functions the ranks hold go by number, where their ``functions`` are given
+    (a session's ranks, every one of which takes the pickle)."""
+    if kept is None and functions is None and type(value) in _PLAIN_VALUES:
+        return Packed(pickle.dumps(value, protocol=5))  # (a quick cell's None: the same
+        # bytes, without a pickler made)
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -101,11 +109,11 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
         return False
 
     stream = io.BytesIO()
-    pickler = _Pickler(stream, to_cpu, keep, kept)
+    pickler = _Pickler(stream, to_cpu, keep, kept, functions)
     with contextlib.nullcontext() if kept is None else kept.sending():
         pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
-                  frozenset(pickler.code_files))
+                  frozenset(pickler.code_files), functions, frozenset(pickler.teaches))
 
 
 # --- files ----------------------------------------------------------------------------
@@ -348,21 +356,28 @@ def storage_on_rank_device(storage: Any) -> Any:
 
 
 class _Pickler(cloudpickle.Pickler):
-    """cloudpickle, protocol 5, with tensors as their storage's bytes out of band, and
-    code objects under their real file names (``code_files``), which it notes."""
+    """cloudpickle, protocol 5, with tensors as their storage's bytes out of band,
+    code objects under their real file names (``code_files``), which it notes, and
+    notebook functions the ranks hold by number (``held_functions``)."""
 
     def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any,
-                 kept: Kept | None) -> None:
+                 kept: Kept | None, functions: held_functions.RanksFunctions | None) -> None:
         super().__init__(stream, protocol=5, buffer_callback=keep)
         self._to_cpu = to_cpu
         self._kept = kept
+        self._functions = functions
         self.storages: dict[tuple[Any, ...], Any] = {}
         """Each storage pickled: its ``_StorageBox``, or its kept copy."""
         self.code_files: set[str] = set()
+        self.teaches: set[int] = set()
+        """The numbers of the functions this pickle sends whole, teaching the ranks."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is types.FunctionType and obj in _rebuilders():
-            return NotImplemented  # (by name)
+        if type(obj) is types.FunctionType:
+            if obj in _rebuilders():
+                return NotImplemented  # (by name)
+            if self._functions is not None:
+                return self._function(obj, self._functions)
         if type(obj) is types.CodeType:
             self.code_files.add(obj.co_filename)
             return code_files.reduce_code(obj)
@@ -378,6 +393,21 @@ class _Pickler(cloudpickle.Pickler):
                 return _parameter, self._tensor_args(obj) + (
                     obj.requires_grad, torch._utils._get_obj_state(obj))
         return super().reducer_override(obj)
+
+    def _function(self, fn: types.FunctionType,
+                  functions: held_functions.RanksFunctions) -> Any:
+        """``fn`` by number if the ranks hold it; else as cloudpickle pickles it: by
+        name, or whole (by value), teaching the ranks its code."""
+        held = functions.held(fn)
+        if held is not None:
+            base_globals = self.globals_ref.setdefault(id(fn.__globals__), {})
+            return held_functions.by_number(*held, fn, base_globals)
+        reduced = super().reducer_override(fn)
+        if reduced is NotImplemented or not isinstance(reduced[1][0], types.CodeType):
+            return reduced  # (by name)
+        number = functions.number_for(fn)
+        self.teaches.add(number)
+        return held_functions.teaching(number, fn, reduced)
 
     def _tensor_args(self, tensor: Any) -> tuple[Any, ...]:
         """How ``_tensor`` rebuilds ``tensor``: its storage, dtype, size, stride, offset."""
@@ -409,14 +439,16 @@ class _Pickler(cloudpickle.Pickler):
 
 @functools.cache
 def _rebuilders() -> frozenset[types.FunctionType]:
-    """The module-level functions of cloudpickle and of this module and ``code_files``,
-    which go by their names: among them, those our pickles call to rebuild what they
-    hold. cloudpickle asks of every function it meets whether it may go by name, and
-    that costs: in the pickle of a quick cell's function, four of the five functions are
-    these, and the asking took 40% of the time. (Only those found again by their names:
-    an alias whose name was rebound goes as cloudpickle would send it.)"""
+    """The module-level functions of cloudpickle and of this module, ``code_files`` and
+    ``held_functions``, which go by their names: among them, those our pickles call to
+    rebuild what they hold. cloudpickle asks of every function it meets whether it may
+    go by name, and that costs: in the pickle of a quick cell's function, four of the
+    five functions are these, and the asking took 40% of the time. (Only those found
+    again by their names: an alias whose name was rebound goes as cloudpickle would send
+    it.)"""
     return frozenset(
-        fn for module in (cloudpickle.cloudpickle, code_files, sys.modules[__name__])
+        fn for module in (cloudpickle.cloudpickle, code_files, held_functions,
+                          sys.modules[__name__])
         for name, fn in vars(module).items()
         if type(fn) is types.FunctionType and fn.__module__ == module.__name__
         and fn.__qualname__ == name)

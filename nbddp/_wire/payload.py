@@ -22,6 +22,7 @@ import cloudpickle
 
 from .._errors import PayloadError
 from .dataplane import Kept, Packed, pack
+from .held_functions import RanksFunctions
 
 #: A payload whose pickle (tensor and array bytes aside, which travel out of band) is
 #: larger than this still ships, with a warning naming what made it large.
@@ -58,16 +59,19 @@ class Payload:
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
         return cls(fn, tuple(args), dict(kwargs), _import_path())
 
-    def dumps(self, kept: Kept | None = None) -> Packed:
+    def dumps(self, kept: Kept | None = None,
+              functions: RanksFunctions | None = None) -> Packed:
         """Pickle for the ranks, tensor and array bytes out of band (large tensors by
-        their ``kept`` copies, where given: for ranks on this machine); name the culprit
-        if it fails, warn if the pickle itself (the pure-Python part) is huge.
+        their ``kept`` copies, where given: for ranks on this machine; notebook functions
+        the ranks hold by number, where their ``functions`` are given: a session's every
+        rank); name the culprit if it fails, warn if the pickle itself (the pure-Python
+        part) is huge.
 
         The user's objects are pickled apart from the import path, so a rank can put
         the kernel's path in place before it unpickles them.
         """
         try:
-            body = pack((self.fn, self.args, self.kwargs), kept=kept)
+            body = pack((self.fn, self.args, self.kwargs), kept=kept, functions=functions)
         except Exception as exc:
             raise _explain_pickling_failure(self, exc) from exc
         if len(body.data) > LARGE_PAYLOAD_BYTES:
@@ -75,7 +79,7 @@ class Payload:
                           stacklevel=3)
         sources = _cell_sources(body.code_files)
         return Packed(pickle.dumps((body.data, self.sys_path, sources)), body.buffers,
-                      body.owners)
+                      body.owners, functions=functions, teaches=body.teaches)
 
     @classmethod
     def unpack(cls, packed: Packed) -> Payload:
