@@ -247,7 +247,10 @@ class KeptStorages:
     def sending(self) -> Iterator[None]:
         """Around one send: outdated copies released first, the files of changed ones
         kept for their next copies in this send; those it did not take closed after."""
-        self._sweep(spares=True)
+        if self._copies:
+            self._sweep(spares=True)
+        else:  # (nothing kept: a quick cell's send checks no copy and keeps no file)
+            self.files.budget(0)
         self._made_now = set()
         try:
             yield
