@@ -39,6 +39,7 @@ from ._run.session_status import SessionStatus, rss_mib
 from ._run.shape import GroupShape
 from ._run.waiting import WaitingGroup
 from ._wire.dataplane import Packed
+from ._wire.held_functions import Teaching
 from ._wire.payload import Payload
 
 R = TypeVar("R")
@@ -210,10 +211,10 @@ class Session:
             try:
                 records, warm, packed = self._hand_over(config, payload, packed)
                 run = OnSession(self._group)
-                sent = packed
+                teaching = Teaching(packed.functions, packed.teaches)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
                                sent=packed.buffer_bytes, staying=run,
-                               after=lambda job: self._after_run(job, run, sent),
+                               after=lambda job: self._after_run(job, run, teaching),
                                where=_labelled(self._group.where, self.runs + 1, self.auto,
                                                config.autoreload), caller_waits=caller_waits)
                 self._group.notice = None  # said once, under this run
@@ -269,7 +270,7 @@ class Session:
             raise NbddpError("the session's ranks are still running the last run; wait "
                              "for it (job.result()) or cancel it first")
 
-    def _after_run(self, job: Job, run: OnSession, payload: Packed) -> None:
+    def _after_run(self, job: Job, run: OnSession, teaching: Teaching) -> None:
         """A run ended: keep the ranks' names, or start fresh ranks if they were lost;
         the functions its payload taught, once every rank returned, are held. The next
         run's rooms are made as large as this one's data (the next cell likely sends and
@@ -280,8 +281,8 @@ class Session:
         try:
             if run.kept:
                 self._group.payload_taken()
-                if run.returned and payload.functions is not None:
-                    payload.functions.taught(payload.teaches)
+                if run.returned:
+                    teaching.confirm()
                 self._held.kept(run, some_ranks=job.config.ranks is not None)
             else:
                 self._held.lost()

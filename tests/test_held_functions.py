@@ -69,6 +69,15 @@ NOTEBOOK = """
 
     def outer(x):
         return shifted(x) * 2
+
+    def keyword(x, *, by=1):
+        return x * by
+
+    def late():
+        def inner():
+            return later
+        later = 5
+        return inner
 """
 
 
@@ -93,10 +102,11 @@ def test_a_held_function_brings_what_changed_in_the_notebook_with_each_call():
     assert called_on_a_rank(sent(nb["shifted"], 1, functions=functions)) == 11
     nb["shifted"].__defaults__ = (100,)
     assert called_on_a_rank(sent(nb["shifted"], 1, functions=functions)) == 111
-    nb["shifted"].__kwdefaults__ = None
     nb["shifted"].note = "an attribute"
+    nb["shifted"].__annotations__ = {"x": int}
     packed = sent(nb["shifted"], 1, functions=functions)
-    assert Payload.unpack(Packed(packed.data, packed.buffers)).fn.note == "an attribute"
+    shifted = Payload.unpack(Packed(packed.data, packed.buffers)).fn
+    assert (shifted.note, shifted.__annotations__) == ("an attribute", {"x": int})
     tripled = nb["scaler"](3)  # the same code, another closure
     packed = sent(tripled, 5, functions=functions)
     assert not packed.teaches and called_on_a_rank(packed) == 15
@@ -165,3 +175,91 @@ def test_functions_of_modules_go_by_name_and_teach_nothing():
     packed = sent(textwrap.dedent, " x", functions=functions)
     assert not packed.teaches and called_on_a_rank(packed) == "x"
     assert isinstance(textwrap.dedent, types.FunctionType)
+
+
+def test_keyword_defaults_and_closure_cells_empty_or_filled_arrive_by_number():
+    nb, functions = notebook(NOTEBOOK), RanksFunctions()
+    taught(functions, sent(nb["keyword"], 2, functions=functions))
+    nb["keyword"].__kwdefaults__ = {"by": 7}
+    packed = sent(nb["keyword"], 2, functions=functions)
+    assert not packed.teaches and called_on_a_rank(packed) == 14
+    inner = nb["late"]()  # its cell for ``later`` holds 5
+    taught(functions, sent(inner, functions=functions))
+    empty = types.FunctionType(inner.__code__, inner.__globals__, "inner", None,
+                               (types.CellType(),))  # the same code, ``later`` not bound yet
+    empty.__qualname__ = inner.__qualname__
+    packed = sent(empty, functions=functions)
+    assert not packed.teaches
+    with pytest.raises(NameError, match="later"):
+        called_on_a_rank(packed)
+    assert called_on_a_rank(sent(inner, functions=functions)) == 5
+
+
+def test_functions_a_decorator_makes_share_its_code_and_each_is_held():
+    nb = notebook("""
+        import functools
+
+        def logged(fn):
+            @functools.wraps(fn)
+            def wrapper(*args):
+                return fn(*args)
+            return wrapper
+
+        @logged
+        def double(x):
+            return 2 * x
+
+        @logged
+        def square(x):
+            return x * x
+
+        def both(x):
+            return double(x), square(x)
+    """)
+    functions = RanksFunctions()
+    assert nb["double"].__code__ is nb["square"].__code__  # the wrapper's
+    first = sent(nb["both"], 3, functions=functions)
+    assert taught(functions, first) == (6, 9)
+    held = sent(nb["both"], 3, functions=functions)
+    assert not held.teaches  # both wrappers by number, each under its own
+    assert called_on_a_rank(held) == (6, 9)
+    assert len(held_functions._HELD) == len(first.teaches) == 5
+
+
+def test_a_submodule_the_kernel_imported_since_is_imported_on_the_rank_too():
+    nb = notebook("""
+        import email
+
+        def parse(text, now):
+            return email.parser.Parser().parsestr(text)["to"] if now else None
+    """)
+    functions = RanksFunctions()
+    taught(functions, sent(nb["parse"], "to: ranks", False, functions=functions))
+    exec("import email.parser", nb)  # noqa: S102 - (``import email`` alone does not)
+    packed = sent(nb["parse"], "to: ranks", True, functions=functions)
+    assert not packed.teaches
+    assert b"email.parser" in packed.data  # imported as the rank unpickles the call
+    assert called_on_a_rank(packed) == "ranks"
+
+
+def test_the_submodules_sent_with_a_call_are_those_cloudpickle_finds():
+    import concurrent.futures  # noqa: F401 - (imported: found)
+    import xml.dom.minidom  # noqa: F401
+
+    import torch.nn.functional
+
+    nb = notebook("""
+        import concurrent, torch, xml
+        import torch.nn.functional as F
+
+        def uses(x):
+            return (torch.nn.functional.relu, F.relu, concurrent.futures.Future,
+                    torch.distributed, xml.dom.minidom.parseString, torch.cuda.amp)
+    """)
+    code = nb["uses"].__code__
+    for values in ([nb["torch"]], [nb["torch"], nb["F"], nb["concurrent"]], [nb["xml"]],
+                   [textwrap]):
+        theirs = cloudpickle.cloudpickle._find_imported_submodules(code, values)
+        mine = held_functions.imported_submodules(code, values)
+        assert {m.__name__ for m in mine} == {m.__name__ for m in theirs}
+    assert torch.nn.functional in held_functions.imported_submodules(code, [nb["torch"]])

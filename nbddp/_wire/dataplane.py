@@ -97,9 +97,8 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
     copies, where given (for ranks on this machine): made now, or still current.
     Notebook functions the ranks hold go by number, where their ``functions`` are given
     (a session's ranks, every one of which takes the pickle)."""
-    if kept is None and functions is None and type(value) in _PLAIN_VALUES:
-        return Packed(pickle.dumps(value, protocol=5))  # (a quick cell's None: the same
-        # bytes, without a pickler made)
+    if kept is None and type(value) in _PLAIN_VALUES:  # (a quick cell's None: the same
+        return Packed(pickle.dumps(value, protocol=5))  # bytes, without a pickler made)
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -406,6 +405,8 @@ class _Pickler(cloudpickle.Pickler):
         if reduced is NotImplemented or not isinstance(reduced[1][0], types.CodeType):
             return reduced  # (by name)
         number = functions.number_for(fn)
+        if number is None:
+            return reduced
         self.teaches.add(number)
         return held_functions.teaching(number, fn, reduced)
 

@@ -20,15 +20,16 @@ from __future__ import annotations
 
 import builtins
 import itertools
+import sys
 import types
 from collections.abc import Iterable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from cloudpickle import cloudpickle as _cloudpickle
 
-# (Private to cloudpickle, in every version this package allows, 2.2 to 3.1): the names
-# a code object reads as globals, which cloudpickle sends the values of. A held function
-# sends the same names, so a call cannot pickle more, or less, than cloudpickle would.
+# (Private to cloudpickle, in every version this package allows, 2.2 to 3.1.) A held
+# function's call sends the values of the globals its code reads, as cloudpickle's would.
 _global_names = _cloudpickle._extract_code_globals
 
 _BASE_GLOBALS = ("__package__", "__name__", "__path__", "__file__")
@@ -39,7 +40,19 @@ Constants = tuple[str, str, str, Any]
 
 
 def constants_of(fn: types.FunctionType) -> Constants:
+    """What of ``fn`` the ranks keep with its code (a change sends it whole again)."""
     return fn.__name__, fn.__qualname__, fn.__module__, fn.__doc__
+
+
+@dataclass
+class _Code:
+    """(In the kernel) One code object taught to the ranks: under a number for each set
+    of constants it came with (the functions a decorator makes share its code, each with
+    the name and doc of the function it wraps)."""
+
+    code: types.CodeType  # (kept alive: the key is its id)
+    reads: tuple[str, ...]
+    numbers: dict[Constants, int] = field(default_factory=dict)
 
 
 class RanksFunctions:
@@ -47,35 +60,52 @@ class RanksFunctions:
     the number each was taught under, and which numbers every rank is known to hold."""
 
     def __init__(self) -> None:
-        self._known: dict[int, tuple[types.CodeType, int, Constants, tuple[str, ...]]] = {}
-        """By ``id`` of code (which the entry keeps alive): the code, its number, the
-        constants it was taught with, the global names it reads."""
+        self._known: dict[int, _Code] = {}
+        """Each code object taught, by its ``id``."""
         self._held: set[int] = set()
         self._numbers = itertools.count(1)
 
     def held(self, fn: types.FunctionType) -> tuple[int, tuple[str, ...]] | None:
         """``fn``'s number and the global names it reads, if every rank holds its code
         with the same constants; else None (it goes whole)."""
-        code = fn.__code__
-        entry = self._known.get(id(code))
-        if entry is None or entry[0] is not code or entry[1] not in self._held \
-                or entry[2] != constants_of(fn):
+        known = self._known.get(id(fn.__code__))
+        if known is None or known.code is not fn.__code__:
             return None
-        return entry[1], entry[3]
+        try:
+            number = known.numbers.get(constants_of(fn))
+        except TypeError:  # a doc that is not a string, and cannot be hashed: whole
+            return None
+        return (number, known.reads) if number in self._held else None
 
-    def number_for(self, fn: types.FunctionType) -> int:
-        """The number under which ``fn``'s code is taught (a new one if its constants
-        changed since)."""
+    def number_for(self, fn: types.FunctionType) -> int | None:
+        """The number under which ``fn``'s code is taught (a new one for code, or
+        constants, not taught before); None if it cannot be kept (an unhashable doc)."""
         code, constants = fn.__code__, constants_of(fn)
-        entry = self._known.get(id(code))
-        if entry is None or entry[0] is not code or entry[2] != constants:
-            entry = (code, next(self._numbers), constants, tuple(_global_names(code)))
-            self._known[id(code)] = entry
-        return entry[1]
+        known = self._known.get(id(code))
+        if known is None or known.code is not code:
+            known = self._known[id(code)] = _Code(code, tuple(_global_names(code)))
+        try:
+            return known.numbers.setdefault(constants, next(self._numbers))
+        except TypeError:
+            return None
 
     def taught(self, numbers: Iterable[int]) -> None:
         """Every rank took a payload that taught ``numbers``: they may go by number."""
         self._held.update(numbers)
+
+
+class Teaching(NamedTuple):
+    """What one payload teaches which ranks, kept until its run's end (not the payload,
+    whose data the run's ``Job`` would keep alive)."""
+
+    functions: RanksFunctions | None
+    numbers: frozenset[int]
+
+    def confirm(self) -> None:
+        """Every rank returned from the run, so each took the payload whole: what it
+        taught is held."""
+        if self.functions is not None:
+            self.functions.taught(self.numbers)
 
 
 # --- pickling (in the kernel) ---------------------------------------------------------
@@ -99,10 +129,34 @@ def by_number(number: int, names: tuple[str, ...], fn: types.FunctionType,
                             if k in fn.__globals__)
     reads = {k: fn.__globals__[k] for k in names if k in fn.__globals__}
     closure = None if fn.__closure__ is None else tuple(map(_contents, fn.__closure__))
+    imports = imported_submodules(fn.__code__, itertools.chain(reads.values(), closure or ()))
     state = (reads, fn.__defaults__, fn.__kwdefaults__, closure, fn.__dict__ or None,
-             fn.__annotations__ or None)  # (a new function's own are empty: nothing to set)
+             fn.__annotations__ or None,  # (a new function's own are empty: nothing to set)
+             imports or None)
     cells = 0 if closure is None else len(closure)
     return held_function, (number, base_globals, cells), state, None, None, refill
+
+
+def imported_submodules(code: types.CodeType, values: Iterable[Any]) -> list[types.ModuleType]:
+    """The submodules, imported in this process, of the packages among ``values`` that
+    ``code`` can reach by attribute (``torch.nn.functional``: each part a name the code
+    uses), which a rank must import (by unpickling them) before the call: the modules
+    cloudpickle sends with a function by value. Found by looking up each name under each
+    package, not by reading all of ``sys.modules`` for each package, as cloudpickle does:
+    that took a millisecond a call for a function using ``torch``."""
+    names = set(code.co_names)
+    found: list[types.ModuleType] = []
+    packages = [v.__name__ for v in values
+                if isinstance(v, types.ModuleType) and getattr(v, "__package__", None)]
+    while packages:
+        prefix = packages.pop()
+        for name in names:
+            submodule = sys.modules.get(f"{prefix}.{name}")
+            if isinstance(submodule, types.ModuleType):
+                found.append(submodule)
+                if hasattr(submodule, "__path__"):  # (a package: its own may be in use)
+                    packages.append(f"{prefix}.{name}")
+    return found
 
 
 class _Empty:
@@ -110,6 +164,7 @@ class _Empty:
 
 
 def _contents(cell: types.CellType) -> Any:
+    """A closure cell's value, or ``_Empty``."""
     try:
         return cell.cell_contents
     except ValueError:
@@ -146,8 +201,9 @@ def held_function(number: int, base_globals: dict[str, Any], cells: int) -> type
 
 def refill(fn: types.FunctionType, state: tuple[Any, ...]) -> None:
     """Set what a held function's call brought: the globals it reads, its defaults,
-    closure values, attributes and annotations."""
-    reads, defaults, kwdefaults, closure, attributes, annotations = state
+    closure values, attributes and annotations (the submodules it uses are imported by
+    now: they were unpickled)."""
+    reads, defaults, kwdefaults, closure, attributes, annotations, _ = state
     fn.__globals__.update(reads)
     if defaults is not None:
         fn.__defaults__ = defaults
