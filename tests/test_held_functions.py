@@ -263,3 +263,22 @@ def test_the_submodules_sent_with_a_call_are_those_cloudpickle_finds():
         mine = held_functions.imported_submodules(code, values)
         assert {m.__name__ for m in mine} == {m.__name__ for m in theirs}
     assert torch.nn.functional in held_functions.imported_submodules(code, [nb["torch"]])
+
+
+def test_a_submodule_imported_after_the_first_calls_by_number_goes_with_the_next(monkeypatch):
+    import sys
+
+    monkeypatch.delitem(sys.modules, "json.tool", raising=False)  # (not imported yet)
+    nb = notebook("""
+        import json
+
+        def tool(now):
+            return json.tool.main if now else None
+    """)
+    functions = RanksFunctions()
+    taught(functions, sent(nb["tool"], False, functions=functions))
+    assert b"json.tool" not in sent(nb["tool"], False, functions=functions).data
+    exec("import json.tool", nb)  # noqa: S102 - the notebook imports it now
+    packed = sent(nb["tool"], True, functions=functions)
+    assert not packed.teaches and b"json.tool" in packed.data
+    assert called_on_a_rank(packed) is sys.modules["json.tool"].main

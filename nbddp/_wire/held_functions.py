@@ -22,7 +22,7 @@ import builtins
 import itertools
 import sys
 import types
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -52,7 +52,21 @@ class _Code:
 
     code: types.CodeType  # (kept alive: the key is its id)
     reads: tuple[str, ...]
+    """The global names the code reads."""
     numbers: dict[Constants, int] = field(default_factory=dict)
+    _submodules: tuple[Hashable, list[types.ModuleType]] | None = None
+
+    def submodules(self, values: Iterable[Any]) -> list[types.ModuleType]:
+        """``imported_submodules`` of this code and ``values``, found again only when
+        the modules among them, or the number of modules imported here, changed."""
+        modules = tuple(v for v in values if isinstance(v, types.ModuleType))
+        if not modules:
+            return []
+        key = (tuple(map(id, modules)), len(sys.modules))
+        found = self._submodules
+        if found is None or found[0] != key:
+            found = self._submodules = (key, imported_submodules(self.code, modules))
+        return found[1]
 
 
 class RanksFunctions:
@@ -65,9 +79,9 @@ class RanksFunctions:
         self._held: set[int] = set()
         self._numbers = itertools.count(1)
 
-    def held(self, fn: types.FunctionType) -> tuple[int, tuple[str, ...]] | None:
-        """``fn``'s number and the global names it reads, if every rank holds its code
-        with the same constants; else None (it goes whole)."""
+    def held(self, fn: types.FunctionType) -> tuple[int, _Code] | None:
+        """``fn``'s number and its code's entry, if every rank holds its code with the
+        same constants; else None (it goes whole)."""
         known = self._known.get(id(fn.__code__))
         if known is None or known.code is not fn.__code__:
             return None
@@ -75,7 +89,7 @@ class RanksFunctions:
             number = known.numbers.get(constants_of(fn))
         except TypeError:  # a doc that is not a string, and cannot be hashed: whole
             return None
-        return (number, known.reads) if number in self._held else None
+        return (number, known) if number in self._held else None
 
     def number_for(self, fn: types.FunctionType) -> int | None:
         """The number under which ``fn``'s code is taught (a new one for code, or
@@ -118,7 +132,7 @@ def teaching(number: int, fn: types.FunctionType, reduced: tuple[Any, ...]) -> t
     return (learned, (number, constants_of(fn), make, args), *rest)
 
 
-def by_number(number: int, names: tuple[str, ...], fn: types.FunctionType,
+def by_number(number: int, known: _Code, fn: types.FunctionType,
               base_globals: dict[str, Any]) -> tuple[Any, ...]:
     """``fn``, whose code the ranks hold, as its number and what may have changed since
     (its state, set after the function is made, so that it may refer to the function).
@@ -127,9 +141,9 @@ def by_number(number: int, names: tuple[str, ...], fn: types.FunctionType,
     if not base_globals:
         base_globals.update((k, fn.__globals__[k]) for k in _BASE_GLOBALS
                             if k in fn.__globals__)
-    reads = {k: fn.__globals__[k] for k in names if k in fn.__globals__}
+    reads = {k: fn.__globals__[k] for k in known.reads if k in fn.__globals__}
     closure = None if fn.__closure__ is None else tuple(map(_contents, fn.__closure__))
-    imports = imported_submodules(fn.__code__, itertools.chain(reads.values(), closure or ()))
+    imports = known.submodules(itertools.chain(reads.values(), closure or ()))
     state = (reads, fn.__defaults__, fn.__kwdefaults__, closure, fn.__dict__ or None,
              fn.__annotations__ or None,  # (a new function's own are empty: nothing to set)
              imports or None)
