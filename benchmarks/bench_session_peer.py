@@ -6,7 +6,10 @@ endpoint (``mesh.noop.call().get()``), each of a no-op and of one all-reduce. nb
 no-op is timed twice: defined here, in ``__main__`` as a notebook's function is, which
 ``Session.run`` pickles by value with every call (``nbddp noop``), and imported from a
 module the ranks import too (``nbddp noop imported``), pickled by reference as the
-all-reduce is: like a Monarch endpoint, whose code the actors hold from their start.
+all-reduce is: like a Monarch endpoint, whose code the actors hold from their start. A
+third pair, ``torch_step``, is one small tensor op in a function of ``__main__`` that
+uses ``torch``, as a notebook's training step does (what a call by value costs grows
+with what the function's code reaches: cloudpickle looks for the submodules it uses).
 
 Both sides' ranks stay up for the whole run and are called in alternating blocks, so
 that a machine whose speed drifts (as a shared virtual machine's does, by a factor of
@@ -40,6 +43,8 @@ from typing import Any
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 
+import torch  # noqa: E402
+import torch.nn.functional  # noqa: E402,F401 - (imported in the kernel, as a notebook's)
 from _workloads import allreduce_once  # noqa: E402 - (ranks find it: see bench_launch)
 from _workloads import noop as imported_noop  # noqa: E402
 from bench_launch import write_json  # noqa: E402
@@ -55,6 +60,11 @@ CELL_TARGET = 0.002  # seconds, a trivial %%ddp session cell's own time: at most
 
 def noop() -> None:
     """The trivial call (a function of ``__main__``: pickled by value)."""
+
+
+def torch_step() -> float:
+    """One small tensor op, in a function of ``__main__`` that uses torch."""
+    return float(torch.nn.functional.relu(torch.ones(4)).sum().item())
 
 
 def monarch_ranks(nprocs: int = NPROCS) -> tuple[Any, Any]:
@@ -75,6 +85,10 @@ def monarch_ranks(nprocs: int = NPROCS) -> tuple[Any, Any]:
         @endpoint
         def allreduce(self) -> float:
             return allreduce_once()
+
+        @endpoint
+        def torch_step(self) -> float:
+            return torch_step()
 
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -103,6 +117,8 @@ def side_by_side(rounds: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
                 "monarch noop": lambda: actors.noop.call().get(),
                 "nbddp all_reduce": lambda: session.run(allreduce_once),
                 "monarch all_reduce": lambda: actors.allreduce.call().get(),
+                "nbddp torch_step": lambda: session.run(torch_step),
+                "monarch torch_step": lambda: actors.torch_step.call().get(),
             }
             times: dict[str, list[float]] = {name: [] for name in calls}
             for call in calls.values():
@@ -158,7 +174,7 @@ def main() -> int:
         return 0
     figures = {str(nprocs): one_count(nprocs, opts) for nprocs in opts.ranks}
     if len(figures) > 1:
-        for call in ("noop", "noop imported"):
+        for call in ("noop", "noop imported", "torch_step"):
             print(f"\n{call} call, nbddp / Monarch, by ranks: " + ", ".join(
                 f"{n}: {f['ratios'][call]:.2f}" for n, f in figures.items()))
     write_json(opts.json, {"block": BLOCK, "rounds": opts.rounds,
@@ -175,7 +191,7 @@ def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
         times.update(in_kernel(opts.rounds * BLOCK, nprocs))
     medians = {name: statistics.median(values) for name, values in times.items()}
     ratios = {call: medians[f"nbddp {call}"] / medians[f"monarch {call}"]
-              for call in ("noop", "all_reduce")}
+              for call in ("noop", "all_reduce", "torch_step")}
     ratios["noop imported"] = medians["nbddp noop imported"] / medians["monarch noop"]
     if not opts.calls_only:
         for name in ("%%ddp noop", "monarch noop cell"):
