@@ -208,8 +208,7 @@ class Job(Generic[R]):
             try:
                 self._end_broken(exc)
             finally:
-                self._supervisor.release()
-                self._finished.set()
+                self._finish()
 
     def _followed_after_all(self) -> None:
         """The caller that was to follow the run's start raised before it waited: a
@@ -331,8 +330,13 @@ class Job(Generic[R]):
         except BaseException as exc:  # a bug here must not leave the run going
             self._end_broken(exc)
         finally:
-            self._supervisor.release()
-            self._finished.set()
+            self._finish()
+
+    def _finish(self) -> None:
+        """(The run is over, however it ended) Drop what refers back to the supervisor,
+        and ``done()`` turns true."""
+        self._supervisor.release()
+        self._finished.set()
 
     def _end_broken(self, exc: BaseException) -> None:
         """nbddp itself could not follow or end the run: stop its ranks, and say so."""

@@ -408,7 +408,7 @@ class _Pickler(cloudpickle.Pickler):
         if number is None:
             return reduced
         self.teaches.add(number)
-        return held_functions.teaching(number, fn, reduced)
+        return held_functions.whole(number, fn, reduced)
 
     def _tensor_args(self, tensor: Any) -> tuple[Any, ...]:
         """How ``_tensor`` rebuilds ``tensor``: its storage, dtype, size, stride, offset."""

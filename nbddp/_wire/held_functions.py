@@ -54,7 +54,8 @@ class _Code:
     reads: tuple[str, ...]
     """The global names the code reads."""
     numbers: dict[Constants, int] = field(default_factory=dict)
-    _submodules: tuple[Hashable, list[types.ModuleType]] | None = None
+    _submodules: tuple[Hashable, list[types.ModuleType]] | None = field(
+        default=None, init=False, repr=False)
 
     def submodules(self, values: Iterable[Any]) -> list[types.ModuleType]:
         """``imported_submodules`` of this code and ``values``, found again only when
@@ -82,8 +83,8 @@ class RanksFunctions:
     def held(self, fn: types.FunctionType) -> tuple[int, _Code] | None:
         """``fn``'s number and its code's entry, if every rank holds its code with the
         same constants; else None (it goes whole)."""
-        known = self._known.get(id(fn.__code__))
-        if known is None or known.code is not fn.__code__:
+        known = self._entry(fn.__code__)
+        if known is None:
             return None
         try:
             number = known.numbers.get(constants_of(fn))
@@ -94,14 +95,19 @@ class RanksFunctions:
     def number_for(self, fn: types.FunctionType) -> int | None:
         """The number under which ``fn``'s code is taught (a new one for code, or
         constants, not taught before); None if it cannot be kept (an unhashable doc)."""
-        code, constants = fn.__code__, constants_of(fn)
-        known = self._known.get(id(code))
-        if known is None or known.code is not code:
+        code = fn.__code__
+        known = self._entry(code)
+        if known is None:
             known = self._known[id(code)] = _Code(code, tuple(_global_names(code)))
         try:
-            return known.numbers.setdefault(constants, next(self._numbers))
+            return known.numbers.setdefault(constants_of(fn), next(self._numbers))
         except TypeError:
             return None
+
+    def _entry(self, code: types.CodeType) -> _Code | None:
+        """``code``'s entry, if it was taught (not another's that had its ``id``)."""
+        known = self._known.get(id(code))
+        return known if known is not None and known.code is code else None
 
     def taught(self, numbers: Iterable[int]) -> None:
         """Every rank took a payload that taught ``numbers``: they may go by number."""
@@ -125,7 +131,7 @@ class Teaching(NamedTuple):
 # --- pickling (in the kernel) ---------------------------------------------------------
 
 
-def teaching(number: int, fn: types.FunctionType, reduced: tuple[Any, ...]) -> tuple[Any, ...]:
+def whole(number: int, fn: types.FunctionType, reduced: tuple[Any, ...]) -> tuple[Any, ...]:
     """cloudpickle's whole reduction of ``fn`` (``reduced``), which also leaves its code
     and constants with the rank under ``number``."""
     make, args, *rest = reduced
