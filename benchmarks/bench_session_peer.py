@@ -17,9 +17,10 @@ two within an hour) slows both alike. Every other round runs the blocks in rever
 order: a block pays for what the one before it left running (a Monarch all-reduce
 block leaves its processes busy for a while), and in one fixed order the same side
 always followed it. Then the same through a real Jupyter kernel, as a person meets it
-(unless ``--calls-only``): a ``%%ddp`` session cell and a cell that calls the Monarch
-endpoint, each timed from the execute request to the kernel going idle, alternated with
-a plain cell (``1 + 1``) whose time is taken off: a cell's own time. Medians of every
+(unless ``--calls-only``): ``%%ddp`` session cells and cells that await the Monarch
+endpoints (a no-op, the tensor op, an all-reduce; neither side shows a value), each timed
+from the execute request to the kernel going idle, alternated with a plain cell
+(``1 + 1``) whose time is taken off: a cell's own time. Medians of every
 call and the ratio nbddp / Monarch are printed (``--json`` saves every figure).
 
 Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
@@ -135,8 +136,21 @@ def side_by_side(rounds: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
 KERNEL_CELLS = {
     "plain cell": "1 + 1",
     "%%ddp noop": "%%ddp\nNone",
-    "monarch noop cell": "actors.noop.call().get()",
+    "monarch noop cell": "_ = await actors.noop.call()",
+    "%%ddp torch_step": "%%ddp\nx = float(torch.nn.functional.relu(torch.ones(4)).sum().item())",
+    "monarch torch_step cell": "_ = await actors.torch_step.call()",
+    "%%ddp all_reduce": "%%ddp\nt = torch.ones(1)\ndist.all_reduce(t)\nx = float(t.item())",
+    "monarch all_reduce cell": "_ = await actors.allreduce.call()",
 }
+"""Each side's cells as a notebook's user writes them, showing no value. A Monarch cell
+awaits its call, as Monarch asks inside a running event loop (the kernel's): there
+``.get()`` warns on stderr with every call."""
+CELL_PAIRS = {"noop": ("%%ddp noop", "monarch noop cell"),
+              "torch_step": ("%%ddp torch_step", "monarch torch_step cell"),
+              "all_reduce": ("%%ddp all_reduce", "monarch all_reduce cell")}
+"""The cells compared: nbddp's, Monarch's."""
+SESSION_IMPORTS = ("%%ddp\nimport torch\nimport torch.nn.functional\n"
+                   "import torch.distributed as dist")
 
 
 def in_kernel(cells: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
@@ -149,6 +163,7 @@ def in_kernel(cells: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
         run_cell(client, "from bench_session_peer import monarch_ranks\n"
                          f"procs, actors = monarch_ranks({nprocs})\n"
                          f"%load_ext nbddp\n%ddp_session start --nprocs {nprocs}", 600)
+        run_cell(client, SESSION_IMPORTS, 120)
         times = time_cells(client, KERNEL_CELLS, cells, warm_up=10)
         run_cell(client, "%ddp_session stop\nprocs.stop().get()", 60)
     finally:
@@ -174,9 +189,9 @@ def main() -> int:
         return 0
     figures = {str(nprocs): one_count(nprocs, opts) for nprocs in opts.ranks}
     if len(figures) > 1:
-        for call in ("noop", "noop imported", "torch_step"):
-            print(f"\n{call} call, nbddp / Monarch, by ranks: " + ", ".join(
-                f"{n}: {f['ratios'][call]:.2f}" for n, f in figures.items()))
+        for ratio in next(iter(figures.values()))["ratios"]:
+            print(f"\n{ratio}, nbddp / Monarch, by ranks: " + ", ".join(
+                f"{n}: {f['ratios'][ratio]:.2f}" for n, f in figures.items()))
     write_json(opts.json, {"block": BLOCK, "rounds": opts.rounds,
                            "python": platform.python_version(), "cpus": os.cpu_count(),
                            "by_ranks": figures})
@@ -194,10 +209,12 @@ def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
               for call in ("noop", "all_reduce", "torch_step")}
     ratios["noop imported"] = medians["nbddp noop imported"] / medians["monarch noop"]
     if not opts.calls_only:
-        for name in ("%%ddp noop", "monarch noop cell"):
-            medians[f"{name} - plain cell"] = medians[name] - medians["plain cell"]
-        ratios["cell's own time"] = (medians["%%ddp noop - plain cell"]
-                                     / medians["monarch noop cell - plain cell"])
+        for call, (ours, theirs) in CELL_PAIRS.items():
+            for name in (ours, theirs):
+                medians[f"{name} - plain cell"] = medians[name] - medians["plain cell"]
+            ratios[f"{call} cell's own time"] = (medians[f"{ours} - plain cell"]
+                                                 / medians[f"{theirs} - plain cell"])
+            ratios[f"{call} cell"] = medians[ours] / medians[theirs]
     print(f"\nnbddp Session.run vs a Monarch endpoint call, {nprocs} CPU ranks (gloo), "
           f"median of {opts.rounds * BLOCK}; {os.cpu_count()} CPUs, load {load:.2f} -> "
           f"{os.getloadavg()[0]:.2f}")
