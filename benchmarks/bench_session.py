@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import statistics
 import tempfile
 import time
@@ -136,15 +137,20 @@ def run_cell(client: Any, code: str, timeout: float = 60) -> None:
 
 
 def time_cells(client: Any, cells: dict[str, str], repeats: int, warm_up: int,
-               timeout: float = 60) -> dict[str, list[float]]:
+               timeout: float = 60, shuffled: bool = False) -> dict[str, list[float]]:
     """Each of ``cells`` (name: code) ``repeats`` times, alternated, after ``warm_up``
-    untimed rounds: seconds from the execute request to the kernel going idle."""
+    untimed rounds: seconds from the execute request to the kernel going idle.
+    ``shuffled``: each round in its own order (seeded), so that no cell always follows
+    the same one (a cell after one that kept both cores busy starts on warm ones)."""
     for _ in range(warm_up):
         for code in cells.values():
             run_cell(client, code, timeout)
     times: dict[str, list[float]] = {name: [] for name in cells}
+    order, shuffle = list(cells.items()), random.Random(0).shuffle
     for _ in range(repeats):
-        for name, code in cells.items():
+        if shuffled:
+            shuffle(order)
+        for name, code in order:
             start = time.perf_counter()
             run_cell(client, code, timeout)
             times[name].append(time.perf_counter() - start)

@@ -19,9 +19,11 @@ block leaves its processes busy for a while), and in one fixed order the same si
 always followed it. Then the same through a real Jupyter kernel, as a person meets it
 (unless ``--calls-only``): ``%%ddp`` session cells and cells that await the Monarch
 endpoints (a no-op, the tensor op, an all-reduce; neither side shows a value), each timed
-from the execute request to the kernel going idle, alternated with a plain cell
-(``1 + 1``) whose time is taken off: a cell's own time. Medians of every
-call and the ratio nbddp / Monarch are printed (``--json`` saves every figure).
+from the execute request to the kernel going idle, in a new random order every round
+(a cell's time depends on the one before it: one that kept both cores busy leaves them
+quick to wake), with a plain cell (``x = 1 + 1``: no value shown either) whose time is
+taken off: a cell's own time. Medians of every call and the ratio nbddp / Monarch are
+printed (``--json`` saves every figure).
 
 Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
 so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--ranks N ...]
@@ -134,7 +136,7 @@ def side_by_side(rounds: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
 
 
 KERNEL_CELLS = {
-    "plain cell": "1 + 1",
+    "plain cell": "x = 1 + 1",
     "%%ddp noop": "%%ddp\nNone",
     "monarch noop cell": "_ = await actors.noop.call()",
     "%%ddp torch_step": "%%ddp\nx = float(torch.nn.functional.relu(torch.ones(4)).sum().item())",
@@ -164,7 +166,7 @@ def in_kernel(cells: int, nprocs: int = NPROCS) -> dict[str, list[float]]:
                          f"procs, actors = monarch_ranks({nprocs})\n"
                          f"%load_ext nbddp\n%ddp_session start --nprocs {nprocs}", 600)
         run_cell(client, SESSION_IMPORTS, 120)
-        times = time_cells(client, KERNEL_CELLS, cells, warm_up=10)
+        times = time_cells(client, KERNEL_CELLS, cells, warm_up=10, shuffled=True)
         run_cell(client, "%ddp_session stop\nprocs.stop().get()", 60)
     finally:
         client.stop_channels()
