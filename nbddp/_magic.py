@@ -9,7 +9,9 @@ starts, stops, restarts and describes the kernel's one session.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from IPython.core.error import UsageError
@@ -239,18 +241,18 @@ class DDPMagics(Magics):
         failing rank raises nbddp.WorkerError with the traceback of the cell's lines.
         """
         __tracebackhide__ = True  # errors show the user's cell, not this frame
-        args = parse_argstring(self.ddp, line)
-        if args.help:
+        args, checked = _ddp_line(line)
+        if checked is None:  # -h
             print(self.ddp.parser.format_help())
             return None
         if cell is None:
             raise UsageError("%%ddp is a cell magic: put it on the first line of the cell "
                              "to run on every rank (%ddp -h lists the options)")
-        run = _values(RunOptions, args)
+        run: dict[str, Any] = {name: list(value) if isinstance(value, list) else value
+                               for name, value in checked.items()}  # (--gpus I,J)
         if self._shell.call_pdb and not args.export:  # %pdb on: post-mortem on the rank
             run["pdb"] = True
             _without_ipythons_own_post_mortem(self._shell)
-        _check_combination(args)
         session = self._open_session
         if session is not None and not args.export:
             conflicts = _session_conflicts(run, args.slurm, session, args.ray)
@@ -432,6 +434,24 @@ class DDPMagics(Magics):
 
 NOTHING_TO_DEBUG = ("nbddp: no rank of the session kept a failure: %ddp_debug opens pdb "
                     "where the last %%ddp cell failed, before another cell runs")
+
+
+LINES_KEPT = 64
+"""Distinct ``%%ddp`` lines whose parse is kept: a notebook's cells repeat a few."""
+
+
+@functools.lru_cache(maxsize=LINES_KEPT)
+def _ddp_line(line: str) -> tuple[Any, Mapping[str, Any] | None]:
+    """``%%ddp``'s ``line`` parsed: its flags, and unless it asks for help (None), the
+    run options they give, checked together. Each distinct line is parsed once (argparse
+    takes a tenth of a quick session cell's kernel time); a line it refuses, every time.
+    Its users change neither (they copy the options)."""
+    args = parse_argstring(DDPMagics.ddp, line)
+    if args.help:
+        return args, None
+    run = _values(RunOptions, args)
+    _check_combination(args)
+    return args, MappingProxyType(run)
 
 
 def _without_ipythons_own_post_mortem(shell: Any) -> None:

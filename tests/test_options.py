@@ -219,3 +219,19 @@ def test_a_session_s_run_reuses_its_config_only_for_the_very_same_settings():
     assert configs.for_run(session, stall_after=1, ranks=(1,)).ranks == (1,)
     session.env["SEED"] = "2"
     assert configs.for_run(session, stall_after=1, ranks=(1,)).env == {"SEED": "2"}
+
+
+def test_a_ddp_line_is_parsed_once_and_a_refused_one_is_refused_every_time():
+    """A notebook reruns the same ``%%ddp`` lines: each is parsed once, and what the
+    magic takes from it cannot change the next cell's options."""
+    from nbddp._magic import _ddp_line
+
+    args, options = _ddp_line("--nprocs 3 --gpus 0,1")
+    assert _ddp_line("--nprocs 3 --gpus 0,1") == (args, options)
+    assert options is not None and options["nprocs"] == 3 and options["gpus"] == [0, 1]
+    with pytest.raises(TypeError):
+        options["pdb"] = True  # type: ignore[index]  # (the magic copies them)
+    for _ in range(2):
+        with pytest.raises(UsageError, match="add --slurm"):
+            _ddp_line("--nodes 2")
+    assert _ddp_line("-h")[1] is None

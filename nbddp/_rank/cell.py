@@ -49,11 +49,10 @@ class Cell:
         """Parse ``source`` (a SyntaxError points at the cell's line) and pick its names:
         those it reads, except IPython's own and ``ranks_own`` (a session's names)."""
         __tracebackhide__ = True
-        from .._wire.cell_names import names_read_from_outside  # the kernel's work, not a rank's
+        from .._wire.cell_names import names_read_in  # the kernel's work, not a rank's
 
-        tree = ast.parse(source, filename)
         hidden = hidden or {}
-        names = [n for n in sorted(names_read_from_outside(tree))
+        names = [n for n in names_read_in(source, filename)
                  if n in user_ns and n not in ranks_own
                  and not (n in hidden and hidden[n] is user_ns[n])]
         return cls(source, filename, {n: user_ns[n] for n in names}, outputs)

@@ -12,8 +12,20 @@ scope's, as the compiler decides them.
 from __future__ import annotations
 
 import ast
+import functools
 from dataclasses import dataclass, field
 from typing import Any
+
+SOURCES_KEPT = 128
+"""Distinct cells whose names are kept: a notebook runs the same cells again (in a
+session, often), and a cell's names follow from its source alone."""
+
+
+@functools.lru_cache(maxsize=SOURCES_KEPT)
+def names_read_in(source: str, filename: str) -> tuple[str, ...]:
+    """``names_read_from_outside`` of the cell ``source``, sorted (a SyntaxError names
+    ``filename``), worked out once per cell."""
+    return tuple(sorted(names_read_from_outside(ast.parse(source, filename))))
 
 
 def names_read_from_outside(tree: ast.Module) -> set[str]:
