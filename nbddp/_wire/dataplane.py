@@ -97,8 +97,8 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
     copies, where given (for ranks on this machine): made now, or still current.
     Notebook functions the ranks hold go by number, where their ``functions`` are given
     (a session's ranks, every one of which takes the pickle)."""
-    if kept is None and type(value) in _PLAIN_VALUES:  # (a quick cell's None: the same
-        return Packed(pickle.dumps(value, protocol=5))  # bytes, without a pickler made)
+    if kept is None and plain(value):  # (a quick cell's None: the same bytes, without
+        return Packed(pickle.dumps(value, protocol=5))  # a pickler made)
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -113,6 +113,16 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
         pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
                   frozenset(pickler.code_files), functions, frozenset(pickler.teaches))
+
+
+def plain(value: Any) -> bool:
+    """``value`` is None, a bool or a number, or says that all it holds is (its type's
+    ``__nbddp_plain__``: a cell's result with nothing else in it): pickle takes it as
+    cloudpickle would, with no code and no buffers to send apart."""
+    if type(value) in _PLAIN_VALUES:
+        return True
+    says = getattr(type(value), "__nbddp_plain__", None)
+    return says is not None and says(value)
 
 
 # --- files ----------------------------------------------------------------------------
