@@ -113,6 +113,10 @@ class Panel(Protocol):
     def close(self, state: PanelState) -> None: ...
     def note(self, state: PanelState) -> None: ...
 
+    def draws_ranks(self, state: PanelState) -> bool:
+        """Whether closing with ``state`` draws each rank's note (else the supervisor
+        need not work them out)."""
+
 
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
@@ -176,6 +180,9 @@ class TextPanel:
     def note(self, state: PanelState) -> None:
         """A terminal gets the last line once, at close: nothing is printed later."""
 
+    def draws_ranks(self, state: PanelState) -> bool:
+        return False  # (the bar and the summary line name no rank)
+
 
 # --- widgets -------------------------------------------------------------------------
 
@@ -226,6 +233,10 @@ class WidgetPanel:
         """The last line, live: standby ranks starting, ready, stopped."""
         if self._widgets is not None:
             self._widgets.note(state, closed=self._closed)
+
+    def draws_ranks(self, state: PanelState) -> bool:
+        """Once the widgets are shown (a quick run's never are)."""
+        return self._shown(state) is not None
 
 
 class _Widgets:
@@ -434,6 +445,9 @@ class QuietPanel:
 
     def note(self, state: PanelState) -> None:
         pass
+
+    def draws_ranks(self, state: PanelState) -> bool:
+        return False
 
 
 def make_panel(stream: TextIO | None = None, quiet: bool = False) -> Panel:

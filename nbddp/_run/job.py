@@ -242,7 +242,7 @@ class Job(Generic[R]):
     @property
     def state(self) -> PanelState:
         """What the live panel shows now: status, each rank's state, progress, metrics."""
-        return self._supervisor.state
+        return self._supervisor.shown_state
 
     @property
     def logs(self) -> dict[int, str]:

@@ -92,6 +92,7 @@ class Supervisor:
         """Where each rank's step time goes (data, compute, collectives)."""
         self._stalled = False
         self._stalled_at: dict[int, str] = {}  # where each rank was when it stalled
+        self._notes_due = False  # (see ``_final_notes``)
         # The clocks start now: a quick run's first look is its last, in ``close``.
         self._refreshed = self._pumped = time.monotonic()
         self._ending: Ending | None = None
@@ -495,10 +496,25 @@ class Supervisor:
         self.ended = True
         self.state.ended = time.monotonic()
         self.state.status, self.state.message = status, message
-        self._note_ranks()  # (the notes of the last refresh may be a second old)
-        self.state.rank_notes.update(self._stalled_at)  # (where a stalled run's ranks were)
+        self._notes_due = True  # (the notes of the last refresh may be a second old)
+        if self.panel.draws_ranks(self.state):
+            self._final_notes()
         self._update_split()
         self.panel.close(self.state)
+
+    def _final_notes(self) -> None:
+        """The ranks' notes as the run ended, once: worked out when the panel draws the
+        ranks, or when ``Job.state`` is asked (a quick cell's panel never shows them)."""
+        if self._notes_due:
+            self._notes_due = False
+            self._note_ranks()
+            self.state.rank_notes.update(self._stalled_at)  # (where a stalled run's ranks were)
+
+    @property
+    def shown_state(self) -> PanelState:
+        """The panel's state, with the ranks' final notes once the run is over."""
+        self._final_notes()
+        return self.state
 
     def note(self, line: str) -> None:
         """Set the panel's last line (it may already be closed)."""
