@@ -225,6 +225,22 @@ def test_tail_shows_only_its_cells_part_of_a_sessions_log(tmp_path):
     assert sink.text == "this cell\n"
 
 
+def test_tail_looked_at_before_its_cell_wrote_shows_what_comes_later(tmp_path):
+    """A session cell's tail is pumped while its rank has written nothing yet (the log
+    holds only earlier cells' lines), then the rank writes: that shows, once."""
+    log, sink = tmp_path / "rank-0.log", Collect()
+    log.write_bytes(b"the cell before\n")
+    tail = LogTail(log, sink, start=log.stat().st_size)
+    for _ in range(3):
+        tail.pump()
+    assert sink.text == ""
+    with open(log, "ab") as f:
+        f.write(b"at last\n")
+    tail.pump()
+    tail.close()
+    assert sink.text == "at last\n"
+
+
 def test_tail_of_a_bar_writes_no_line_per_refresh_and_no_code(tmp_path):
     log, sink, clock = tmp_path / "rank0.log", Collect(), Clock()
     tail = LogTail(log, sink, clock=clock)

@@ -10,6 +10,7 @@ code and no carriage return reaches the notebook, and a bar is not one line per 
 from __future__ import annotations
 
 import codecs
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -64,7 +65,9 @@ class LogTail:
 
     def pump(self) -> None:
         if self._file is None:
-            try:
+            try:  # (nothing written yet, as in most quick cells: the file is not opened,
+                if os.stat(self.path).st_size <= self._start:  # a fifth of the time)
+                    return
                 self._file = open(self.path, "rb")  # noqa: SIM115 - kept open between pumps
             except FileNotFoundError:
                 return
