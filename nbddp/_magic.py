@@ -14,13 +14,13 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
+from IPython.core.displayhook import DisplayHook
 from IPython.core.error import UsageError
 from IPython.core.magic import (
     Magics,
     line_cell_magic,
     line_magic,
     magics_class,
-    output_can_be_silenced,
 )
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -230,7 +230,6 @@ class DDPMagics(Magics):
         *_flags(Slurm),
         *_RAY_FLAGS,
     )
-    @output_can_be_silenced  # a trailing ';' hides the result, as in any cell
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
         """Run this cell on every rank of a fresh DDP process group started by torchrun.
@@ -280,7 +279,7 @@ class DDPMagics(Magics):
         else:
             result = self._launch(code, args, run)
         self._shell.user_ns.update(result.outputs)
-        return result.value
+        return _unless_hidden(result.value, cell)
 
     def _launch(self, code: Cell, args: Any, run: dict[str, Any]) -> CellResult:
         __tracebackhide__ = True
@@ -452,6 +451,16 @@ def _ddp_line(line: str) -> tuple[Any, Mapping[str, Any] | None]:
     run = _values(RunOptions, args)
     _check_combination(args)
     return args, MappingProxyType(run)
+
+
+def _unless_hidden(value: Any, cell: str) -> Any:
+    """The cell's value, or None if the cell ends in ';' (a comment after it aside): a
+    trailing ';' hides the value, as in any cell. IPython's own check for magics
+    (``output_can_be_silenced``) tokenises the whole cell at every run; a cell with no
+    ';' in it cannot end in one."""
+    if ";" in cell and DisplayHook.semicolon_at_end_of_expression(cell):
+        return None
+    return value
 
 
 def _without_ipythons_own_post_mortem(shell: Any) -> None:

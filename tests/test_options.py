@@ -235,3 +235,17 @@ def test_a_ddp_line_is_parsed_once_and_a_refused_one_is_refused_every_time():
         with pytest.raises(UsageError, match="add --slurm"):
             _ddp_line("--nodes 2")
     assert _ddp_line("-h")[1] is None
+
+
+@pytest.mark.parametrize("cell", [
+    "x = 5\nx;", "x; # a comment", "x;\n# a comment after\n", "x = 5\nx",
+    "s = 'a;b'\ns", "x  # ;", "for i in range(2): pass;\n", "print(1); print(2)"])
+def test_a_cell_ending_in_a_semicolon_hides_its_value_as_ipython_decides(cell):
+    """``%%ddp`` hides the value of a cell that ends in ';', as IPython decides for any
+    cell, without tokenising cells that hold no ';'."""
+    from IPython.core.displayhook import DisplayHook
+
+    from nbddp._magic import _unless_hidden
+
+    hidden = DisplayHook.semicolon_at_end_of_expression(cell)
+    assert _unless_hidden("value", cell) == (None if hidden else "value")
