@@ -58,19 +58,35 @@ def test_a_syntax_error_is_raised_every_time():
             _run(cell, Scope())
 
 
-def test_a_quick_cell_s_report_is_a_plain_pickle_and_others_are_cloudpickle_s():
-    quick = CellResult(None, {})
-    packed = dataplane.pack(quick, to_cpu=True)
-    assert packed.data == pickle.dumps(quick, protocol=5) and not packed.buffers
-    assert dataplane.Packed(packed.data).load() == quick
-    for value in (CellResult(3.5, {}), CellResult(True, {})):
-        assert dataplane.pack(value).data == pickle.dumps(value, protocol=5)
+def test_a_quick_cell_s_report_is_a_plain_pickle_and_others_are_cloudpickle_s(monkeypatch):
+    plain = [CellResult(None, {}), CellResult(3.5, {}), CellResult(True, {}), CellResult(7)]
     tensor = torch.arange(100_000, dtype=torch.float32)
-    for value in (CellResult(tensor, {}), CellResult(None, {"t": tensor}),
-                  CellResult("text", {}), CellResult(lambda: 1, {})):
-        packed = dataplane.pack(value, to_cpu=True)
-        assert packed.data != pickle.dumps(CellResult(None, {}), protocol=5)
-        back = packed.load()
-        assert type(back) is CellResult
+    other = [CellResult(tensor, {}), CellResult(None, {"t": tensor}), CellResult("text", {}),
+             CellResult(lambda: 1, {}), CellResult(None, {"n": 1})]
+    assert [dataplane.plain(value) for value in plain] == [True] * len(plain)
+    assert [dataplane.plain(value) for value in other] == [False] * len(other)
+    with monkeypatch.context() as patched:  # (the plain ones never meet nbddp's pickler)
+        patched.setattr(dataplane, "_Pickler", None)
+        for value in plain:
+            packed = dataplane.pack(value, to_cpu=True)
+            assert packed.data == pickle.dumps(value, protocol=5) and not packed.buffers
+            assert dataplane.Packed(packed.data).load() == value
+    for value in other:
+        assert type(dataplane.pack(value, to_cpu=True).load()) is CellResult
     assert dataplane.pack(CellResult(tensor, {}), to_cpu=True).buffers  # (out of band)
     assert dataplane.pack(CellResult(lambda: 1, {})).load().value() == 1  # by value
+
+
+def test_each_run_of_a_cell_defines_its_functions_with_code_of_their_own():
+    """As a freshly compiled cell's would: ``torch.compile`` keeps its graphs and counts
+    its recompiles per code object, so a rerun cell's function must not share them."""
+    scope, seen = Scope(), []
+    cell = Cell("\ndef step(x):\n    return [i for i in x]\nclass Model:\n"
+                "    def forward(self):\n        return 1\n(step, Model)\n", "cell-defines")
+    for _ in range(2):
+        step, model = _run(cell, scope).value
+        seen.append((step.__code__, model.forward.__code__))
+        assert step([1, 2]) == [1, 2] and model().forward() == 1
+    (first_step, first_forward), (second_step, second_forward) = seen
+    assert first_step is not second_step and first_forward is not second_forward
+    assert _compiled.cache_info().currsize >= 1  # (compiled once all the same)

@@ -92,6 +92,10 @@ def test_a_sessions_later_cells_show_their_ranks_running(tmp_path):
             assert [info["state"] for info in view.values()] == ["running"] * 2, cell
             job.result(timeout=60)
             assert [info["state"] for info in job.ranks.values()] == ["finished"] * 2
+            # (a quiet panel draws no rank: the panel's state says it when asked)
+            assert job.state.ranks == ["finished"] * 2, cell
+            assert sorted(job.state.rank_notes) == [0, 1] and all(
+                note.startswith("step ") for note in job.state.rank_notes.values()), cell
 
 
 def test_a_rank_that_falls_behind_is_marked(tmp_path):

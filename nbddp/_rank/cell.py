@@ -77,13 +77,14 @@ class Cell:
         """Run the cell in ``scope`` (with the notebook names it brought); rank 0's view."""
         scope.take(self.namespace)
         namespace = scope.globals
-        lines, body, last = _compiled(self.source, self.filename)
+        lines = self.source.splitlines(keepends=True)  # a traceback shows the cell's lines
         linecache.cache[self.filename] = (len(self.source), None, lines, self.filename)
+        body, last = _compiled(self.source, self.filename)
         value = None
         try:
-            exec(body, namespace)
+            exec(_fresh(body), namespace)
             if last is not None:
-                value = eval(last, namespace)
+                value = eval(_fresh(last), namespace)
         except SystemExit as exc:  # sys.exit() / exit() ends the cell, like a script
             if exc.code not in (None, 0):
                 raise
@@ -97,17 +98,24 @@ class Cell:
 
 
 @functools.lru_cache(maxsize=128)
-def _compiled(source: str, filename: str) -> tuple[list[str], CodeType, CodeType | None]:
-    """A cell's lines (a traceback shows them), its code less a trailing expression, and
-    that expression's code (like IPython, the cell's value), or None. Kept per source and
-    name: a session reruns its cells, and parsing and compiling took half of a small
-    cell's run on a rank (IPython names a cell by its source's hash, so an edited cell
-    is another entry). A SyntaxError is raised again each time."""
-    lines = source.splitlines(keepends=True)
+def _compiled(source: str, filename: str) -> tuple[CodeType, CodeType | None]:
+    """A cell's code less a trailing expression, and that expression's code (like
+    IPython, the cell's value), or None. Kept per source and name: a session reruns its
+    cells, and parsing and compiling took half of a small cell's run on a rank (IPython
+    names a cell by its source's hash, so an edited cell is another entry). A SyntaxError
+    is raised again each time; a warning the compiler gives, the first time only."""
     tree = ast.parse(source, filename)
     last = tree.body[-1] if tree.body else None
     if not isinstance(last, ast.Expr):
-        return lines, compile(tree, filename, "exec"), None
+        return compile(tree, filename, "exec"), None
     tree.body.pop()
-    return (lines, compile(tree, filename, "exec"),
-            compile(ast.Expression(last.value), filename, "eval"))
+    return compile(tree, filename, "exec"), compile(ast.Expression(last.value), filename, "eval")
+
+
+def _fresh(code: CodeType) -> CodeType:
+    """A copy of ``code`` and of the code nested in it (functions, classes, lambdas): each
+    run of a cell defines its functions with code objects of their own, as a freshly
+    compiled cell would (``torch.compile`` keeps its graphs and counts recompiles per
+    code object: a rerun cell's model must not inherit the last run's)."""
+    return code.replace(co_consts=tuple(_fresh(const) if isinstance(const, CodeType) else const
+                                        for const in code.co_consts))
