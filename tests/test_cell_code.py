@@ -1,11 +1,13 @@
-"""A ``%%ddp`` cell as a rank runs it: its code is compiled once per source, and its
-report is pickled plainly when nothing in it needs cloudpickle. Pure logic, in this
-process (the kernel tests run the same cells on real ranks)."""
+"""A ``%%ddp`` cell as a rank runs it: its code is compiled once per source, and the cell
+and its report are pickled plainly when nothing in them needs cloudpickle. Pure logic, in
+this process (the kernel tests run the same cells on real ranks)."""
 
 from __future__ import annotations
 
 import linecache
+import os
 import pickle
+import sys
 import traceback
 
 import pytest
@@ -13,7 +15,9 @@ import torch
 
 from nbddp._rank.cell import Cell, CellResult, _compiled
 from nbddp._rank.scope import Scope
-from nbddp._wire import dataplane
+from nbddp._wire import dataplane, payload
+from nbddp._wire.held_functions import RanksFunctions
+from nbddp._wire.payload import Payload
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
@@ -59,10 +63,13 @@ def test_a_syntax_error_is_raised_every_time():
 
 
 def test_a_quick_cell_s_report_is_a_plain_pickle_and_others_are_cloudpickle_s(monkeypatch):
-    plain = [CellResult(None, {}), CellResult(3.5, {}), CellResult(True, {}), CellResult(7)]
+    plain = [CellResult(None, {}), CellResult(3.5, {}), CellResult(True, {}), CellResult(7),
+             CellResult("text", {}), CellResult((1, "a", None), {}),
+             CellResult({"loss": 0.5, "steps": (1, 2)}), CellResult(tuple(range(16)))]
     tensor = torch.arange(100_000, dtype=torch.float32)
-    other = [CellResult(tensor, {}), CellResult(None, {"t": tensor}), CellResult("text", {}),
-             CellResult(lambda: 1, {}), CellResult(None, {"n": 1})]
+    other = [CellResult(tensor, {}), CellResult(None, {"t": tensor}), CellResult([1, 2], {}),
+             CellResult(lambda: 1, {}), CellResult(None, {"n": 1}), CellResult({1: 2}),
+             CellResult(tuple(range(17))), CellResult(b"bytes"), CellResult((1, tensor))]
     assert [dataplane.plain(value) for value in plain] == [True] * len(plain)
     assert [dataplane.plain(value) for value in other] == [False] * len(other)
     with monkeypatch.context() as patched:  # (the plain ones never meet nbddp's pickler)
@@ -90,3 +97,46 @@ def test_each_run_of_a_cell_defines_its_functions_with_code_of_their_own():
     (first_step, first_forward), (second_step, second_forward) = seen
     assert first_step is not second_step and first_forward is not second_forward
     assert _compiled.cache_info().currsize >= 1  # (compiled once all the same)
+
+
+def test_a_cell_with_plain_notebook_names_is_sent_as_a_plain_pickle_and_runs_alike(
+        monkeypatch):
+    """A session's cell brings no notebook names (the ranks hold them) or plain ones: it is
+    pickled without cloudpickle's pickler, and a rank unpacks the same cell."""
+    plain = [Cell("\nNone\n", "cell-quick"),
+             Cell("\nx = n * 2\nx\n", "cell-names", {"n": 21, "tag": "run"}, ("x",))]
+    other = [Cell("\nf()\n", "cell-f", {"f": lambda: 1}),
+             Cell("\nos.sep\n", "cell-module", {"os": os}),
+             Cell("\nt.sum()\n", "cell-tensor", {"t": torch.ones(3)})]
+    assert [dataplane.plain((cell, (), {})) for cell in plain] == [True, True]
+    assert [dataplane.plain((cell, (), {})) for cell in other] == [False] * len(other)
+    functions = RanksFunctions()
+    with monkeypatch.context() as patched:
+        patched.setattr(dataplane, "_Pickler", None)
+        for cell in plain:
+            packed = Payload.capture(cell, (), {}).dumps(functions=functions)
+            assert packed.functions is functions and not packed.buffers
+            unpacked = Payload.unpack(packed)
+            assert unpacked.fn == cell and (unpacked.args, unpacked.kwargs) == ((), {})
+    assert _run(Payload.unpack(Payload.capture(plain[1], (), {}).dumps()).fn, Scope()) == \
+        CellResult(42, {"x": 42})
+    for cell in other:  # (by value, as before: cloudpickle)
+        assert Payload.unpack(Payload.capture(cell, (), {}).dumps()).fn.source == cell.source
+
+
+def test_the_import_path_asks_for_the_working_directory_only_if_it_holds_a_relative_one(
+        monkeypatch, tmp_path):
+    """A session sends the kernel's import path with every run; asking for the working
+    directory each time would let the kernel's other threads take the GIL each time."""
+    absolute = [str(tmp_path / "lib"), "", os.path.dirname(os.__file__)]
+    monkeypatch.setattr(sys, "path", absolute)
+    monkeypatch.setattr(payload, "_import_path_seen", None)
+    assert payload._import_path() == (absolute[0], absolute[2])
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "getcwd", None)  # (called: TypeError)
+        assert payload._import_path() == (absolute[0], absolute[2])
+    monkeypatch.setattr(sys, "path", [*absolute, "src"])
+    for folder in (tmp_path, tmp_path / "lib"):
+        folder.mkdir(exist_ok=True)
+        monkeypatch.chdir(folder)
+        assert payload._import_path()[-1] == str(folder / "src")

@@ -65,6 +65,11 @@ class Cell:
                  and not (n in hidden and hidden[n] is user_ns[n])]
         return cls(source, filename, {n: user_ns[n] for n in names}, outputs)
 
+    def __nbddp_plain__(self) -> bool:
+        """Pickled plainly (see ``dataplane.plain``) when the notebook names it brings
+        are plain values, or none (a session's cells, whose names the ranks hold)."""
+        return all(plain(value) for value in self.namespace.values())
+
     def __nbddp_captured__(self) -> Iterator[tuple[str, Any]]:
         """What a user would recognise as shipped, for pickling errors and size warnings."""
         for name, value in self.namespace.items():

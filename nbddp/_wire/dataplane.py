@@ -49,7 +49,10 @@ _MAGIC = b"NBDDP-1\0"
 _HEAD = struct.Struct("<8sQQ")  # magic, pickle length, buffer count
 _SPAN = struct.Struct("<QQ")  # a buffer's offset and length
 _CHUNK = 1 << 30  # bytes per write call (Linux writes at most about 2 GiB at once)
-_PLAIN_VALUES = frozenset({type(None), bool, int, float})  # (no buffer, no code in them)
+_PLAIN_VALUES = frozenset({type(None), bool, int, float, str})  # (no buffer, no code in them)
+_PLAIN_ITEMS = 16
+"""A tuple or dict with more items than this is not looked through for ``plain``: walking
+it in Python would cost what cloudpickle's C pickler saves."""
 
 
 @dataclass
@@ -97,8 +100,9 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
     copies, where given (for ranks on this machine): made now, or still current.
     Notebook functions the ranks hold go by number, where their ``functions`` are given
     (a session's ranks, every one of which takes the pickle)."""
-    if kept is None and plain(value):  # (a quick cell's None: the same bytes, without
-        return Packed(pickle.dumps(value, protocol=5))  # a pickler made)
+    if plain(value):  # (a quick cell and its None: the same bytes, without a pickler made)
+        with contextlib.nullcontext() if kept is None else kept.sending():
+            return Packed(pickle.dumps(value, protocol=5), functions=functions)
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -116,11 +120,17 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
 
 
 def plain(value: Any) -> bool:
-    """``value`` is None, a bool or a number, or says that all it holds is (its type's
-    ``__nbddp_plain__``: a cell's result with nothing else in it): pickle takes it as
-    cloudpickle would, with no code and no buffers to send apart."""
-    if type(value) in _PLAIN_VALUES:
+    """``value`` is None, a bool, a number or a string, a small tuple or dict (string
+    keys) of such, or says that all it holds is (its type's ``__nbddp_plain__``: a cell
+    whose notebook names are plain, a cell's result with nothing else in it): pickle
+    takes it as cloudpickle would, with no code and no buffers to send apart."""
+    kind = type(value)
+    if kind in _PLAIN_VALUES:
         return True
+    if kind is tuple and len(value) <= _PLAIN_ITEMS:
+        return all(plain(item) for item in value)
+    if kind is dict and len(value) <= _PLAIN_ITEMS:
+        return all(type(key) is str and plain(item) for key, item in value.items())
     says = getattr(type(value), "__nbddp_plain__", None)
     return says is not None and says(value)
 

@@ -94,17 +94,22 @@ class Payload:
 
 def _import_path() -> tuple[str, ...]:
     """The kernel's import path, absolute (folders that do not exist cost a rank
-    nothing). Worked out again only when the path or the working directory changed: a
-    session's every run sends it."""
+    nothing). Worked out again only when the path changed, or, where it holds a relative
+    folder, the working directory: a session's every run sends it (and asking for the
+    working directory lets the kernel's other threads take the GIL)."""
     global _import_path_seen
-    key = (tuple(sys.path), os.getcwd())
+    path = tuple(sys.path)
     seen = _import_path_seen
-    if seen is None or seen[0] != key:
-        seen = _import_path_seen = (key, tuple(os.path.abspath(p) for p in sys.path if p))
-    return seen[1]
+    if seen is not None and seen[0] == path and (seen[1] is None or seen[1] == os.getcwd()):
+        return seen[2]
+    relative = any(p and not os.path.isabs(p) for p in path)
+    cwd = os.getcwd() if relative else None
+    absolute = tuple(os.path.abspath(p) for p in path if p)
+    _import_path_seen = (path, cwd, absolute)
+    return absolute
 
 
-_import_path_seen: tuple[tuple[tuple[str, ...], str], tuple[str, ...]] | None = None
+_import_path_seen: tuple[tuple[str, ...], str | None, tuple[str, ...]] | None = None
 
 
 def _cell_sources(files: frozenset[str]) -> dict[str, list[str]]:
