@@ -4,6 +4,7 @@ this process (the kernel tests run the same cells on real ranks)."""
 
 from __future__ import annotations
 
+import contextlib
 import linecache
 import os
 import pickle
@@ -65,11 +66,11 @@ def test_a_syntax_error_is_raised_every_time():
 def test_a_quick_cell_s_report_is_a_plain_pickle_and_others_are_cloudpickle_s(monkeypatch):
     plain = [CellResult(None, {}), CellResult(3.5, {}), CellResult(True, {}), CellResult(7),
              CellResult("text", {}), CellResult((1, "a", None), {}),
-             CellResult({"loss": 0.5, "steps": (1, 2)}), CellResult(tuple(range(16)))]
+             CellResult({"loss": 0.5, "steps": (1, 2)}), CellResult(tuple(range(20)))]
     tensor = torch.arange(100_000, dtype=torch.float32)
     other = [CellResult(tensor, {}), CellResult(None, {"t": tensor}), CellResult([1, 2], {}),
              CellResult(lambda: 1, {}), CellResult(None, {"n": 1}), CellResult({1: 2}),
-             CellResult(tuple(range(17))), CellResult(b"bytes"), CellResult((1, tensor))]
+             CellResult(tuple(range(40))), CellResult(b"bytes"), CellResult((1, tensor))]
     assert [dataplane.plain(value) for value in plain] == [True] * len(plain)
     assert [dataplane.plain(value) for value in other] == [False] * len(other)
     with monkeypatch.context() as patched:  # (the plain ones never meet nbddp's pickler)
@@ -122,6 +123,54 @@ def test_a_cell_with_plain_notebook_names_is_sent_as_a_plain_pickle_and_runs_ali
         CellResult(42, {"x": 42})
     for cell in other:  # (by value, as before: cloudpickle)
         assert Payload.unpack(Payload.capture(cell, (), {}).dumps()).fn.source == cell.source
+
+
+def _self_referring() -> dict:
+    loop: dict = {"n": 1}
+    loop["me"] = loop
+    return loop
+
+
+def test_a_large_deep_or_self_referring_value_is_not_walked_but_sent_by_cloudpickle():
+    """``plain`` looks at a bounded number of objects: a value that refers to itself, or
+    nests deeper than Python's recursion, or shares its parts many times over, is sent
+    as before, by cloudpickle (which handles all three), at once."""
+    deep: tuple = ()
+    for _ in range(2000):
+        deep = (deep,)
+    shared: tuple = (0,)
+    for _ in range(12):  # (16 ** 12 paths to walk, one pickle of 13 tuples)
+        shared = (shared,) * 16
+    for value in (_self_referring(), deep, shared):
+        assert not dataplane.plain(value)
+        assert not dataplane.plain(CellResult(value))
+    cell = Cell("\nloop['n']\n", "cell-loop", {"loop": _self_referring()})
+    assert not dataplane.plain((cell, (), {}))
+    sent = Payload.unpack(Payload.capture(cell, (), {}).dumps()).fn
+    assert sent.namespace["loop"]["me"] is sent.namespace["loop"]
+    assert _run(sent, Scope()).value == 1
+
+
+class _CountedSends:
+    """A ``Kept`` that counts its sends (a session's copies of the kernel's tensors)."""
+
+    def __init__(self) -> None:
+        self.sends = 0
+
+    @contextlib.contextmanager
+    def sending(self):
+        self.sends += 1
+        yield
+
+
+def test_a_plain_payload_with_kept_copies_and_held_functions_skips_the_pickler(monkeypatch):
+    """As a session packs a cell: its kept copies still see the send (they sweep what is
+    outdated), and the ranks' held functions go along with the packed payload."""
+    kept, functions = _CountedSends(), RanksFunctions()
+    monkeypatch.setattr(dataplane, "_Pickler", None)
+    packed = dataplane.pack((Cell("\nNone\n", "cell-quick"), (), {}), kept=kept,
+                            functions=functions)
+    assert kept.sends == 1 and packed.functions is functions and not packed.teaches
 
 
 def test_the_import_path_asks_for_the_working_directory_only_if_it_holds_a_relative_one(

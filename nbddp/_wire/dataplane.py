@@ -50,9 +50,10 @@ _HEAD = struct.Struct("<8sQQ")  # magic, pickle length, buffer count
 _SPAN = struct.Struct("<QQ")  # a buffer's offset and length
 _CHUNK = 1 << 30  # bytes per write call (Linux writes at most about 2 GiB at once)
 _PLAIN_VALUES = frozenset({type(None), bool, int, float, str})  # (no buffer, no code in them)
-_PLAIN_ITEMS = 16
-"""A tuple or dict with more items than this is not looked through for ``plain``: walking
-it in Python would cost what cloudpickle's C pickler saves."""
+_PLAIN_LOOKS = 32
+"""``plain`` looks at this many objects at most, then says no: walking a large, deep or
+self-referring value in Python would cost what cloudpickle's C pickler saves (or never
+end)."""
 
 
 @dataclass
@@ -120,19 +121,28 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
 
 
 def plain(value: Any) -> bool:
-    """``value`` is None, a bool, a number or a string, a small tuple or dict (string
-    keys) of such, or says that all it holds is (its type's ``__nbddp_plain__``: a cell
-    whose notebook names are plain, a cell's result with nothing else in it): pickle
-    takes it as cloudpickle would, with no code and no buffers to send apart."""
+    """``value`` is None, a bool, a number or a string, a tuple or dict (string keys) of
+    such, or an object whose type's ``__nbddp_plain__`` names what it holds, all of it
+    such (a cell and its notebook names, a cell's result with nothing else in it), in
+    ``_PLAIN_LOOKS`` objects at most: pickle takes it as cloudpickle would, with no code
+    and no buffers to send apart."""
+    return _plain_within(value, [_PLAIN_LOOKS])
+
+
+def _plain_within(value: Any, looks: list[int]) -> bool:
+    looks[0] -= 1
+    if looks[0] < 0:
+        return False
     kind = type(value)
     if kind in _PLAIN_VALUES:
         return True
-    if kind is tuple and len(value) <= _PLAIN_ITEMS:
-        return all(plain(item) for item in value)
-    if kind is dict and len(value) <= _PLAIN_ITEMS:
-        return all(type(key) is str and plain(item) for key, item in value.items())
-    says = getattr(type(value), "__nbddp_plain__", None)
-    return says is not None and says(value)
+    if kind is tuple:
+        return all(_plain_within(item, looks) for item in value)
+    if kind is dict:
+        return all(type(key) is str and _plain_within(item, looks) for key, item in value.items())
+    holds = getattr(kind, "__nbddp_plain__", None)
+    held = holds(value) if holds is not None else None
+    return held is not None and all(_plain_within(item, looks) for item in held)
 
 
 # --- files ----------------------------------------------------------------------------
