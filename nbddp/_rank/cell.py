@@ -29,8 +29,9 @@ class CellResult:
     outputs: dict[str, Any] = field(default_factory=dict)
 
     def __nbddp_plain__(self) -> tuple[Any, ...] | None:
-        """Pickled plainly (see ``dataplane.plain``) when the value is plain and there are
-        no ``--out`` names: a quick cell's report, four times quicker to make."""
+        """What must be plain for the report to be pickled plainly (``dataplane.plain``):
+        its value, when there are no ``--out`` names (a quick cell's report, four times
+        quicker to make); None: never."""
         return None if self.outputs else (self.value,)
 
 
@@ -65,8 +66,9 @@ class Cell:
         return cls(source, filename, {n: user_ns[n] for n in names}, outputs)
 
     def __nbddp_plain__(self) -> Iterable[Any]:
-        """Pickled plainly (see ``dataplane.plain``) when the notebook names it brings
-        are plain values, or none (a session's cells, whose names the ranks hold)."""
+        """What must be plain for the cell to be pickled plainly (``dataplane.plain``):
+        the notebook names' values it brings (a session's cells bring none: the ranks
+        hold them)."""
         return self.namespace.values()
 
     def __nbddp_captured__(self) -> Iterator[tuple[str, Any]]:

@@ -101,9 +101,15 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
     copies, where given (for ranks on this machine): made now, or still current.
     Notebook functions the ranks hold go by number, where their ``functions`` are given
     (a session's ranks, every one of which takes the pickle)."""
-    if plain(value):  # (a quick cell and its None: the same bytes, without a pickler made)
-        with contextlib.nullcontext() if kept is None else kept.sending():
+    with contextlib.nullcontext() if kept is None else kept.sending():
+        if plain(value):  # (a quick cell and its None: the same bytes, without a pickler)
             return Packed(pickle.dumps(value, protocol=5), functions=functions)
+        return _pickled(value, to_cpu, out_of_band, kept, functions)
+
+
+def _pickled(value: Any, to_cpu: bool, out_of_band: bool, kept: Kept | None,
+             functions: held_functions.RanksFunctions | None) -> Packed:
+    """``pack``'s way for what plain ``pickle`` cannot take as cloudpickle would."""
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -114,18 +120,16 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
 
     stream = io.BytesIO()
     pickler = _Pickler(stream, to_cpu, keep, kept, functions)
-    with contextlib.nullcontext() if kept is None else kept.sending():
-        pickler.dump(value)
+    pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
                   frozenset(pickler.code_files), functions, frozenset(pickler.teaches))
 
 
 def plain(value: Any) -> bool:
     """``value`` is None, a bool, a number or a string, a tuple or dict (string keys) of
-    such, or an object whose type's ``__nbddp_plain__`` names what it holds, all of it
-    such (a cell and its notebook names, a cell's result with nothing else in it), in
-    ``_PLAIN_LOOKS`` objects at most: pickle takes it as cloudpickle would, with no code
-    and no buffers to send apart."""
+    such, or an object whose type's ``__nbddp_plain__`` names what it holds (None: not
+    plain), all of it such, in ``_PLAIN_LOOKS`` objects at most: pickle takes it as
+    cloudpickle would, with no code and no buffers to send apart."""
     return _plain_within(value, [_PLAIN_LOOKS])
 
 
