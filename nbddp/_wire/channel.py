@@ -47,6 +47,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from . import held_calls
 from .messages import (
     HEADER_SIZE,
     Disconnected,
@@ -180,7 +181,7 @@ class _Link:
         """(Under the send lock.) A message's ``encode``d frame, sealed."""
         tag = _sealed(self._sealing, self._sent.to_bytes(8, "big"), frame)
         self._sent += 1
-        self.sock.sendall(frame + tag)
+        held_calls.send_all(self.sock, frame + tag)
 
     def receive(self) -> Any:
         """The next message; ConnectionError if the link closed or a frame was forged."""

@@ -21,6 +21,7 @@ from typing import Any
 import cloudpickle
 
 from .._errors import PayloadError
+from . import held_calls
 from .dataplane import Kept, Packed, pack
 from .held_functions import RanksFunctions
 
@@ -95,15 +96,16 @@ class Payload:
 def _import_path() -> tuple[str, ...]:
     """The kernel's import path, absolute (folders that do not exist cost a rank
     nothing). Worked out again only when the path changed, or, where it holds a relative
-    folder, the working directory: a session's every run sends it (and asking for the
-    working directory lets the kernel's other threads take the GIL)."""
+    folder, the working directory: a session's every run sends it (the working
+    directory asked for without letting the kernel's other threads in: ``held_calls``)."""
     global _import_path_seen
     path = tuple(sys.path)
     seen = _import_path_seen
-    if seen is not None and seen[0] == path and (seen[1] is None or seen[1] == os.getcwd()):
+    if seen is not None and seen[0] == path and (
+            seen[1] is None or seen[1] == held_calls.getcwd()):
         return seen[2]
     relative = any(p and not os.path.isabs(p) for p in path)
-    cwd = os.getcwd() if relative else None
+    cwd = held_calls.getcwd() if relative else None
     absolute = tuple(os.path.abspath(p) for p in path if p)
     _import_path_seen = (path, cwd, absolute)
     return absolute
