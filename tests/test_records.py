@@ -145,6 +145,40 @@ def test_a_long_session_moves_to_a_new_folder(tmp_path, monkeypatch):
     assert not any((path / records.LIVE_LOCK).exists() for path in paths)
 
 
+def test_a_cells_part_of_each_log_ends_where_its_rank_said_it_reached(tmp_path, monkeypatch):
+    """Each rank says, as it reports, how far its log reached: the cell's part ends there
+    and the next cell's begins there, without a look at every rank's log. What a rank's
+    thread writes after its report is the next cell's (or, where nbddp already showed
+    it under this cell, this one's); a cell that a rank did not report on is measured."""
+    monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path))
+    cells = records.SessionRecords(2)
+    try:
+        first = cells.next_cell(1)
+        for rank, text in enumerate((b"cell one\n", b"cell one, rank 1\n")):
+            with open(first.rank_log(rank), "ab") as log:
+                log.write(text)
+            first.reached(rank, len(text))
+        assert (first.log_end(0), first.log_end(1)) == (9, 17)
+        with open(first.rank_log(0), "ab") as log:
+            log.write(b"a thread, after the report\n")
+        second = cells.next_cell(2)
+        assert (second.log_start(0), second.log_start(1)) == (9, 17)
+        assert first.read_logs(2) == {0: "cell one\n", 1: "cell one, rank 1\n"}
+        second.reached(0, 9)
+        second.reached(1, 17)
+        second.shown(0, 9 + 27)  # (rank 0's tail showed the thread's line under this cell)
+        third = cells.next_cell(3)
+        assert (third.log_start(0), third.log_start(1)) == (36, 17)
+        third.reached(0, 36)  # rank 1 never reported: every log is measured
+        with open(first.rank_log(1), "ab") as log:
+            log.write(b"rank 1, late\n")
+        fourth = cells.next_cell(4)
+        assert (fourth.log_start(0), fourth.log_start(1)) == (36, 17 + 13)
+        assert third.read_logs(2) == {0: "", 1: "rank 1, late\n"}
+    finally:
+        cells.close()
+
+
 def test_a_folder_whose_lock_cannot_be_asked_about_is_kept(tmp_path, monkeypatch):
     """A file system without locks (or a broken one) cannot say whether a session still
     writes in a folder: it is kept, and the pruning goes on with the others."""

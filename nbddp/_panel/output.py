@@ -62,11 +62,16 @@ class LogTail:
         self._lines: LiveLines = DisplayedLines(sink) if in_place else SnapshotLines(sink)
         self._version = self._screen.version
         self._live: list[str] = []  # the live lines last shown, prefixed
+        self.read_to: int | None = None
+        """Once closed: where in the file it stopped reading (None: it never opened it)."""
 
     def pump(self) -> None:
         if self._file is None:
-            try:  # (nothing written yet, as in most quick cells: the file is not opened,
-                if os.stat(self.path).st_size <= self._start:  # a fifth of the time)
+            end = self._end()
+            if end is not None and end <= self._start:
+                return  # (nothing written, as in most quick cells: not even looked at)
+            try:  # (nothing written yet: the file is not opened, a fifth of the time)
+                if end is None and os.stat(self.path).st_size <= self._start:
                     return
                 self._file = open(self.path, "rb")  # noqa: SIM115 - kept open between pumps
             except FileNotFoundError:
@@ -107,6 +112,7 @@ class LogTail:
             self._screen.feed(text, self._clock())
         self._show(self._screen.end(), [], self._clock())
         if self._file is not None:
+            self.read_to = self._file.tell()
             self._file.close()
             self._file = None
 

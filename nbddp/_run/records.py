@@ -31,6 +31,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from .._wire import held_calls
 from .._wire.rundir import KEY, LAUNCHER_LOG, METRICS, PAYLOAD, rank_log_name
 
 KEEP_RUNS = 20
@@ -62,10 +63,12 @@ class Records:
     def __init__(self, path: Path, cell: int | None = None,
                  log_starts: Mapping[int, int] | None = None) -> None:
         """The run's records in ``path``; ``cell``: the run is that cell of a session
-        whose ranks' logs, in ``path``, begin this cell at ``log_starts``."""
+        whose ranks' logs, in ``path``, begin this cell at ``log_starts`` (and end where
+        each rank says they reached as it reports: see ``reached``)."""
         self.path = path
         self._log_starts = dict(log_starts or {})
         self._log_ends: dict[int, int] = {}  # once the session's next cell began
+        self._reached: dict[int, int] | None = None if log_starts is None else {}
         self._own = "" if cell is None else f"-{cell}"
         self.metrics = path / METRICS.replace(".", f"{self._own}.", 1)
 
@@ -96,11 +99,38 @@ class Records:
 
     def log_end(self, rank: int) -> int | None:
         """Where this run's part of ``rank_log(rank)`` ends; None while it may grow."""
-        return self._log_ends.get(rank)
+        end = self._log_ends.get(rank)
+        if end is None and self._reached is not None:
+            end = self._reached.get(rank)
+        return end
+
+    def reached(self, rank: int, size: int) -> None:
+        """(A session's cell whose logs the ranks keep) ``rank`` says, as it reports, that
+        its log reached ``size`` bytes with all it wrote in the cell (or nbddp showed that
+        much of it): the cell's part ends there, and the next cell's begins there. So
+        the kernel need not look at every rank's log before each cell. What a rank's
+        thread writes after its report is the next cell's."""
+        if self._reached is not None:
+            self._reached[rank] = max(size, self._reached.get(rank, 0))
+
+    def shown(self, rank: int, size: int) -> None:
+        """The run's output shown from ``rank``'s log reached ``size`` bytes: the next
+        cell's part begins after it, if the rank said where its log reached (what its
+        threads wrote after its report may have been shown with this cell already)."""
+        if self._reached is not None and rank in self._reached:
+            self.reached(rank, size)
+
+    def reached_by_all(self, nprocs: int) -> dict[int, int] | None:
+        """Where each of the ``nprocs`` ranks' logs reached, if every rank said so."""
+        reached = self._reached
+        return dict(reached) if reached is not None and len(reached) == nprocs else None
 
     def ended_at(self, log_ends: Mapping[int, int]) -> None:
-        """The session's next cell began: this one's part of each log ends there."""
+        """The session's next cell began: this one's part of each log ends there (a rank
+        not named: at its log's end, as far as it will grow; so what the ranks' processes
+        write after they were replaced is this cell's, the last they ran)."""
         self._log_ends = dict(log_ends)
+        self._reached = None
 
     def read_logs(self, nprocs: int) -> dict[int, str]:
         """Every rank's output in this run (the last 64 MB of it), for errors and
@@ -109,7 +139,9 @@ class Records:
         for rank in range(nprocs):
             try:
                 with open(self.rank_log(rank), "rb") as f:
-                    end = self._log_ends.get(rank, os.fstat(f.fileno()).st_size)
+                    end = self.log_end(rank)
+                    if end is None:
+                        end = os.fstat(f.fileno()).st_size
                     start = max(self.log_start(rank), end - LOG_TAIL_BYTES)
                     f.seek(start)
                     logs[rank] = f.read(max(0, end - start)).decode("utf-8", errors="replace")
@@ -192,7 +224,7 @@ class SessionRecords:
         if self._folder is None or self._in_folder >= CELLS_PER_FOLDER:
             self._new_folder()
         assert self._folder is not None
-        starts = self._log_sizes()
+        starts = self._said_by_ranks() or self._log_sizes()
         if starts is None or max(starts.values()) >= LOG_TAIL_BYTES:
             self._new_folder()  # (the folder was removed under the session, or is full)
             return self.next_cell(number)
@@ -203,6 +235,18 @@ class SessionRecords:
         self._in_folder += 1
         self._last = Records(self._folder, number, starts)
         return self._last
+
+    def _said_by_ranks(self) -> dict[int, int] | None:
+        """Where the last cell's ranks said their logs reached, if each one did, in this
+        folder, and the folder is still there: one look at the folder's lock file
+        instead of one at each rank's log."""
+        last = self._last
+        if last is None or last.path is not self._folder or self._lock_fd is None:
+            return None
+        reached = last.reached_by_all(self._nprocs)
+        if reached is None:
+            return None
+        return reached if held_calls.exists(str(self._folder / LIVE_LOCK)) else None
 
     def _log_sizes(self) -> dict[int, int] | None:
         """Each rank's log's size now; None if the folder is gone."""

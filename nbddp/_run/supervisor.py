@@ -118,12 +118,17 @@ class Supervisor:
 
     def _make_tails(self) -> list[LogTail]:
         in_place = isinstance(self.panel, WidgetPanel)  # progress bars update under the cell
-        running = self.config.running_ranks  # (rank 0, unless a session's run is not on it)
+        return [self._tail(rank, f"[rank {rank}] " if self.config.output == "all" else "",
+                           in_place) for rank in self._tail_ranks]
+
+    @property
+    def _tail_ranks(self) -> tuple[int, ...]:
+        """The ranks whose output the run shows (rank 0, unless a session's run is not
+        on it)."""
+        running = self.config.running_ranks
         if self.config.output == "rank0":
-            return [self._tail(running[0], "", in_place)]
-        if self.config.output == "all":
-            return [self._tail(r, f"[rank {r}] ", in_place) for r in running]
-        return []
+            return (running[0],)
+        return tuple(running) if self.config.output == "all" else ()
 
     def _tail(self, rank: int, prefix: str, in_place: bool) -> LogTail:
         """``rank``'s output in this run, shown as it comes."""
@@ -184,6 +189,7 @@ class Supervisor:
     def _result(self, result: Result) -> None:
         if result.stats is not None:
             self.view.add(result.stats)
+            self.records.reached(result.rank, result.stats.output_bytes)
         self.attempt.results[result.rank] = result
         self.debugger.done(result.rank)  # its pdb, if any, is over (it may have stepped off)
 
@@ -191,12 +197,15 @@ class Supervisor:
         """A node's ranks finished with nothing to send back: each one's ``Result``, in
         bulk (a node's relay says this for its ranks at once)."""
         self.view.add_final(finished.stats)
+        for rank, size in zip(finished.stats.rank, finished.stats.output_bytes, strict=True):
+            self.records.reached(rank, size)
         self.attempt.finished_quietly(finished.ranks)
         self.debugger.done_all(finished.ranks)
 
     def _failure(self, failure: Failure) -> None:
         if failure.stats is not None:
             self.view.add(failure.stats)
+            self.records.reached(failure.rank, failure.stats.output_bytes)
         self._note_stopped(failure)
         self.attempt.failures.append(failure)
         self.debugger.done(failure.rank)
@@ -489,8 +498,10 @@ class Supervisor:
         """The run's last word: the last of the ranks' output, the rest of the history
         averaged, and the panel's final state (ranks still running were stopped)."""
         self.pump_output()
-        for tail in self._tails:
+        for rank, tail in zip(self._tail_ranks, self._tails, strict=True):
             tail.close()
+            if tail.read_to is not None:
+                self.records.shown(rank, tail.read_to)
         self.output.close()
         self.history.close()
         self.ended = True
