@@ -216,7 +216,8 @@ class Session:
                                sent=packed.buffer_bytes, staying=run,
                                after=lambda job: self._after_run(job, run, teaching),
                                where=_labelled(self._group.where, self.runs + 1, self.auto,
-                                               config.autoreload), caller_waits=caller_waits)
+                                               config.autoreload), caller_waits=caller_waits,
+                               quiet_when_quick=not self.auto)
                 self._group.notice = None  # said once, under this run
             except BaseException:
                 self._busy = False

@@ -197,6 +197,19 @@ def test_per_cell_options_output_out_all_ranks_and_trailing_expression(skernel):
     assert "rank 0 only" in quiet.stream_text() and "[rank" not in quiet.stream_text()
 
 
+def test_a_quick_cell_shows_what_the_ranks_printed_and_nothing_more(skernel):
+    """A session's quick cell reads like a cell run in the notebook: the ranks' output,
+    and no line of nbddp's. A cell that logs metrics (or shows progress, or fails)
+    says how it ended."""
+    assert cell(skernel, "None").assert_ok().shown_text() == ""
+    said = cell(skernel, "print('from the ranks', flush=True)").assert_ok()
+    assert said.shown_text() == "from the ranks\n", said.describe()
+    logged = cell(skernel, "import nbddp\nnbddp.log(step=0, loss=1.0)").assert_ok()
+    assert "nbddp: finished on 2 ranks (session · run" in logged.stream_text(), \
+        logged.describe()
+    assert "rank-averaged loss=1" in logged.stream_text()
+
+
 def test_each_cell_has_its_panel_history_and_last_job(skernel):
     run = cell(skernel, """
 import nbddp

@@ -93,14 +93,15 @@ class Job(Generic[R]):
                  stdout: TextIO | None = None, warm: bool = False, sent: int = 0,
                  after: Callable[[Job], None] | None = None,
                  staying: Staying | None = None, where: str | None = None,
-                 caller_waits: bool = False) -> None:
+                 caller_waits: bool = False, quiet_when_quick: bool = False) -> None:
         """Follow the run ``group`` was handed (``sent``: the bytes of tensor and array
         data its payload holds). ``after`` runs once the ranks have ended it themselves
         (returned or failed; a session's run, however it ended), before the caller is
         told. ``staying``: the session's side of a run on its ranks. ``where``: where
         the panel says the run runs (default: the group's ``where``). ``caller_waits``:
         the caller calls ``result()`` next, under its ``started_held`` hold, and follows
-        the run's start itself (see the module)."""
+        the run's start itself (see the module). ``quiet_when_quick``: a quick run that
+        finishes prints no summary line (``PanelState.quiet_end``)."""
         self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
         self._group, self._records, self._after = group, records, after
         self._staying = staying
@@ -113,7 +114,8 @@ class Job(Generic[R]):
         self._started = time.monotonic()
         self._context = contextvars.copy_context()
         self._supervisor = Supervisor(group, config, records, stdout or sys.stdout,
-                                      group.where if where is None else where, warm=warm)
+                                      group.where if where is None else where, warm=warm,
+                                      quiet_when_quick=quiet_when_quick)
         if staying is not None:
             staying.watch(self._supervisor)
         Job._latest = self

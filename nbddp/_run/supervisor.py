@@ -73,9 +73,11 @@ class Supervisor:
     """One run's bookkeeping: its attempts, metrics, output, panel, and its ending."""
 
     def __init__(self, group: RankGroup, config: RunConfig, records: Records,
-                 stdout: TextIO, where: str, warm: bool = False) -> None:
+                 stdout: TextIO, where: str, warm: bool = False,
+                 quiet_when_quick: bool = False) -> None:
         """``warm``: ranks already up took the run (they said hello before it: a
-        session's, once, as it started), so they run it from the start."""
+        session's, once, as it started), so they run it from the start.
+        ``quiet_when_quick``: see ``PanelState``."""
         self.group, self.config, self.records = group, config, records
         self.attempt = Attempt(config.nprocs)
         """The ranks' current start: what each reported (each rank's state)."""
@@ -100,7 +102,7 @@ class Supervisor:
         self._resting = config.resting_ranks  # a session's ranks the run is not given to
         self.history = History(len(config.running_ranks), records.metrics)  # (who logs)
         self.state = PanelState(config.nprocs, self.history, str(records.path),
-                                where=where)
+                                where=where, quiet_when_quick=quiet_when_quick)
         self.panel: Panel = make_panel(stdout, quiet=config.output == "none")
         self.output = BoundedOutput(self.panel.write, records.path)
         self._tails = self._make_tails()
