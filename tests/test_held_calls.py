@@ -79,8 +79,8 @@ def test_getcwd_and_exists_answer_as_os_does(tmp_path, monkeypatch):
 
 def _ticks_during(read: Callable[[int, int, int], bytes], path: str) -> int:
     """How often another thread ticked (once a millisecond, when it can) while ``read``
-    read 64 MB of a file's hole (a tenth of a second: zeroes, no disk)."""
-    size = 64 * 2**20
+    read 96 MB of a file's hole (zeroes, no disk: a tenth of a second or more)."""
+    size = 96 * 2**20
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     os.ftruncate(fd, size)
     ticks = [0]

@@ -169,12 +169,14 @@ def test_a_cells_part_of_each_log_ends_where_its_rank_said_it_reached(tmp_path, 
         second.shown(0, 9 + 27)  # (rank 0's tail showed the thread's line under this cell)
         third = cells.next_cell(3)
         assert (third.log_start(0), third.log_start(1)) == (36, 17)
-        third.reached(0, 36)  # rank 1 never reported: every log is measured
-        with open(first.rank_log(1), "ab") as log:
-            log.write(b"rank 1, late\n")
+        third.reached(0, 36)  # rank 1 never reported: its log is measured
+        for rank, text in enumerate((b"rank 0's thread\n", b"rank 1, late\n")):
+            with open(first.rank_log(rank), "ab") as log:
+                log.write(text)
         fourth = cells.next_cell(4)
         assert (fourth.log_start(0), fourth.log_start(1)) == (36, 17 + 13)
         assert third.read_logs(2) == {0: "", 1: "rank 1, late\n"}
+        assert fourth.read_logs(2)[0] == "rank 0's thread\n"  # (shown under the next cell)
     finally:
         cells.close()
 

@@ -228,20 +228,24 @@ def test_tail_shows_only_its_cells_part_of_a_sessions_log(tmp_path):
 def test_tail_whose_end_is_known_as_it_first_looks_shows_nothing_past_it(tmp_path):
     """A quick session cell whose rank printed nothing said so (its log's end) before
     the tail first looked: a line a rank's thread wrote after that is the next cell's.
-    A tail that shows it says how far it read (the next cell begins after it)."""
+    A tail that shows it says how far it read, each time (the next cell begins there)."""
     log, sink = tmp_path / "rank-0.log", Collect()
     log.write_bytes(b"the cell before\n")
     start = log.stat().st_size
-    quiet = LogTail(log, sink, start=start, end=lambda: start)
+    read_to: list[int] = []
+    quiet = LogTail(log, sink, start=start, end=lambda: start, shown=read_to.append)
     with open(log, "ab") as f:
         f.write(b"a thread, after the report\n")
     quiet.pump()
     quiet.close()
-    assert sink.text == "" and quiet.read_to is None
-    shown = LogTail(log, sink, start=start)
+    assert sink.text == "" and read_to == []
+    shown = LogTail(log, sink, start=start, shown=read_to.append)
+    shown.pump()
+    with open(log, "ab") as f:
+        f.write(b"and more\n")
     shown.close()
-    assert sink.text == "a thread, after the report\n"
-    assert shown.read_to == log.stat().st_size
+    assert sink.text == "a thread, after the report\nand more\n"
+    assert read_to == [start + 27, log.stat().st_size]
 
 
 def test_tail_looked_at_before_its_cell_wrote_shows_what_comes_later(tmp_path):

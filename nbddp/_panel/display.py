@@ -61,8 +61,8 @@ class PanelState:
     """The same in words, and which rank holds the others back (its last line)."""
     position: tuple[int, int | None, str | None] | None = None
     quiet_when_quick: bool = False
-    """A session's cell (with its ``%%ddp``): if it finishes quickly with nothing to add,
-    its end prints no summary line (``quiet_end``)."""
+    """A session's run (a ``%%ddp`` cell, ``Session.run``; not in auto mode): if it
+    finishes quickly with nothing to add, its end prints no summary line (``quiet_end``)."""
     started: float = field(default_factory=time.monotonic)
     ended: float | None = None
     _progress_started: tuple[float, int] | None = None

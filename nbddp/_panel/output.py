@@ -44,7 +44,8 @@ class LiveLines(Protocol):
 class LogTail:
     """Shows what was appended to ``path`` since the last ``pump`` through ``sink``, from
     ``start`` on and up to where ``end()`` says, once it says (a session's cell: its part
-    of the log, which the next cell's part follows).
+    of the log, which the next cell's part follows); ``shown(offset)`` hears how far it
+    has read, each time it read more.
 
     With a ``prefix`` (several ranks interleaved) every line is prefixed. Lines being
     redrawn show in place under the cell with ``in_place`` (a Jupyter kernel), else as
@@ -53,7 +54,8 @@ class LogTail:
 
     def __init__(self, path: Path, sink: Sink, prefix: str = "", in_place: bool = False,
                  clock: Callable[[], float] = time.monotonic, start: int = 0,
-                 end: Callable[[], int | None] = lambda: None) -> None:
+                 end: Callable[[], int | None] = lambda: None,
+                 shown: Callable[[int], None] | None = None) -> None:
         self.path, self._prefix, self._clock, self._start = path, prefix, clock, start
         self._end = end
         self._file: BinaryIO | None = None
@@ -62,8 +64,7 @@ class LogTail:
         self._lines: LiveLines = DisplayedLines(sink) if in_place else SnapshotLines(sink)
         self._version = self._screen.version
         self._live: list[str] = []  # the live lines last shown, prefixed
-        self.read_to: int | None = None
-        """Once closed: where in the file it stopped reading (None: it never opened it)."""
+        self._shown = shown
 
     def pump(self) -> None:
         if self._file is None:
@@ -80,6 +81,8 @@ class LogTail:
         text = ""
         while chunk := self._file.read(self._readable()):
             text += self._decoder.decode(chunk)
+        if text and self._shown is not None:
+            self._shown(self._file.tell())
         now = self._clock()
         if text:
             self._screen.feed(text, now)
@@ -112,7 +115,6 @@ class LogTail:
             self._screen.feed(text, self._clock())
         self._show(self._screen.end(), [], self._clock())
         if self._file is not None:
-            self.read_to = self._file.tell()
             self._file.close()
             self._file = None
 

@@ -69,6 +69,7 @@ class Records:
         self._log_starts = dict(log_starts or {})
         self._log_ends: dict[int, int] = {}  # once the session's next cell began
         self._reached: dict[int, int] | None = None if log_starts is None else {}
+        self._shown: dict[int, int] = {}  # (where a tail of this cell read to)
         self._own = "" if cell is None else f"-{cell}"
         self.metrics = path / METRICS.replace(".", f"{self._own}.", 1)
 
@@ -100,37 +101,39 @@ class Records:
     def log_end(self, rank: int) -> int | None:
         """Where this run's part of ``rank_log(rank)`` ends; None while it may grow."""
         end = self._log_ends.get(rank)
-        if end is None and self._reached is not None:
-            end = self._reached.get(rank)
+        if end is None and self._reached is not None and rank in self._reached:
+            end = max(self._reached[rank], self._shown.get(rank, 0))
         return end
 
     def reached(self, rank: int, size: int) -> None:
         """(A session's cell whose logs the ranks keep) ``rank`` says, as it reports, that
-        its log reached ``size`` bytes with all it wrote in the cell (or nbddp showed that
-        much of it): the cell's part ends there, and the next cell's begins there. So
-        the kernel need not look at every rank's log before each cell. What a rank's
-        thread writes after its report is the next cell's."""
+        its log reached ``size`` bytes with all it wrote in the cell: the cell's part
+        ends there, and the next cell's begins there. So the kernel need not look at
+        every rank's log before each cell. What a rank's thread writes after its report
+        is the next cell's (unless this cell showed it already: ``shown``)."""
         if self._reached is not None:
-            self._reached[rank] = max(size, self._reached.get(rank, 0))
+            self._reached[rank] = size
 
     def shown(self, rank: int, size: int) -> None:
-        """The run's output shown from ``rank``'s log reached ``size`` bytes: the next
-        cell's part begins after it, if the rank said where its log reached (what its
-        threads wrote after its report may have been shown with this cell already)."""
-        if self._reached is not None and rank in self._reached:
-            self.reached(rank, size)
+        """This cell's output, as shown, was read from ``rank``'s log up to ``size``: if
+        that is past where the rank said its log reached (its thread wrote on while its
+        report came), the cell's part ends there instead, so nothing is shown twice."""
+        if self._reached is not None:
+            self._shown[rank] = size
 
-    def reached_by_all(self, nprocs: int) -> dict[int, int] | None:
-        """Where each of the ``nprocs`` ranks' logs reached, if every rank said so."""
-        reached = self._reached
-        return dict(reached) if reached is not None and len(reached) == nprocs else None
+    def reached_so_far(self) -> dict[int, int]:
+        """Where each rank that reported said its log reached (or it was shown to)."""
+        if self._reached is None:
+            return {}
+        return {rank: max(size, self._shown.get(rank, 0))
+                for rank, size in self._reached.items()}
 
     def ended_at(self, log_ends: Mapping[int, int]) -> None:
         """The session's next cell began: this one's part of each log ends there (a rank
         not named: at its log's end, as far as it will grow; so what the ranks' processes
         write after they were replaced is this cell's, the last they ran)."""
         self._log_ends = dict(log_ends)
-        self._reached = None
+        self._reached, self._shown = None, {}
 
     def read_logs(self, nprocs: int) -> dict[int, str]:
         """Every rank's output in this run (the last 64 MB of it), for errors and
@@ -224,7 +227,7 @@ class SessionRecords:
         if self._folder is None or self._in_folder >= CELLS_PER_FOLDER:
             self._new_folder()
         assert self._folder is not None
-        starts = self._said_by_ranks() or self._log_sizes()
+        starts = self._log_starts()
         if starts is None or max(starts.values()) >= LOG_TAIL_BYTES:
             self._new_folder()  # (the folder was removed under the session, or is full)
             return self.next_cell(number)
@@ -236,17 +239,19 @@ class SessionRecords:
         self._last = Records(self._folder, number, starts)
         return self._last
 
-    def _said_by_ranks(self) -> dict[int, int] | None:
-        """Where the last cell's ranks said their logs reached, if each one did, in this
-        folder, and the folder is still there: one look at the folder's lock file
-        instead of one at each rank's log."""
+    def _log_starts(self) -> dict[int, int] | None:
+        """Where each rank's part of its log begins for the next cell: where the last
+        cell's rank said its log reached (``Records.reached``), else the log's size now;
+        None if the folder is gone. When every rank said, one look at the folder's lock
+        file replaces one at each rank's log; else the logs are looked at (a cell on some
+        ranks, a rank that ended without its report)."""
         last = self._last
-        if last is None or last.path is not self._folder or self._lock_fd is None:
-            return None
-        reached = last.reached_by_all(self._nprocs)
-        if reached is None:
-            return None
-        return reached if held_calls.exists(str(self._folder / LIVE_LOCK)) else None
+        said = last.reached_so_far() if last is not None and last.path is self._folder \
+            else {}
+        if len(said) == self._nprocs and self._folder is not None:
+            return said if held_calls.exists(str(self._folder / LIVE_LOCK)) else None
+        sizes = self._log_sizes()
+        return None if sizes is None else {**sizes, **said}
 
     def _log_sizes(self) -> dict[int, int] | None:
         """Each rank's log's size now; None if the folder is gone."""
@@ -263,6 +268,8 @@ class SessionRecords:
         What the old ranks' processes still write (as they are stopped, or a process a
         rank started) stays with the last cell they ran, not under the next."""
         self._in_folder = CELLS_PER_FOLDER
+        if self._last is not None:
+            self._last.ended_at({})
 
     def redo(self, records: Records, number: int) -> Records:
         """Cell ``number``, whose ``records`` were made for ranks found gone as it was

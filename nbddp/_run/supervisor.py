@@ -10,6 +10,7 @@ cancel. It does not stop anything itself; the ``Job`` does that with the ending.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import CancelledError
@@ -120,23 +121,19 @@ class Supervisor:
 
     def _make_tails(self) -> list[LogTail]:
         in_place = isinstance(self.panel, WidgetPanel)  # progress bars update under the cell
-        return [self._tail(rank, f"[rank {rank}] " if self.config.output == "all" else "",
-                           in_place) for rank in self._tail_ranks]
-
-    @property
-    def _tail_ranks(self) -> tuple[int, ...]:
-        """The ranks whose output the run shows (rank 0, unless a session's run is not
-        on it)."""
-        running = self.config.running_ranks
+        running = self.config.running_ranks  # (rank 0, unless a session's run is not on it)
         if self.config.output == "rank0":
-            return (running[0],)
-        return tuple(running) if self.config.output == "all" else ()
+            return [self._tail(running[0], "", in_place)]
+        if self.config.output == "all":
+            return [self._tail(r, f"[rank {r}] ", in_place) for r in running]
+        return []
 
     def _tail(self, rank: int, prefix: str, in_place: bool) -> LogTail:
         """``rank``'s output in this run, shown as it comes."""
         records = self.records
         return LogTail(records.rank_log(rank), self.output, prefix=prefix, in_place=in_place,
-                       start=records.log_start(rank), end=lambda: records.log_end(rank))
+                       start=records.log_start(rank), end=lambda: records.log_end(rank),
+                       shown=functools.partial(records.shown, rank))
 
     # --- a handler per message ----------------------------------------------------------
 
@@ -500,10 +497,8 @@ class Supervisor:
         """The run's last word: the last of the ranks' output, the rest of the history
         averaged, and the panel's final state (ranks still running were stopped)."""
         self.pump_output()
-        for rank, tail in zip(self._tail_ranks, self._tails, strict=True):
+        for tail in self._tails:
             tail.close()
-            if tail.read_to is not None:
-                self.records.shown(rank, tail.read_to)
         self.output.close()
         self.history.close()
         self.ended = True

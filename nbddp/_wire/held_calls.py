@@ -11,8 +11,9 @@ a Start to each rank), so half a millisecond went to other threads' work, which 
 as well run while the ranks run the cell.
 
 These make the same calls through ``ctypes.PyDLL``, which keeps the lock: only calls
-that never wait (a ``/proc`` file, a send that takes what the socket has room for and
-leaves the rest to ``socket.sendall``, the working directory, a path's existence).
+that do not wait (a ``/proc`` file, a send that takes what the socket has room for and
+leaves the rest to ``socket.sendall``, the working directory, a path's existence, which
+on a network file system may wait for its server).
 Where the C library cannot be loaded this way, they are the ``os`` and ``socket`` calls.
 """
 
@@ -25,7 +26,10 @@ import os
 import socket
 from typing import Any
 
-_NO_WAIT = getattr(socket, "MSG_DONTWAIT", 0) | getattr(socket, "MSG_NOSIGNAL", 0)
+_NO_WAIT = (socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
+            if hasattr(socket, "MSG_DONTWAIT") else 0)
+"""A send's flags: never wait for room (and no SIGPIPE); 0 where a send cannot be told
+not to wait (then ``sendall`` sends it all)."""
 _PATH_MAX = 4096
 
 
@@ -35,7 +39,7 @@ def _libc() -> Any:
     try:
         libc = ctypes.PyDLL(None, use_errno=True)
         calls = (libc.pread, libc.send, libc.getcwd, libc.access)
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (TypeError: no C library by None)
         return None
     pread, send, getcwd, access = calls
     pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
@@ -61,6 +65,8 @@ def pread(fd: int, size: int, offset: int) -> bytes:
         return os.pread(fd, size, offset)
     buffer = ctypes.create_string_buffer(size)
     got = libc.pread(fd, buffer, size, offset)
+    while got < 0 and ctypes.get_errno() == errno.EINTR:  # (as os.pread retries)
+        got = libc.pread(fd, buffer, size, offset)
     if got < 0:
         raise _error()
     return buffer.raw[:got]
@@ -94,7 +100,8 @@ def getcwd() -> str:
 
 
 def exists(path: str) -> bool:
-    """``os.path.exists(path)``, for a path on a local disk."""
+    """``os.path.exists(path)``. (On a network file system the answer may take a round
+    trip to its server: the cell's thread waits for it either way, the others then too.)"""
     libc = _libc()
     if libc is None:
         return os.path.exists(path)
