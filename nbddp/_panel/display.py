@@ -94,19 +94,21 @@ class PanelState:
             return None
         return max(0.0, (self.position[1] - self.position[0]) / self.rate)
 
+    def worth_a_panel(self) -> bool:
+        """The run has progress or metrics to show, or has lasted ``SHOW_AFTER``."""
+        return (self.position is not None or bool(self.history.latest)
+                or self.elapsed >= SHOW_AFTER)
+
     def quiet_end(self) -> bool:
         """The run ends with nothing to say beyond its own output, where it may: a
-        session's cell that finished before its panel would show (under ``SHOW_AFTER``,
-        no progress, no metrics, no message). Such a cell shows what the ranks printed
-        and nothing else, as a cell that runs in the kernel does; its line was the most
-        of a quick cell's cost to the notebook (a message for ipykernel's I/O thread to
-        send and the frontend to take: 0.6 ms of a 3.4 ms cell's own time, on two
-        cores). Under
-        ``%ddp_session auto on`` the line stays: it is then the only sign that the cell
-        ran on the ranks."""
+        session's cell that finished, with no message, before its panel would show.
+        Such a cell shows what the ranks printed and nothing else, as a cell that runs
+        in the kernel does; its line was the most of a quick cell's cost to the
+        notebook (a message for ipykernel's I/O thread to send and the frontend to take:
+        0.6 ms of a 3.4 ms cell's own time, on two cores). Under ``%ddp_session auto
+        on`` the line stays: it is then the only sign that the cell ran on the ranks."""
         return (self.quiet_when_quick and self.status == "finished" and not self.message
-                and self.position is None and not self.history.latest
-                and self.elapsed < SHOW_AFTER)
+                and not self.worth_a_panel())
 
     def summary(self) -> str:
         """One line: the run's status, progress and latest averaged metrics."""
@@ -220,8 +222,7 @@ class WidgetPanel:
         self._closed = False
 
     def _shown(self, state: PanelState) -> _Widgets | None:
-        if self._widgets is None and (state.position is not None or state.history.latest
-                                      or state.elapsed >= SHOW_AFTER):
+        if self._widgets is None and state.worth_a_panel():
             self._widgets = _Widgets()
         return self._widgets
 

@@ -101,9 +101,7 @@ class Records:
     def log_end(self, rank: int) -> int | None:
         """Where this run's part of ``rank_log(rank)`` ends; None while it may grow."""
         end = self._log_ends.get(rank)
-        if end is None and self._reached is not None and rank in self._reached:
-            end = max(self._reached[rank], self._shown.get(rank, 0))
-        return end
+        return self._said(rank) if end is None else end
 
     def reached(self, rank: int, size: int) -> None:
         """(A session's cell whose logs the ranks keep) ``rank`` says, as it reports, that
@@ -121,12 +119,16 @@ class Records:
         if self._reached is not None:
             self._shown[rank] = size
 
+    def _said(self, rank: int) -> int | None:
+        """Where ``rank`` said its log reached (or this cell showed it to, if further);
+        None if it has not said."""
+        if self._reached is None or rank not in self._reached:
+            return None
+        return max(self._reached[rank], self._shown.get(rank, 0))
+
     def reached_so_far(self) -> dict[int, int]:
-        """Where each rank that reported said its log reached (or it was shown to)."""
-        if self._reached is None:
-            return {}
-        return {rank: max(size, self._shown.get(rank, 0))
-                for rank, size in self._reached.items()}
+        """``_said`` of each rank that reported."""
+        return {rank: self._said(rank) or 0 for rank in self._reached or ()}
 
     def ended_at(self, log_ends: Mapping[int, int]) -> None:
         """The session's next cell began: this one's part of each log ends there (a rank
@@ -220,6 +222,7 @@ class SessionRecords:
         self._last: Records | None = None  # the latest cell's
         self._ended: Records | None = None  # the cell's before it, ended where it began
         self._logs: list[str] = []  # each rank's, in the folder
+        self._lock_path = ""  # the folder's lock file (asked about before each cell)
 
     def next_cell(self, number: int) -> Records:
         """The records of the session's cell ``number``: where each rank's log ends now
@@ -249,7 +252,7 @@ class SessionRecords:
         said = last.reached_so_far() if last is not None and last.path is self._folder \
             else {}
         if len(said) == self._nprocs and self._folder is not None:
-            return said if held_calls.exists(str(self._folder / LIVE_LOCK)) else None
+            return said if held_calls.exists(self._lock_path) else None
         sizes = self._log_sizes()
         return None if sizes is None else {**sizes, **said}
 
@@ -283,18 +286,20 @@ class SessionRecords:
         """A new folder, locked, with each rank's log; the old one (if any) is released
         once the new one is pruned around (it is not pruned at once)."""
         folder = _new_folder()
-        fd = os.open(folder / LIVE_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+        lock_path = str(folder / LIVE_LOCK)
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         with contextlib.suppress(OSError):  # no locks on this file system: kept anyway
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (a new file: never held)
         logs = _make_logs(folder, self._nprocs)
         forget_old_runs()
         self.close()
         self._folder, self._lock_fd, self._logs, self._in_folder = folder, fd, logs, 0
+        self._lock_path = lock_path
 
     def close(self) -> None:
         """The session ended: its folder stays as records, to be pruned like a run's."""
         if self._lock_fd is not None and self._folder is not None:
-            (self._folder / LIVE_LOCK).unlink(missing_ok=True)
+            Path(self._lock_path).unlink(missing_ok=True)
             os.close(self._lock_fd)
         self._folder, self._lock_fd = None, None
 

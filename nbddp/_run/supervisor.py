@@ -185,10 +185,15 @@ class Supervisor:
         if position is not None:
             self.state.set_position(position)
 
+    def _final_stats(self, stats: RankStats | None) -> None:
+        """A rank's stats as its run ended, with its report: its view, and where its
+        log reached (``Records.reached``)."""
+        if stats is not None:
+            self.view.add(stats)
+            self.records.reached(stats.rank, stats.output_bytes)
+
     def _result(self, result: Result) -> None:
-        if result.stats is not None:
-            self.view.add(result.stats)
-            self.records.reached(result.rank, result.stats.output_bytes)
+        self._final_stats(result.stats)
         self.attempt.results[result.rank] = result
         self.debugger.done(result.rank)  # its pdb, if any, is over (it may have stepped off)
 
@@ -202,9 +207,7 @@ class Supervisor:
         self.debugger.done_all(finished.ranks)
 
     def _failure(self, failure: Failure) -> None:
-        if failure.stats is not None:
-            self.view.add(failure.stats)
-            self.records.reached(failure.rank, failure.stats.output_bytes)
+        self._final_stats(failure.stats)
         self._note_stopped(failure)
         self.attempt.failures.append(failure)
         self.debugger.done(failure.rank)
