@@ -180,6 +180,12 @@ def test_a_relay_serves_many_ranks_where_the_machine_has_a_core_for_it(monkeypat
     assert not uses_relay(fewest)  # (it would take CPU from the ranks)
 
 
+def test_cpu_ranks_are_batch_work_and_gpu_ranks_keep_the_default():
+    cpu = GroupShape(sys.executable, 4, "", 0, "gloo", True, {}, "/")
+    gpu = GroupShape(sys.executable, 2, "0,1", 2, "nccl", True, {}, "/")
+    assert local_launcher.batch_ranks(cpu) and not local_launcher.batch_ranks(gpu)
+
+
 def test_a_kernel_held_to_one_core_counts_one():
     """As in a SLURM step or a cpuset given one core of a larger machine."""
     code = ("import os; from nbddp._local.cores import usable_cores; "
