@@ -48,8 +48,8 @@ def uses_relay(nprocs: int) -> bool:
 
 def batch_ranks(shape: GroupShape) -> bool:
     """Whether a local group's processes run as batch work (``schedule_as_batch``): CPU
-    ranks do. GPU ranks keep the default: where their cores are busy, a thread that
-    drives the GPU (NCCL's proxy, a CUDA stream's callback) must run as soon as it
+    ranks do. Ranks that see a GPU keep the default: where their cores are busy, a thread
+    that drives the GPU (NCCL's proxy, a CUDA stream's callback) must run as soon as it
     wakes."""
     return shape.gpus == 0
 
@@ -61,7 +61,7 @@ def schedule_as_batch(pid: int) -> None:
     kernel's machine: where they fill its cores, the notebook is the interactive
     process, and it, not a rank, runs first when both wake; the ranks, which wake one
     another at every collective, stop preempting each other too (on 2 cores, a 4-rank
-    all-reduce cell 12% faster). Where the platform has no such policy, nothing changes."""
+    all-reduce cell 11-12% faster). Where the platform has no such policy, nothing changes."""
     with contextlib.suppress(AttributeError, OSError):  # (not Linux; a process gone)
         os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
 
