@@ -47,11 +47,21 @@ def uses_relay(nprocs: int) -> bool:
 
 
 def batch_ranks(shape: GroupShape) -> bool:
-    """Whether a local group's processes run as batch work (``schedule_as_batch``): CPU
-    ranks do. Ranks that see a GPU keep the default: where their cores are busy, a thread
-    that drives the GPU (NCCL's proxy, a CUDA stream's callback) must run as soon as it
-    wakes."""
-    return shape.gpus == 0
+    """Whether a local group's processes run as batch work (``schedule_as_batch``): ranks
+    that see no GPU do, started by a kernel under Linux's default policy. Ranks that see
+    a GPU keep the default: where their cores are busy, a thread that drives the GPU
+    (NCCL's proxy, a CUDA stream's callback) must run as soon as it wakes. A kernel
+    started under another policy (``chrt -i``, a real-time one) passes its own on to its
+    ranks, as the user chose: it is neither raised nor lowered."""
+    return shape.gpus == 0 and _scheduled_as_default()
+
+
+def _scheduled_as_default() -> bool:
+    """This thread runs under Linux's default policy (``SCHED_OTHER``)."""
+    try:
+        return os.sched_getscheduler(0) == os.SCHED_OTHER
+    except (AttributeError, OSError):  # (not Linux)
+        return False
 
 
 def schedule_as_batch(pid: int) -> None:
@@ -61,7 +71,8 @@ def schedule_as_batch(pid: int) -> None:
     kernel's machine: where they fill its cores, the notebook is the interactive
     process, and it, not a rank, runs first when both wake; the ranks, which wake one
     another at every collective, stop preempting each other too (on 2 cores, a 4-rank
-    all-reduce cell 11-12% faster). Where the platform has no such policy, nothing changes."""
+    all-reduce cell took 11-12% less time). Where the platform has no such policy, or a
+    process is gone, nothing changes."""
     with contextlib.suppress(AttributeError, OSError):  # (not Linux; a process gone)
         os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))
 
