@@ -187,10 +187,10 @@ CPU = GroupShape(sys.executable, 4, "", 0, "gloo", True, {}, "/")
 def test_cpu_ranks_are_batch_work_gpu_ranks_and_a_kernel_s_own_policy_are_kept(monkeypatch):
     gpu = GroupShape(sys.executable, 2, "0,1", 2, "nccl", True, {}, "/")
     monkeypatch.setattr(os, "sched_getscheduler", lambda pid: os.SCHED_OTHER)
-    assert local_launcher.batch_ranks(CPU) and not local_launcher.batch_ranks(gpu)
+    assert local_launcher.runs_as_batch(CPU) and not local_launcher.runs_as_batch(gpu)
     for chosen in (os.SCHED_IDLE, os.SCHED_FIFO):  # the user's chrt: passed on as it is
         monkeypatch.setattr(os, "sched_getscheduler", lambda pid, chosen=chosen: chosen)
-        assert not local_launcher.batch_ranks(CPU)
+        assert not local_launcher.runs_as_batch(CPU)
 
 
 def test_making_a_process_batch_work_never_raises(monkeypatch):

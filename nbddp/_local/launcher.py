@@ -46,7 +46,7 @@ def uses_relay(nprocs: int) -> bool:
     return nprocs >= RELAY_FROM and usable_cores() > nprocs
 
 
-def batch_ranks(shape: GroupShape) -> bool:
+def runs_as_batch(shape: GroupShape) -> bool:
     """Whether a local group's processes run as batch work (``schedule_as_batch``): ranks
     that see no GPU do, started by a kernel under Linux's default policy. Ranks that see
     a GPU keep the default: where their cores are busy, a thread that drives the GPU
@@ -111,7 +111,7 @@ class LocalLauncher:
             raise
         finally:
             os.close(read_end)
-        if batch_ranks(shape):
+        if runs_as_batch(shape):
             schedule_as_batch(self.process.pid)  # (torchrun waits for ``go``: see there)
         self._run_dir = run_dir
         self._early: threading.Thread | None = None

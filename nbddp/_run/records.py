@@ -234,8 +234,7 @@ class SessionRecords:
         if starts is None or max(starts.values()) >= LOG_TAIL_BYTES:
             self._new_folder()  # (the folder was removed under the session, or is full)
             return self.next_cell(number)
-        self._ended = self._last if self._last is not None and \
-            self._last.path is self._folder else None
+        self._ended = self._last_in_folder()
         if self._ended is not None:
             self._ended.ended_at(starts)
         self._in_folder += 1
@@ -248,13 +247,17 @@ class SessionRecords:
         None if the folder is gone. When every rank said, one look at the folder's lock
         file replaces one at each rank's log; else the logs are looked at (a cell on some
         ranks, a rank that ended without its report)."""
-        last = self._last
-        said = last.reached_so_far() if last is not None and last.path is self._folder \
-            else {}
-        if len(said) == self._nprocs and self._folder is not None:
+        last = self._last_in_folder()
+        said = last.reached_so_far() if last is not None else {}
+        if len(said) == self._nprocs:
             return said if held_calls.exists(self._lock_path) else None
         sizes = self._log_sizes()
         return None if sizes is None else {**sizes, **said}
+
+    def _last_in_folder(self) -> Records | None:
+        """The latest cell's records, if that cell's logs are the current folder's."""
+        last = self._last
+        return last if last is not None and last.path is self._folder else None
 
     def _log_sizes(self) -> dict[int, int] | None:
         """Each rank's log's size now; None if the folder is gone."""
