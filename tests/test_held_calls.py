@@ -63,6 +63,24 @@ def test_send_all_to_a_closed_peer_or_socket_raises():
         held_calls.send_all(sender, b"x")
 
 
+def test_recv_ready_takes_what_has_arrived_and_never_waits():
+    sender, receiver = socket.socketpair()
+    try:
+        assert held_calls.recv_ready(receiver, 4096) is None  # (nothing yet: no wait)
+        for data, size in ((b"a frame" * 1000, 4096), (os.urandom(100_000), 150_000)):
+            sender.sendall(data)  # (then a larger read than the last: a larger buffer)
+            got = b""
+            while len(got) < len(data):
+                got += held_calls.recv_ready(receiver, size) or b""
+            assert got == data
+        sender.close()
+        assert held_calls.recv_ready(receiver, 4096) == b""  # the peer closed
+    finally:
+        receiver.close()
+    with pytest.raises(OSError):
+        held_calls.recv_ready(receiver, 4096)
+
+
 def test_getcwd_and_exists_answer_as_os_does(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert held_calls.getcwd() == os.getcwd()

@@ -210,9 +210,7 @@ class _Link:
         after them, if it is: the peer closed, a frame failed its check (nothing from it
         on is unpickled), or a data file came, which such a link does not take."""
         try:
-            data = self.sock.recv(_READ_AHEAD, socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            data = None  # nothing yet (a spurious wake-up)
+            data = held_calls.recv_ready(self.sock, _READ_AHEAD)  # (None: a spurious wake-up)
         except OSError as exc:
             return [], f"the connection broke: {exc}"
         if data is not None:

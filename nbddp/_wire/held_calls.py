@@ -10,10 +10,15 @@ handful before its ranks have it (a look at each rank's process, the working dir
 a Start to each rank), so half a millisecond went to other threads' work, which could
 as well run while the ranks run the cell.
 
+The same goes for the kernel's thread that reads the ranks' reports as a cell ends:
+each ``recv`` that lets the lock go hands it to those threads (whose turn came while
+the cell's thread held it), and the reports wait until they give it back.
+
 These make the same calls through ``ctypes.PyDLL``, which keeps the lock: only calls
 that do not wait (a ``/proc`` file, a send that takes what the socket has room for and
-leaves the rest to ``socket.sendall``, the working directory, a path's existence, which
-on a network file system may wait for its server).
+leaves the rest to ``socket.sendall``, a receive of what has arrived, the working
+directory, a path's existence, which on a network file system may wait for its
+server).
 Where the C library cannot be loaded this way, they are the ``os`` and ``socket`` calls.
 """
 
@@ -24,12 +29,16 @@ import errno
 import functools
 import os
 import socket
+import threading
 from typing import Any
 
 _NO_WAIT = (socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
             if hasattr(socket, "MSG_DONTWAIT") else 0)
 """A send's flags: never wait for room (and no SIGPIPE); 0 where a send cannot be told
 not to wait (then ``sendall`` sends it all)."""
+_NOW = getattr(socket, "MSG_DONTWAIT", 0)
+"""A receive's flag: never wait for data; 0 where a receive cannot be told so (then it
+is the socket's own call)."""
 _PATH_MAX = 4096
 
 
@@ -38,14 +47,16 @@ def _libc() -> Any:
     """The C library's calls, declared; None where it cannot be loaded this way."""
     try:
         libc = ctypes.PyDLL(None, use_errno=True)
-        calls = (libc.pread, libc.send, libc.getcwd, libc.access)
+        calls = (libc.pread, libc.send, libc.recv, libc.getcwd, libc.access)
     except (OSError, AttributeError, TypeError):  # (TypeError: no C library by None)
         return None
-    pread, send, getcwd, access = calls
+    pread, send, recv, getcwd, access = calls
     pread.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_long]
     pread.restype = ctypes.c_ssize_t
     send.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
     send.restype = ctypes.c_ssize_t
+    recv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    recv.restype = ctypes.c_ssize_t
     getcwd.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
     getcwd.restype = ctypes.c_char_p
     access.argtypes = [ctypes.c_char_p, ctypes.c_int]
@@ -86,6 +97,29 @@ def send_all(sock: socket.socket, data: bytes) -> None:
                 raise _error()
             sent = 0
     sock.sendall(memoryview(data)[sent:] if sent else data)
+
+
+_buffers = threading.local()  # (each reading thread's own)
+
+
+def recv_ready(sock: socket.socket, size: int) -> bytes | None:
+    """``sock.recv(size, MSG_DONTWAIT)``: up to ``size`` bytes of what has arrived (``b""``:
+    the peer closed), or None if nothing has (``BlockingIOError``, for the socket call)."""
+    libc = _libc()
+    if libc is None or not _NOW:
+        try:
+            return sock.recv(size, _NOW)
+        except (BlockingIOError, InterruptedError):
+            return None
+    buffer = getattr(_buffers, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _buffers.buffer = ctypes.create_string_buffer(size)
+    got = libc.recv(sock.fileno(), buffer, size, _NOW)
+    if got < 0:
+        if ctypes.get_errno() in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
+            return None
+        raise _error()
+    return ctypes.string_at(buffer, got)
 
 
 def getcwd() -> str:
