@@ -106,6 +106,10 @@ class RankGroup:
     def _wait_launcher(self, launcher: Launcher) -> None:
         self.events.put(LauncherExited(launcher.wait()))
 
+    def release_held(self) -> None:
+        """Put on ``events`` what the group held back to put on together (a waiting
+        group's Results: see ``WaitingGroup``); here, nothing is held."""
+
     def _start_message(self, payload: Path, records: Records, options: RankOptions,
                        handover: Handover) -> Start:
         twin = self.run_dir.twin

@@ -41,8 +41,12 @@ class Pump:
     """Reads ``events`` for one run; ``current()`` is the (requeue, attempt) it follows."""
 
     def __init__(self, events: queue.SimpleQueue[Any],
-                 current: Callable[[], tuple[int, int]]) -> None:
-        self._events, self._current = events, current
+                 current: Callable[[], tuple[int, int]],
+                 release: Callable[[], None] = lambda: None) -> None:
+        """``release()`` puts on ``events`` what the group held back to put on together
+        (``WaitingGroup.release_held``): called when a turn brought nothing, and before
+        a drain."""
+        self._events, self._current, self._release = events, current, release
         self._handlers: dict[type, list[Handler]] = {}
         self._arrivals: list[Callable[[Numbered], None]] = []
         self._next_seq: dict[tuple[int, int, int], int] = {}
@@ -91,6 +95,8 @@ class Pump:
         try:
             event = self._events.get(timeout=timeout) if timeout else self._events.get_nowait()
         except queue.Empty:
+            if timeout:
+                self._release()  # (for the next turn)
             return None
         if isinstance(event, _NUMBERED):
             for hook in self._arrivals:
@@ -129,5 +135,6 @@ class Pump:
                 turn()
 
     def drain(self) -> None:
-        """Dispatch every event already queued."""
+        """Dispatch every event already queued (and held back)."""
+        self._release()
         self.run(lambda: self._events.empty() and not self._releasable())

@@ -184,7 +184,7 @@ class RemoteSessionGroup(WaitingGroup):
         except OSError as exc:
             why = (f"node {node} has no room for the cell's data (in shared memory or on "
                    f"local disk), and the session's folder has none either: {exc}")
-            self.events.put(Failure(rank, "NbddpError", "nbddp", why, why))
+            self._put(Failure(rank, "NbddpError", "nbddp", why, why))
             return
         with self._lock:
             self._node_has(delivery, node, copy)
@@ -229,7 +229,7 @@ class RemoteSessionGroup(WaitingGroup):
         for rank in ranks - waiting:
             self._server.send(rank, Interrupt())
         for rank in sorted(waiting):
-            self.events.put(Result(rank))
+            self._put(Result(rank))
 
     def _took(self, message: Any) -> bool:
         if isinstance(message, Assigned) and self._start is None:

@@ -110,7 +110,7 @@ class Supervisor:
         self._note_now = _noting(self._tails, self.output)  # (refers to no supervisor)
         self.debugger = Debugger(group.send_to_rank, self._note_now)
         """pdb on the ranks: their prompts, for the thread waiting in ``Job.result()``."""
-        self.pump = Pump(group.events, lambda: self.attempt.key)
+        self.pump = Pump(group.events, lambda: self.attempt.key, group.release_held)
         self._register()
         self.hooks = group.hooks(self)
         """The backend's part: its own events, its ranks' next run, why it ended."""

@@ -36,8 +36,11 @@ from .._wire.messages import (
     Hello,
     Present,
     RankOptions,
+    RanksFinished,
     RanksPresent,
     Ready,
+    Requeueing,
+    Result,
     RollCall,
     Sequenced,
     Start,
@@ -92,6 +95,8 @@ class WaitingGroup(RankGroup):
         """The notebook functions these ranks hold (a session's next payloads name them
         by number: ``_wire.held_functions``)."""
         self._stopped = False
+        self._reports_due: set[int] | None = None  # ranks yet to report (see ``_holds``)
+        self._held: list[Any] = []  # Results held back, to go on the events together
 
     launcher_name = "torchrun"
     """What started the ranks, as the notebook names it when it stops."""
@@ -146,6 +151,8 @@ class WaitingGroup(RankGroup):
                 return
             if self._took(inner):
                 return
+            if self._holds(message, inner):
+                return
             if isinstance(inner, Disconnected):
                 self._lose(f"rank {inner.rank} had stopped")
             if isinstance(inner, Hello):
@@ -154,8 +161,45 @@ class WaitingGroup(RankGroup):
                 self.ready.add(inner.rank)
             elif isinstance(inner, (Failure, Disconnected)) and self._start is None:
                 self.broken = True
-        self.events.put(message)
+            self._put_now(message)
         self._changed()
+
+    def _holds(self, message: Any, inner: Any) -> bool:
+        """(Under the lock) Hold a rank's ``Result`` back while other ranks have yet to
+        report on the run (a ``Result``, a ``Failure``, a node's ``RanksFinished``, a
+        requeue, or the rank's link's end): the kernel's thread that follows the run then
+        wakes once for all of them, not once per rank (each wake-up is a turn of the
+        interpreter lock between it and the channel's thread, as the next report is
+        read). The last report takes every held one on with it; so does any other
+        message, a failure at once, or a quiet turn (``release_held``)."""
+        if self._reports_due is None:
+            return False
+        self._reports_due.difference_update(_reporting(inner))
+        if not self._reports_due:
+            self._reports_due = None  # (every rank reported: none is held from now on)
+            return False
+        if isinstance(inner, Result):
+            self._held.append(message)
+            return True
+        return False
+
+    def release_held(self) -> None:
+        """Put the Results held back (see ``_holds``) on the events: nothing else came
+        for a while, or the run is being wound up."""
+        self._put(None)
+
+    def _put(self, message: Any) -> None:
+        """Put ``message`` on the events (None: nothing), after the Results held back."""
+        with self._lock:
+            self._put_now(message)
+
+    def _put_now(self, message: Any) -> None:
+        """(Under the lock, so that no thread's message goes between) ``_put``."""
+        held, self._held = self._held, []
+        for each in held:
+            self.events.put(each)
+        if message is not None:
+            self.events.put(message)
 
     def _took(self, message: Any) -> bool:
         """(Under the lock) True if ``message`` is the backend's own business (an answer
@@ -175,7 +219,7 @@ class WaitingGroup(RankGroup):
         with self._lock:
             self.broken = self.broken or self._start is None
             self._lose(f"{self.launcher_name} had stopped")
-        self.events.put(LauncherExited(code))
+        self._put(LauncherExited(code))
         self._changed()
 
     def _lose(self, why: str) -> None:
@@ -208,6 +252,7 @@ class WaitingGroup(RankGroup):
                 self._await_answers(called)
             self.records = records
             self._start = start
+            self._reports_due = set(range(self.nprocs))
             self._send_starts(list(self._hellos))
 
     sees_processes = False
@@ -331,3 +376,12 @@ class WaitingGroup(RankGroup):
     def _check_present(self, called: set[int]) -> None:
         """(Under the lock) Every rank ``called`` answered: raise ``RanksGone`` if one of
         the group's processes was nonetheless killed since (where the kernel can see)."""
+
+
+def _reporting(message: Any) -> tuple[int, ...]:
+    """The ranks that ``message`` says will send nothing more about their run."""
+    if isinstance(message, RanksFinished):
+        return message.ranks
+    if isinstance(message, (Result, Failure, Requeueing, Disconnected)):
+        return (message.rank,)
+    return ()

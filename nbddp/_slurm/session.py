@@ -178,7 +178,7 @@ class SlurmSessionGroup(RemoteSessionGroup):
             self.status = status
             self._changes.append(status)
             number = len(self._changes)
-        self.events.put(JobChanged(number, status))
+        self._put(JobChanged(number, status))
 
     def take_unsaid(self) -> list[str]:
         """Lines for the changes of the job's state not yet shown, now taken as shown."""
