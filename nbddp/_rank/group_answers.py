@@ -20,24 +20,18 @@ from typing import Any
 from .._wire.messages import (
     HEADER_SIZE,
     Disconnected,
-    Failure,
     Present,
-    RanksFinished,
     RanksPresent,
-    Requeueing,
-    Result,
     RollCall,
     Sequenced,
     Start,
     decode,
+    run_ended_for,
 )
 
 WHOLE_WAIT = 0.25
 """Seconds a head holds its group's ends while some of the group have not said theirs:
 the panel shows a rank finished at most this late (only in a tree: 64 nodes or more)."""
-
-_ENDS = (Result, Failure, Requeueing)
-
 
 class GroupAnswers:
     """Of the ranks the head handed the last Start (or roll call) to, those that have not
@@ -91,11 +85,8 @@ def _answering(message: Any, kind: type | None) -> tuple[int, ...]:
     if isinstance(message, Disconnected):
         return (message.rank,)
     if kind is Start:
-        if isinstance(message, RanksFinished):
-            return message.ranks
-        if isinstance(message, Sequenced) and isinstance(message.message, _ENDS):
-            return (message.message.rank,)
-    elif kind is RollCall:
+        return run_ended_for(message)
+    if kind is RollCall:
         if isinstance(message, RanksPresent):
             return message.ranks
         if isinstance(message, Sequenced) and isinstance(message.message, Present):

@@ -36,14 +36,13 @@ from .._wire.messages import (
     Hello,
     Present,
     RankOptions,
-    RanksFinished,
     RanksPresent,
     Ready,
-    Requeueing,
     Result,
     RollCall,
     Sequenced,
     Start,
+    run_ended_for,
 )
 from .._wire.rundir import RunDir
 from .group import Launcher, LauncherExited, RankGroup, RanksGone
@@ -174,7 +173,7 @@ class WaitingGroup(RankGroup):
         message, a failure at once, or a quiet turn (``release_held``)."""
         if self._reports_due is None:
             return False
-        self._reports_due.difference_update(_reporting(inner))
+        self._reports_due.difference_update(run_ended_for(message))
         if not self._reports_due:
             self._reports_due = None  # (every rank reported: none is held from now on)
             return False
@@ -376,12 +375,3 @@ class WaitingGroup(RankGroup):
     def _check_present(self, called: set[int]) -> None:
         """(Under the lock) Every rank ``called`` answered: raise ``RanksGone`` if one of
         the group's processes was nonetheless killed since (where the kernel can see)."""
-
-
-def _reporting(message: Any) -> tuple[int, ...]:
-    """The ranks that ``message`` says will send nothing more about their run."""
-    if isinstance(message, RanksFinished):
-        return message.ranks
-    if isinstance(message, (Result, Failure, Requeueing, Disconnected)):
-        return (message.rank,)
-    return ()

@@ -36,7 +36,7 @@ _NO_WAIT = (socket.MSG_DONTWAIT | getattr(socket, "MSG_NOSIGNAL", 0)
             if hasattr(socket, "MSG_DONTWAIT") else 0)
 """A send's flags: never wait for room (and no SIGPIPE); 0 where a send cannot be told
 not to wait (then ``sendall`` sends it all)."""
-_NOW = getattr(socket, "MSG_DONTWAIT", 0)
+_RECV_NO_WAIT = getattr(socket, "MSG_DONTWAIT", 0)
 """A receive's flag: never wait for data; 0 where a receive cannot be told so (then it
 is the socket's own call)."""
 _PATH_MAX = 4096
@@ -106,15 +106,15 @@ def recv_ready(sock: socket.socket, size: int) -> bytes | None:
     """``sock.recv(size, MSG_DONTWAIT)``: up to ``size`` bytes of what has arrived (``b""``:
     the peer closed), or None if nothing has (``BlockingIOError``, for the socket call)."""
     libc = _libc()
-    if libc is None or not _NOW:
+    if libc is None or not _RECV_NO_WAIT:
         try:
-            return sock.recv(size, _NOW)
+            return sock.recv(size, _RECV_NO_WAIT)
         except (BlockingIOError, InterruptedError):
             return None
     buffer = getattr(_buffers, "buffer", None)
     if buffer is None or len(buffer) < size:
         buffer = _buffers.buffer = ctypes.create_string_buffer(size)
-    got = libc.recv(sock.fileno(), buffer, size, _NOW)
+    got = libc.recv(sock.fileno(), buffer, size, _RECV_NO_WAIT)
     if got < 0:
         if ctypes.get_errno() in (errno.EAGAIN, errno.EWOULDBLOCK, errno.EINTR):
             return None
