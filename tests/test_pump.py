@@ -210,6 +210,18 @@ def test_a_cancelled_run_takes_in_nothing_more(supervised):
     assert sup.attempt.results == {}
 
 
+def test_what_came_as_a_run_was_cancelled_is_heard_by_the_next_wait(supervised):
+    """A session's rank that reported just as Ctrl-C was pressed is back at rest: the
+    bring-back that follows (a next wait on the same pump) must count its report, not
+    interrupt it and wait for one that never comes."""
+    sup, put = supervised()
+    put(said(0, Result(0), 0))
+    sup.watch(None, lambda: "interrupted")
+    assert sup.attempt.results == {}
+    sup.pump.run(lambda: 0 in sup.attempt.reported, 1.0)
+    assert set(sup.attempt.results) == {0}
+
+
 def test_a_rank_back_from_pdb_runs_even_without_a_hello(supervised):
     sup, put = supervised(nprocs=1)  # a session's ranks said hello before its first run
     put(said(0, DebugPrompt(0, "(Pdb) "), 0))

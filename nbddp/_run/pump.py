@@ -53,6 +53,8 @@ class Pump:
         """Per rank, requeue and attempt: the next message number expected."""
         self._ahead: deque[Numbered] = deque()
         """Messages of a newer attempt than the one followed, in the order they came."""
+        self._kept: Any = None
+        """The message pulled as a wait's gate closed: the next wait dispatches it first."""
 
     def on(self, kind: type, handler: Handler) -> None:
         """Call ``handler`` with every new message of type ``kind``."""
@@ -66,12 +68,15 @@ class Pump:
     def close(self) -> None:
         """The run is over: drop the handlers and hooks (each refers back to its run's
         supervisor; see ``Supervisor.release``). Nothing is dispatched from now on."""
-        self._handlers, self._arrivals = {}, []
+        self._handlers, self._arrivals, self._kept = {}, [], None
         self._current = _no_attempt
 
     def _pull(self, timeout: float | None) -> Any:
         """The next event, or None (nothing came, or a copy, a stale message or one held
         for a newer attempt came)."""
+        if self._kept is not None:
+            event, self._kept = self._kept, None
+            return event
         event = self._ahead.popleft() if self._releasable() else self._next(timeout)
         if event is None:
             return None
@@ -118,14 +123,17 @@ class Pump:
         """Pull and dispatch events until ``until()`` is true or ``seconds`` have passed.
 
         ``gate()``, if given, is asked between pulling an event and dispatching it: once
-        it is false the wait ends, and that event is not dispatched (a cancelled run takes
-        in nothing more). ``then(event)`` follows each dispatched event, ``turn()`` each
-        turn that did not end the wait.
+        it is false the wait ends, and that event is not dispatched in it (a cancelled
+        run takes in nothing more) but kept for the next wait: a session's rank that
+        reported just as Ctrl-C was pressed is at rest, and its bring-back must hear it.
+        ``then(event)`` follows each dispatched event, ``turn()`` each turn that did not
+        end the wait.
         """
         deadline = None if seconds is None else time.monotonic() + seconds
         while not until() and (deadline is None or time.monotonic() < deadline):
             event = self._pull(INTERVAL)
             if gate is not None and not gate():
+                self._kept = event
                 return
             if event is not None:
                 self.dispatch(event)
@@ -137,4 +145,5 @@ class Pump:
     def drain(self) -> None:
         """Dispatch every event already queued (and held back)."""
         self._release()
-        self.run(lambda: self._events.empty() and not self._releasable())
+        self.run(lambda: self._events.empty() and not self._releasable()
+                 and self._kept is None)
