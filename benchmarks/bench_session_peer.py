@@ -23,7 +23,9 @@ from the execute request to the kernel going idle, in a new random order every r
 (a cell's time depends on the one before it: one that kept both cores busy leaves them
 quick to wake), with a plain cell (``x = 1 + 1``: no value shown either) whose time is
 taken off: a cell's own time. Medians of every call and the ratio nbddp / Monarch are
-printed (``--json`` saves every figure).
+printed, each ratio of calls and of cells with its 95% interval (a bootstrap over the
+rounds): a side is ahead only where all of the interval is (``--json`` saves every
+figure).
 
 Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
 so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--ranks N ...]
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import random
 import socket
 import statistics
 import sys
@@ -59,6 +62,7 @@ NPROCS = 2  # ranks, unless --ranks says otherwise
 BLOCK = 20  # calls of one side before the other's turn
 TARGET = 0.001  # seconds, the median of a trivial Session.run: at most
 CELL_TARGET = 0.002  # seconds, a trivial %%ddp session cell's own time: at most
+RESAMPLES = 2000  # bootstrap draws for each ratio's interval
 
 
 def noop() -> None:
@@ -193,7 +197,8 @@ def main() -> int:
     if len(figures) > 1:
         for ratio in next(iter(figures.values()))["ratios"]:
             print(f"\n{ratio}, nbddp / Monarch, by ranks: " + ", ".join(
-                f"{n}: {f['ratios'][ratio]:.2f}" for n, f in figures.items()))
+                f"{n}: {f['ratios'][ratio]:.2f}" + _within(f["intervals_95"].get(ratio))
+                for n, f in figures.items()))
     write_json(opts.json, {"block": BLOCK, "rounds": opts.rounds,
                            "python": platform.python_version(), "cpus": os.cpu_count(),
                            "by_ranks": figures})
@@ -207,9 +212,10 @@ def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
     if not opts.calls_only:
         times.update(in_kernel(opts.rounds * BLOCK, nprocs))
     medians = {name: statistics.median(values) for name, values in times.items()}
-    ratios = {call: medians[f"nbddp {call}"] / medians[f"monarch {call}"]
-              for call in ("noop", "all_reduce", "torch_step")}
-    ratios["noop imported"] = medians["nbddp noop imported"] / medians["monarch noop"]
+    pairs = {call: (f"nbddp {call}", f"monarch {call}", BLOCK)
+             for call in ("noop", "all_reduce", "torch_step")}
+    pairs["noop imported"] = ("nbddp noop imported", "monarch noop", BLOCK)
+    ratios = {name: medians[ours] / medians[theirs] for name, (ours, theirs, _) in pairs.items()}
     if not opts.calls_only:
         for call, (ours, theirs) in CELL_PAIRS.items():
             for name in (ours, theirs):
@@ -217,16 +223,23 @@ def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
             ratios[f"{call} cell's own time"] = (medians[f"{ours} - plain cell"]
                                                  / medians[f"{theirs} - plain cell"])
             ratios[f"{call} cell"] = medians[ours] / medians[theirs]
+            pairs[f"{call} cell"] = (ours, theirs, 1)
+    intervals = {name: ratio_interval(times[ours], times[theirs], per_round)
+                 for name, (ours, theirs, per_round) in pairs.items()}
     print(f"\nnbddp Session.run vs a Monarch endpoint call, {nprocs} CPU ranks (gloo), "
           f"median of {opts.rounds * BLOCK}; {os.cpu_count()} CPUs, load {load:.2f} -> "
           f"{os.getloadavg()[0]:.2f}")
     for name, value in medians.items():
         print(f"  {name:32}{value * 1000:8.3f} ms")
     for call, ratio in ratios.items():
-        print(f"  {call}: nbddp / monarch {ratio:.2f}")
+        low_high = intervals.get(call)
+        said = "" if low_high is None else (
+            f"  (95%: {low_high[0]:.2f}-{low_high[1]:.2f}, {_verdict(*low_high)})")
+        print(f"  {call}: nbddp / monarch {ratio:.2f}{said}")
     figures: dict[str, Any] = {
         "loadavg_1min": {"start": load, "end": os.getloadavg()[0]},
-        "times_s": times, "medians_s": medians, "ratios": ratios}
+        "times_s": times, "medians_s": medians, "ratios": ratios,
+        "intervals_95": intervals}
     if nprocs == NPROCS:  # (the targets are for the 2-rank session)
         figures["met"] = met = medians["nbddp noop"] <= TARGET
         print(f"trivial Session.run: {medians['nbddp noop'] * 1000:.2f} ms, target <= "
@@ -238,6 +251,33 @@ def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
                   f"{CELL_TARGET * 1000:.0f} ms: {'met' if cell_met else 'MISSED'}",
                   flush=True)
     return figures
+
+
+def ratio_interval(ours: list[float], theirs: list[float], per_round: int,
+                   resamples: int = RESAMPLES) -> tuple[float, float]:
+    """The 95% interval of median(ours) / median(theirs), by a bootstrap over rounds:
+    each round gave ``per_round`` samples of each side in the same minutes (a block of
+    calls, or one cell each in its shuffled order), so a round is drawn whole, both
+    sides together, and the machine's drift between rounds stays in the interval."""
+    rounds = [(ours[i:i + per_round], theirs[i:i + per_round])
+              for i in range(0, min(len(ours), len(theirs)), per_round)]
+    draw = random.Random(0).choices
+    ratios = []
+    for _ in range(resamples):
+        drawn = draw(rounds, k=len(rounds))
+        ratios.append(statistics.median([t for mine, _ in drawn for t in mine])
+                      / statistics.median([t for _, other in drawn for t in other]))
+    ratios.sort()
+    return ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples) - 1]
+
+
+def _within(interval: tuple[float, float] | None) -> str:
+    return "" if interval is None else f" ({interval[0]:.2f}-{interval[1]:.2f})"
+
+
+def _verdict(low: float, high: float) -> str:
+    """Who is ahead, by the interval: only where all of it lies on one side of 1."""
+    return "nbddp ahead" if high < 1 else "Monarch ahead" if low > 1 else "level"
 
 
 if __name__ == "__main__":
