@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from nbddp._rank import group_answers
+from nbddp._rank import relay as relay_module
 from nbddp._rank.relay import compact, node_relay, reduced
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
 from nbddp._wire.messages import (
     Disconnected,
+    Failure,
     Metrics,
     NodeMetrics,
     Present,
@@ -270,6 +273,68 @@ def test_the_roll_call_s_answers_and_plain_results_of_a_node_cross_as_one_each(n
 
 def stats(rank: int) -> RankStats:
     return RankStats(rank, "node", 100 + rank, 7, 1.0, None, 0)
+
+
+SPREAD = 0.03  # seconds between one rank's end and the next's (ranks that share cores)
+
+
+def started(kernel: Kernel, ranks: list[ChannelClient]) -> None:
+    """Every rank said it is ready, and has a run's Start (sent once for the node)."""
+    for number, rank in enumerate(ranks):
+        say(rank, number, Ready(number))
+    kernel.take(4)
+    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
+    assert kernel.server.send_to_each(range(4), start) == set()
+    for rank in ranks:
+        assert rank.receive() == start
+
+
+def test_a_node_s_ranks_that_end_apart_end_in_one_message(node, monkeypatch):
+    """The node's ranks end 30 ms apart: sent as they came, the kernel read a frame per
+    rank. The relay knows whom it handed the Start to, and sends their ends together,
+    as soon as the last one has spoken."""
+    kernel, _, ranks = node
+    monkeypatch.setattr(group_answers, "WHOLE_WAIT", 30.0)  # (held until whole, not timed)
+    monkeypatch.setattr(relay_module, "WHOLE_WAIT", 30.0)
+    started(kernel, ranks)
+    for number, rank in enumerate(ranks):
+        say(rank, number, Result(number, stats=stats(number)), 1)
+        time.sleep(SPREAD)
+    (finished,) = kernel.take(1)
+    assert isinstance(finished, RanksFinished) and sorted(finished.ranks) == [0, 1, 2, 3]
+    assert kernel.delivered.empty()
+
+
+def test_a_node_s_ends_wait_no_longer_than_the_longest_hold_for_a_silent_rank(node):
+    """Rank 2 goes on running: the others' ends reach the kernel within ``WHOLE_WAIT``,
+    and rank 2's when it comes."""
+    kernel, _, ranks = node
+    started(kernel, ranks)
+    began = time.monotonic()
+    for number in (0, 1, 3):
+        say(ranks[number], number, Result(number, stats=stats(number)), 1)
+    came: list = []
+    while sorted(rank for m in came for rank in m.ranks) != [0, 1, 3]:
+        came += kernel.take(1)
+    assert time.monotonic() - began < group_answers.WHOLE_WAIT + 1.0
+    say(ranks[2], 2, Result(2, stats=stats(2)), 1)
+    (last,) = kernel.take(1)
+    assert isinstance(last, RanksFinished) and last.ranks == (2,)
+
+
+def test_a_failure_goes_on_at_once_with_the_ends_held_before_it(node, monkeypatch):
+    """Rank 1 fails while rank 3 has not ended: the ends held so far and the failure
+    reach the kernel at once (the run's end is decided by it), not when rank 3 ends."""
+    kernel, _, ranks = node
+    monkeypatch.setattr(relay_module, "WHOLE_WAIT", 30.0)
+    started(kernel, ranks)
+    say(ranks[0], 0, Result(0, stats=stats(0)), 1)
+    time.sleep(SPREAD)
+    failure = Failure(1, "RuntimeError", "builtins", "bad batch", "Traceback ...")
+    say(ranks[1], 1, failure, 1)
+    came = kernel.take(2, timeout=5.0)  # (not held for rank 3, which never ends here)
+    assert Sequenced(1, failure) in came
+    assert [m.ranks for m in came if isinstance(m, RanksFinished)] == [(0,)]
 
 
 def test_a_batch_says_once_what_ranks_said_alike_each_rank_s_messages_in_order():

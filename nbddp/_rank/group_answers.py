@@ -1,14 +1,15 @@
-"""Which of its group's ranks a group's head still waits to hear from (``_wire.relay_tree``).
+"""Which of the ranks a relay speaks for it still waits to hear from: a node's relay, its
+node's ranks; a group's head (``_wire.relay_tree``), its node's and its group's.
 
-A head merges its group's ends of a run (and answers to a roll call) into one message
-for the kernel. It waits a moment after each report for the next (``relay._GROUP_GAP``),
-which merges a group whose nodes end together. Where they end spread out (nodes that
-share cores, a straggler), each gap sent a part: five or six frames per group per cell,
-each read, checked and decoded by the kernel. The head knows whom it handed the run's
-Start (or the roll call) to: until every one of them has said its end, it holds what
-came, up to ``WHOLE_WAIT``, and sends the group's end as one message once the last one
-has spoken. Holding is only ever a matter of when: a message that is not merged (a
-failure, a prompt) goes on at once with what was held.
+A relay merges its ranks' ends of a run (and answers to a roll call) into one message
+for the kernel. Sent as they came, ranks that end apart (ranks that share cores, a
+straggler) sent a part each: four or five frames per node per cell at eight ranks a
+node, and five or six per group at a head, each read, checked and decoded by the
+kernel. The relay knows whom it handed the run's Start (or the roll call) to: until
+every one of them has said its end, it holds what came, up to ``WHOLE_WAIT``, and sends
+the end as one message once the last one has spoken. The run's end waits for its last
+rank anyway. Holding is only ever a matter of when: a message that is not merged (a
+failure, a prompt, a value) goes on at once with what was held.
 """
 
 from __future__ import annotations
@@ -30,14 +31,13 @@ from .._wire.messages import (
 )
 
 WHOLE_WAIT = 0.25
-"""Seconds a head holds its group's ends while some of the group have not said theirs:
-the panel shows a rank finished at most this late (only in a tree: 64 nodes or more)."""
+"""Seconds a relay holds its ranks' ends while some of them have not said theirs: the
+panel shows a rank finished at most this late."""
 
 class GroupAnswers:
-    """Of the ranks the head handed the last Start (or roll call) to, those that have not
+    """Of the ranks the relay handed the last Start (or roll call) to, those that have not
     said their end (their answer) yet. ``expect`` and ``unreached`` are called as the
-    head hands messages down (``relay.HeadDown``), ``heard`` as its group's messages
-    come up: two threads."""
+    relay hands messages down, ``heard`` as its ranks' messages come up: two threads."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -46,8 +46,8 @@ class GroupAnswers:
         self._waiting: set[int] = set()  # ... that have not answered yet
 
     def expect(self, ranks: tuple[int, ...], frame: bytes) -> None:
-        """The head hands ``frame`` down to ``ranks`` of its group: if it is a Start or a
-        roll call, wait for those ranks' ends or answers. A cell's Start may come in
+        """The relay hands ``frame`` down to ``ranks``: if it is a Start or a roll call,
+        wait for those ranks' ends or answers. A cell's Start may come in
         parts (a node's when its copy of the payload is kept, a rank's when it says
         hello): ranks it did not go to yet are awaited along with the others; one it
         went to already means the next cell's."""
@@ -64,12 +64,12 @@ class GroupAnswers:
             self._waiting.update(ranks)
 
     def unreached(self, ranks: Iterable[int]) -> None:
-        """The head could not hand the message on to ``ranks`` (gone): none will answer."""
+        """The relay could not hand the message on to ``ranks`` (gone): none will answer."""
         with self._lock:
             self._waiting.difference_update(ranks)
 
     def heard(self, message: Any) -> None:
-        """``message`` came up from the group: the ranks it ends for are no longer awaited."""
+        """``message`` came up from the ranks: those it ends for are no longer awaited."""
         with self._lock:
             if self._waiting:
                 self._waiting.difference_update(_answering(message, self._kind))
@@ -77,6 +77,10 @@ class GroupAnswers:
     def awaited(self) -> bool:
         """Some ranks handed the last Start or roll call have not answered yet."""
         return bool(self._waiting)
+
+    def answered(self) -> bool:
+        """A Start or roll call was handed down, and every rank it went to has answered."""
+        return self._kind is not None and not self._waiting
 
 
 def _answering(message: Any, kind: type | None) -> tuple[int, ...]:

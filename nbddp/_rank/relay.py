@@ -82,25 +82,17 @@ class HeadDown:
     """A group's head relay's side towards its node's ranks and its group's relays
     (``_wire.relay_tree``): a message for ranks goes to those on this node, and once to
     each relay for the ranks behind it. A message with a data file for a rank behind
-    another relay goes on to it with its file. Whom it hands a Start (or a roll call)
-    to, it waits to hear from (``answers``: the head's relay holds their ends until
-    then)."""
+    another relay goes on to it with its file."""
 
     def __init__(self, ranks: Ranks, relays: ChannelServer) -> None:
         self.ranks, self.relays = ranks, relays
-        self.answers = GroupAnswers()
 
     def send_encoded(self, rank: int, frame: bytes) -> bool:
         return self.ranks.send_encoded(rank, frame) or self.relays.send_encoded(rank, frame)
 
     def send_frame_to_each(self, ranks: Iterable[int], frame: bytes) -> set[int]:
-        ranks = tuple(ranks)
-        self.answers.expect(ranks, frame)  # (before a rank can answer)
         missed = self.ranks.send_frame_to_each(ranks, frame)
-        missed = self.relays.send_frame_to_each(missed, frame) if missed else missed
-        if missed:
-            self.answers.unreached(missed)
-        return missed
+        return self.relays.send_frame_to_each(missed, frame) if missed else missed
 
     def hand_on(self, message: ForRank) -> None:
         """``message`` came with a data file, which landed on this node: to its rank here,
@@ -133,6 +125,9 @@ class NodeRelay:
         kernel and connect to it (``Reattach``)."""
         self._up, self._landing, self._ranks, self._reattach = up, landing, ranks, reattach
         self._outbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._answers = GroupAnswers()
+        """Whom the relay handed the last Start (or roll call) to, and who has not said
+        its end yet: their ends are held until then (``_gather``)."""
         self._kernel = 0  # which kernel the ranks' links speak to: one more each attach
         try:
             self._down = ranks(self._said_to(0))
@@ -208,26 +203,26 @@ class NodeRelay:
         """The next batch, each message with the kernel it was said to: whatever waits
         once a message came. Metrics alone wait up to ``_METRICS_WAIT`` more for the
         node's other ranks' (each rank sends its own about ten times a second): they
-        are reduced together. A group's head waits for more of what it merges: until
-        every rank it handed the last Start (or roll call) to has said its end (up to
-        ``WHOLE_WAIT``: see ``group_answers``), else a moment after each report
-        (``_GROUP_GAP``): its group's relays report a cell's end one after another."""
+        are reduced together. What the relay merges (ends of a run, answers to a roll
+        call) waits for more: until every rank it handed the last Start (or roll call)
+        to has said its end (up to ``WHOLE_WAIT``: see ``group_answers``), so that the
+        node's ranks (or a head's group), ending apart, end in one message. A head that
+        handed nothing yet waits a moment after each report instead (``_GROUP_GAP``):
+        its group's relays report one after another."""
         batch = [self._outbox.get()]
         began = time.monotonic()
-        down = self._down  # (a head's, as the batch begins)
-        answers = down.answers if isinstance(down, HeadDown) else None
+        answers = self._answers
+        heads = isinstance(self._down, HeadDown)  # (as the batch begins)
         only_metrics = _is_metrics(batch[0][1])
-        merged = answers is not None and _merges(batch[0][1])
+        merged = _merges(batch[0][1])
         while True:
-            if answers is not None:
-                answers.heard(batch[-1][1])  # (each message once, as it joins)
+            answers.heard(batch[-1][1])  # (each message once, as it joins)
             if batch[-1][1] is None or len(batch) >= _BATCH_MOST:
                 break
             try:
                 batch.append(self._outbox.get_nowait())
             except queue.Empty:
-                awaited = answers is not None and answers.awaited()
-                wait = _more_wait(began, only_metrics, merged, awaited)
+                wait = _more_wait(began, only_metrics, merged, answers, heads)
                 if wait <= 0:
                     break
                 try:
@@ -261,7 +256,7 @@ class NodeRelay:
         relay that stopped reading would leave its ranks, and the kernel, waiting)."""
         try:
             if isinstance(message, ToRanks):
-                self._down.send_frame_to_each(message.ranks, message.frame)
+                self._hand_to_each(message.ranks, message.frame)
             elif isinstance(message, ForRank):  # (its data file is on this node)
                 if isinstance(self._down, HeadDown):
                     self._down.hand_on(message)
@@ -270,6 +265,14 @@ class NodeRelay:
         except Exception as exc:  # noqa: BLE001 - said, and the relay goes on
             print(f"nbddp: this node's relay could not hand on a {type(message).__name__} "
                   f"({exc})", file=sys.stderr)
+
+    def _hand_to_each(self, ranks: tuple[int, ...], frame: bytes) -> None:
+        """``frame`` to each of ``ranks``; if it is a Start or a roll call, their ends (or
+        answers) are awaited from now on, as they are heard (``_gather``)."""
+        self._answers.expect(ranks, frame)  # (before a rank can answer)
+        missed = self._down.send_frame_to_each(ranks, frame)
+        if missed:
+            self._answers.unreached(missed)
 
     def _next_kernel(self) -> bool:
         """The kernel went: close the ranks' links (they stop their run and wait for a
@@ -293,6 +296,7 @@ class NodeRelay:
                 return False
             try:
                 self._down = self._ranks(self._said_to(self._kernel))
+                self._answers = GroupAnswers()  # (the last kernel's run is nobody's now)
             except OSError as exc:
                 print(f"nbddp: this node's relay cannot listen for its ranks again ({exc});"
                       " they reach no kernel", file=sys.stderr)
@@ -413,16 +417,18 @@ def _place_in_tree(connect: Callable[[], ChannelClient], key: bytes, inbox: Inbo
     return head, False
 
 
-def _more_wait(began: float, only_metrics: bool, merged: bool, awaited: bool) -> float:
-    """How much longer a batch begun at ``began`` waits for the next message."""
+def _more_wait(began: float, only_metrics: bool, merged: bool, answers: GroupAnswers,
+               heads: bool) -> float:
+    """How much longer a batch begun at ``began`` waits for the next message: none once
+    every rank handed the last Start (or roll call) has said its end."""
     now = time.monotonic()
     if only_metrics:
         return began + _METRICS_WAIT - now
-    if not merged:
+    if not merged or answers.answered():
         return 0.0
-    if awaited:
+    if answers.awaited():
         return began + WHOLE_WAIT - now
-    return min(_GROUP_GAP, began + _GROUP_WAIT - now)
+    return min(_GROUP_GAP, began + _GROUP_WAIT - now) if heads else 0.0
 
 
 def compact(batch: list[Any]) -> list[Any]:
