@@ -208,10 +208,10 @@ def run(opts: argparse.Namespace) -> None:
             filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
         ways = [("kernel", in_a_kernel), ("python", one_shape)]
         if opts.without_relay:  # (in this process only: the kernel's would not see it)
-            import nbddp._local.launcher
+            import nbddp._local.cores
             import nbddp._run.config
 
-            nbddp._local.launcher.RELAY_FROM = nbddp._run.config.RELAY_FROM_PER_NODE = 10**9
+            nbddp._local.cores.RELAY_FROM = nbddp._run.config.RELAY_FROM_PER_NODE = 10**9
             ways = ways[1:]
         for where, measure_one in ways:
             print(f"{where}:")

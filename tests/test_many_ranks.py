@@ -14,8 +14,8 @@ import time
 import pytest
 
 import nbddp
-from nbddp._local import launcher
-from nbddp._local.launcher import RELAY_FROM
+from nbddp._local import cores
+from nbddp._local.cores import RELAY_FROM
 
 from .conftest import descendants, wait_until
 
@@ -32,7 +32,7 @@ def relay_socket() -> str | None:
 def cores_to_spare():
     """The machine's CPU affinity as on one with a core for the relay beside every rank."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(launcher, "usable_cores", lambda: 64)
+        patch.setattr(cores, "usable_cores", lambda: 64)
         yield
 
 
@@ -181,7 +181,7 @@ def test_a_launch_of_32_ranks_runs_through_the_relay(monkeypatch):
 
 def test_ranks_that_fill_the_machine_s_cores_speak_to_the_kernel_without_a_relay(monkeypatch):
     """There the relay would take CPU from the ranks: every cell would be slower."""
-    monkeypatch.setattr(launcher, "usable_cores", lambda: RANKS)
+    monkeypatch.setattr(cores, "usable_cores", lambda: RANKS)
     monkeypatch.setenv("NBDDP_DISPLAY", "text")
     s = nbddp.Session(nprocs=RANKS, output="none")
     try:

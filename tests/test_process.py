@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from nbddp._errors import NbddpError
-from nbddp._local import launcher as local_launcher
+from nbddp._local import cores
 from nbddp._local.cores import cpu_quota, usable_cores
 from nbddp._local.launcher import LocalLauncher, ProcessWatch
 from nbddp._run.shape import GroupShape
@@ -171,12 +171,12 @@ def test_a_torchrun_ended_by_the_ctrl_c_that_reached_it_as_it_started_is_the_int
 
 
 def test_a_relay_serves_many_ranks_where_the_machine_has_a_core_for_it(monkeypatch):
-    uses_relay, fewest = local_launcher.uses_relay, local_launcher.RELAY_FROM
-    monkeypatch.setattr(local_launcher, "usable_cores", lambda: 64)
+    uses_relay, fewest = cores.uses_relay, cores.RELAY_FROM
+    monkeypatch.setattr(cores, "usable_cores", lambda: 64)
     assert not uses_relay(fewest - 1)  # (few ranks: the hop costs more than it saves)
     assert uses_relay(fewest)
     assert uses_relay(63) and not uses_relay(64)  # (a core for it beside every rank)
-    monkeypatch.setattr(local_launcher, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cores, "usable_cores", lambda: 2)
     assert not uses_relay(fewest)  # (it would take CPU from the ranks)
 
 
@@ -187,10 +187,10 @@ CPU = GroupShape(sys.executable, 4, "", 0, "gloo", True, {}, "/")
 def test_cpu_ranks_are_batch_work_gpu_ranks_and_a_kernel_s_own_policy_are_kept(monkeypatch):
     gpu = GroupShape(sys.executable, 2, "0,1", 2, "nccl", True, {}, "/")
     monkeypatch.setattr(os, "sched_getscheduler", lambda pid: os.SCHED_OTHER)
-    assert local_launcher.runs_as_batch(CPU) and not local_launcher.runs_as_batch(gpu)
+    assert cores.runs_as_batch(CPU) and not cores.runs_as_batch(gpu)
     for chosen in (os.SCHED_IDLE, os.SCHED_FIFO):  # the user's chrt: passed on as it is
         monkeypatch.setattr(os, "sched_getscheduler", lambda pid, chosen=chosen: chosen)
-        assert not local_launcher.runs_as_batch(CPU)
+        assert not cores.runs_as_batch(CPU)
 
 
 def test_making_a_process_batch_work_never_raises(monkeypatch):
@@ -198,10 +198,10 @@ def test_making_a_process_batch_work_never_raises(monkeypatch):
     policy: the group starts as it would have, under the default."""
     child = subprocess.Popen(["true"])
     child.wait()
-    local_launcher.schedule_as_batch(child.pid)
+    cores.schedule_as_batch(child.pid)
     ours = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
     monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
-    local_launcher.schedule_as_batch(os.getpid())
+    cores.schedule_as_batch(os.getpid())
     assert ours is None or os.sched_getscheduler(0) == ours
 
 
