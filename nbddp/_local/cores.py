@@ -16,8 +16,10 @@ import contextlib
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .._run.shape import GroupShape
+if TYPE_CHECKING:  # (a type only: this module reads the machine, nothing of nbddp's)
+    from .._run.shape import GroupShape
 
 CGROUP = Path("/sys/fs/cgroup")
 
@@ -61,7 +63,7 @@ on a machine with a core to spare for it (``uses_relay``)."""
 def uses_relay(nprocs: int) -> bool:
     """Whether a group of ``nprocs`` ranks on this machine talks to the kernel through a
     relay: from ``RELAY_FROM`` ranks, where this process may use more cores than there
-    are ranks (``_local.cores``). The relay takes the kernel's work per rank and cell (a
+    are ranks (``usable_cores``). The relay takes the kernel's work per rank and cell (a
     Start sent, a report read) into a process of its own, which pays where that process
     has a core; where the ranks fill every core it takes CPU from them, and every cell
     is slower (2 cores: a no-op cell of 16 ranks 2.6-2.9 ms without, 2.9-3.4 ms with; of
