@@ -14,6 +14,7 @@ from ._backends import Ray, Slurm, attach_run, run_backend
 from ._run.config import DEFAULT_STALL_AFTER, RunOptions
 from ._run.job import Job
 from ._wire.payload import Payload
+from ._wire.shipped_code import RanksCode
 
 R = TypeVar("R")
 
@@ -139,7 +140,8 @@ def launch(
                          all_ranks=all_ranks, env=env, output=output,
                          max_restarts=max_restarts, stall_after=stall_after, pdb=pdb)
     ranks = run_backend(options, slurm, ray)  # (``backend`` is the process group's)
-    payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(ranks.kernels_copies())
+    payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(
+        ranks.kernels_copies(), code=RanksCode() if ranks.ships_code else None)
     job: Job[R] = Job.started_held(lambda: ranks.start_run(payload))
     return _follow(job, wait)
 

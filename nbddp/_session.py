@@ -200,7 +200,9 @@ class Session:
         """``payload`` pickled for ``group``'s ranks: the notebook functions they hold
         by number, unless the run is on some ranks only (which alone would take it)."""
         functions = group.functions if config.ranks is None else None
-        return payload.dumps(self._where.kernels_copies(), functions)
+        code = group.code if self._where.ships_code else None
+        return payload.dumps(self._where.kernels_copies(), functions, code,
+                             look_at_files=config.autoreload)
 
     def _start(self, config: RunConfig, payload: Payload, packed: Packed,
                stdout: TextIO | None, caller_waits: bool) -> Job:
@@ -211,7 +213,8 @@ class Session:
             try:
                 records, warm, packed = self._hand_over(config, payload, packed)
                 run = OnSession(self._group)
-                teaching = Teaching(packed.functions, packed.teaches)
+                teaching = Teaching(packed.functions, packed.teaches,
+                                    packed.code if config.ranks is None else None)
                 job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
                                sent=packed.buffer_bytes, staying=run,
                                after=lambda job: self._after_run(job, run, teaching),
@@ -257,7 +260,8 @@ class Session:
         """Give the session's ranks the run; the payload they took (pickled again if it
         named functions other ranks held: the ranks were replaced since)."""
         group = self._group
-        if packed.functions is not None and packed.functions is not group.functions:
+        if (packed.functions is not None and packed.functions is not group.functions) or (
+                packed.code is not None and packed.code.ranks is not group.code):
             packed = self._packed(payload, config, group)
         handover, left_out = group.shape.take_up(GroupShape.of(config))
         self._held.warn_left_out(left_out)

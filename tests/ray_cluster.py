@@ -55,16 +55,21 @@ class RayCluster:
         """Each node's processes (its raylet and Ray's agents beside it)."""
         self.env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
 
-    def start(self, nodes: int = 2) -> RayCluster:
+    def start(self, nodes: int = 2, hidden: Path | None = None) -> RayCluster:
+        """The head, and ``nodes - 1`` workers; ``hidden``: a folder the workers cannot
+        see (as a pod does not see the notebook's folder)."""
         self._start_node(["--head", f"--port={self.port}", "--include-dashboard=false"])
         for _ in range(nodes - 1):
-            self.add_node()
+            self.add_node(hidden)
         return self
 
-    def add_node(self) -> None:
-        self._start_node([f"--address={self.address}"])
+    def add_node(self, hidden: Path | None = None) -> None:
+        """A worker node; ``hidden``: a folder it (and every process it starts) sees as
+        empty: ``ray start`` runs in a mount namespace of its own (``unshare -m``, as
+        root) with a tmpfs over that folder, which its raylet and workers inherit."""
+        self._start_node([f"--address={self.address}"], hidden)
 
-    def _start_node(self, where: list[str]) -> None:
+    def _start_node(self, where: list[str], hidden: Path | None = None) -> None:
         """Start a node; once more if Ray gave up on it (a node's start waits a fixed
         time for its GCS, which a machine busy with the other lane can exceed). What a
         failed start left running is stopped at once: unknown to ``stop``, it would
@@ -75,8 +80,8 @@ class RayCluster:
             before = descendants()
             try:
                 done = subprocess.run(
-                    [RAY, "start", *where, "--num-cpus=1", "--disable-usage-stats",
-                     f"--temp-dir={self.temp_dir}",
+                    [*_hiding(hidden), RAY, "start", *where, "--num-cpus=1",
+                     "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
                      f"--resources={json.dumps({f'node{index}': 1})}"],
                     env=self.env, capture_output=True, text=True, timeout=120)
                 said = f"{done.stdout}\n{done.stderr}"
@@ -146,6 +151,23 @@ for key, group in ray.util.placement_group_table().items():
         """Every process of the cluster, by PID (and whatever they started since)."""
         _stop_processes(set().union(*self.nodes) if self.nodes else set())
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def hiding_unavailable() -> str | None:
+    """Why a node cannot be started with a folder hidden from it here, or None."""
+    if os.geteuid() != 0:
+        return "hiding a folder from a Ray node needs root (unshare -m, mount)"
+    if shutil.which("unshare") is None:
+        return "unshare (util-linux) is not installed"
+    return None
+
+
+def _hiding(folder: Path | None) -> list[str]:
+    """The command prefix that runs a command with ``folder`` hidden (empty)."""
+    if folder is None:
+        return []
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+            'mount -t tmpfs -o mode=0755 nbddp-hidden "$0" && exec "$@"', str(folder)]
 
 
 def _stop_processes(started: set[int]) -> None:

@@ -15,15 +15,13 @@ its file changes again). Modules written since the last run (a new file, or a ce
 
 from __future__ import annotations
 
-import functools
 import importlib
 import os
 import sys
-import sysconfig
 from types import ModuleType
 from typing import Any
 
-_NBDDP = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+from .._wire.users_code import installed_places, is_users_file
 
 
 class ReloadFailed(ImportError):
@@ -106,7 +104,7 @@ def _listed(cache: dict[str, Any]) -> tuple[int, str | None]:
 
 
 def _finders_of_users_folders() -> list[tuple[str, Any]]:
-    installed = _installed_places()
+    installed = installed_places()
     return [(path, finder) for path, finder in list(sys.path_importer_cache.items())
             if getattr(finder, "invalidate_caches", None) is not None
             and not path.startswith(installed)]
@@ -115,21 +113,10 @@ def _finders_of_users_folders() -> list[tuple[str, Any]]:
 def _users_file(module: ModuleType | None) -> str | None:
     """The module's source file, if it is the user's (not nbddp's, not installed)."""
     path = getattr(module, "__file__", None)
-    if not isinstance(path, str) or not path.endswith(".py"):
+    if not isinstance(path, str):
         return None
     path = os.path.abspath(path)
-    return None if path.startswith((*_installed_places(), _NBDDP)) else path
-
-
-@functools.cache
-def _installed_places() -> tuple[str, ...]:
-    """Where the standard library and installed packages live (folders, each ending in
-    the separator)."""
-    places = {os.path.abspath(p) + os.sep for key, p in sysconfig.get_paths().items()
-              if key in ("stdlib", "platstdlib", "purelib", "platlib")}
-    places |= {os.path.abspath(p) + os.sep for p in sys.path
-               if p.endswith(("site-packages", "dist-packages"))}
-    return tuple(sorted(places))
+    return path if is_users_file(path) else None
 
 
 def _mtime(path: str) -> float | None:

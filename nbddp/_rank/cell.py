@@ -76,6 +76,13 @@ class Cell:
         for name, value in self.namespace.items():
             yield f"notebook name {name!r}", value
 
+    def __nbddp_imports__(self) -> set[str]:
+        """The top-level modules the cell's ``import`` lines name: of the user's own,
+        those ship with it to nodes that cannot see them (``_wire.shipped_code``)."""
+        from .._wire.users_code import imported_names  # the kernel's work, not a rank's
+
+        return imported_names(self.source)
+
     def __call__(self) -> CellResult:
         return self.run_in(Scope())
 

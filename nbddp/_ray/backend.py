@@ -33,6 +33,7 @@ class RayBackend(Backend):
     """Runs and sessions on a Ray cluster with ``options``, ``per_node`` ranks a node."""
 
     start_timeout = START_TIMEOUT
+    ships_code = True
 
     def __init__(self, config: RunConfig, options: Ray, per_node: int) -> None:
         super().__init__(config)

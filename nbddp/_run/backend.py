@@ -13,7 +13,9 @@ the others that subclasses ``Backend``, plus one line where the front door choos
   what the user is told once they do, and why they did not;
 - ``place``, ``hosts``: where the ranks run, as a session's status says it;
 - ``kernels_copies``: whether the ranks map this machine's memory (tensors are then kept
-  as copies the ranks map, see ``_wire.kept_storages``), ``session_records``: how a
+  as copies the ranks map, see ``_wire.kept_storages``), ``ships_code``: whether the
+  ranks' nodes may not see the notebook's files (the user's own modules then go with
+  each payload that needs them, see ``_wire.shipped_code``), ``session_records``: how a
   session's cells are recorded.
 
 Attaching to a session whose kernel went is a backend's own function (its ranks and its
@@ -42,6 +44,9 @@ class Backend(ABC):
 
     start_timeout: float = 300.0
     """Seconds a session's ranks may take to start, once placed (a queue's wait aside)."""
+    ships_code: bool = False
+    """The ranks run on nodes that may not see the notebook's files: the user's own
+    modules go with the payloads (``_wire.shipped_code``)."""
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

@@ -45,6 +45,7 @@ from .._wire.messages import (
     run_ended_for,
 )
 from .._wire.rundir import RunDir
+from .._wire.shipped_code import RanksCode
 from .group import Launcher, LauncherExited, RankGroup, RanksGone
 from .records import Records
 from .shape import GroupShape, Handover
@@ -93,6 +94,9 @@ class WaitingGroup(RankGroup):
         self.functions = RanksFunctions()
         """The notebook functions these ranks hold (a session's next payloads name them
         by number: ``_wire.held_functions``)."""
+        self.code = RanksCode()
+        """The user's module files these ranks hold, where their nodes may not see the
+        notebook's (``_wire.shipped_code``)."""
         self._stopped = False
         self._reports_due: set[int] | None = None  # ranks yet to report (see ``_holds``)
         self._held: list[Any] = []  # Results held back, to go on the events together

@@ -40,6 +40,7 @@ class SlurmBackend(Backend):
     ranks outlive the kernel."""
 
     start_timeout = START_TIMEOUT
+    ships_code = True
 
     def __init__(self, config: RunConfig, options: SlurmOptions,
                  grace: float | None = None) -> None:

@@ -34,11 +34,14 @@ from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import cloudpickle
 
 from . import code_files, held_functions
+
+if TYPE_CHECKING:
+    from .shipped_code import CodeSent
 
 OUT_OF_BAND_MIN = 64 * 1024
 """Buffers smaller than this stay in the pickle (a file is not worth it)."""
@@ -70,6 +73,10 @@ class Packed:
     """The ranks' held functions this pickle names by number (``held_functions``)."""
     teaches: frozenset[int] = frozenset()
     """The numbers of the functions this pickle teaches those ranks, whole."""
+    code_names: frozenset[str] = frozenset()
+    """The names the code the pickle carries by value uses (its imports among them)."""
+    code: CodeSent | None = None
+    """The user's module files this payload carries, for which ranks (``shipped_code``)."""
 
     @property
     def buffer_bytes(self) -> int:
@@ -122,7 +129,8 @@ def _pickled(value: Any, to_cpu: bool, out_of_band: bool, kept: Kept | None,
     pickler = _Pickler(stream, to_cpu, keep, kept, functions)
     pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
-                  frozenset(pickler.code_files), functions, frozenset(pickler.teaches))
+                  frozenset(pickler.code_files), functions, frozenset(pickler.teaches),
+                  frozenset(pickler.code_names))
 
 
 def plain(value: Any) -> bool:
@@ -402,6 +410,7 @@ class _Pickler(cloudpickle.Pickler):
         self.storages: dict[tuple[Any, ...], Any] = {}
         """Each storage pickled: its ``_StorageBox``, or its kept copy."""
         self.code_files: set[str] = set()
+        self.code_names: set[str] = set()
         self.teaches: set[int] = set()
         """The numbers of the functions this pickle sends whole, teaching the ranks."""
 
@@ -413,6 +422,7 @@ class _Pickler(cloudpickle.Pickler):
                 return self._function(obj, self._functions)
         if type(obj) is types.CodeType:
             self.code_files.add(obj.co_filename)
+            self.code_names.update(obj.co_names)
             return code_files.reduce_code(obj)
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor):

@@ -24,9 +24,12 @@ import sys
 import types
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from cloudpickle import cloudpickle as _cloudpickle
+
+if TYPE_CHECKING:
+    from .shipped_code import CodeSent
 
 # (Private to cloudpickle, in every version this package allows, 2.2 to 3.1.) A held
 # function's call sends the values of the globals its code reads, as cloudpickle's would.
@@ -116,16 +119,20 @@ class RanksFunctions:
 
 class Teaching(NamedTuple):
     """What one payload teaches which ranks, kept until its run's end (not the payload,
-    whose data the run's ``Job`` would keep alive)."""
+    whose data the run's ``Job`` would keep alive): functions, and the user's module
+    files (``shipped_code``)."""
 
     functions: RanksFunctions | None
     numbers: frozenset[int]
+    code: CodeSent | None = None
 
     def confirm(self) -> None:
         """Every rank returned from the run, so each took the payload whole: what it
         taught is held."""
         if self.functions is not None:
             self.functions.taught(self.numbers)
+        if self.code is not None:
+            self.code.confirm()
 
 
 # --- pickling (in the kernel) ---------------------------------------------------------

@@ -24,6 +24,7 @@ from .._errors import PayloadError
 from . import held_calls
 from .dataplane import Kept, Packed, pack
 from .held_functions import RanksFunctions
+from .shipped_code import CodeSent, RanksCode, install
 
 #: A payload whose pickle (tensor and array bytes aside, which travel out of band) is
 #: larger than this still ships, with a warning naming what made it large.
@@ -61,15 +62,18 @@ class Payload:
         return cls(fn, tuple(args), dict(kwargs), _import_path())
 
     def dumps(self, kept: Kept | None = None,
-              functions: RanksFunctions | None = None) -> Packed:
+              functions: RanksFunctions | None = None,
+              code: RanksCode | None = None, look_at_files: bool = False) -> Packed:
         """Pickle for the ranks, tensor and array bytes out of band (large tensors by
         their ``kept`` copies, where given: for ranks on this machine; notebook functions
         the ranks hold by number, where their ``functions`` are given: a session's every
         rank); name the culprit if it fails, warn if the pickle itself (the pure-Python
-        part) is huge.
+        part) is huge. With ``code`` (ranks on nodes that may not see the notebook's
+        files), the user's own modules those ranks lack go along (``_wire.shipped_code``;
+        ``look_at_files``: edited ones too).
 
-        The user's objects are pickled apart from the import path, so a rank can put
-        the kernel's path in place before it unpickles them.
+        The user's objects are pickled apart from the import path and the user's
+        modules, so a rank can put both in place before it unpickles them.
         """
         try:
             body = pack((self.fn, self.args, self.kwargs), kept=kept, functions=functions)
@@ -79,14 +83,29 @@ class Payload:
             warnings.warn(_large_payload_message(self, len(body.data)), LargePayloadWarning,
                           stacklevel=3)
         sources = _cell_sources(body.code_files)
-        return Packed(pickle.dumps((body.data, self.sys_path, sources)), body.buffers,
-                      body.owners, functions=functions, teaches=body.teaches)
+        shipped = None if code is None else code.changes(
+            self._imported_names(body.code_names), look_at_files)
+        return Packed(pickle.dumps((body.data, self.sys_path, sources, shipped)),
+                      body.buffers, body.owners, functions=functions, teaches=body.teaches,
+                      code=None if code is None else CodeSent(code, shipped))
+
+    def _imported_names(self, code_names: frozenset[str]) -> set[str]:
+        """The top-level names the code sent by value may import: its code's names, and
+        a cell's ``import`` lines (a cell travels as its source)."""
+        names = {name.partition(".")[0] for name in code_names}
+        imports = getattr(self.fn, "__nbddp_imports__", None)
+        if imports is not None:
+            names |= imports()
+        return names
 
     @classmethod
     def unpack(cls, packed: Packed) -> Payload:
-        """Install the kernel's import path and cell sources here, then unpickle the rest."""
-        body, sys_path, sources = pickle.loads(packed.data)
+        """Install the kernel's import path, the user's modules it shipped, and cell
+        sources here, then unpickle the rest."""
+        body, sys_path, sources, shipped = pickle.loads(packed.data)
         sys.path.extend(p for p in sys_path if p not in sys.path)
+        if shipped is not None:
+            install(shipped)
         for filename, lines in sources.items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         fn, args, kwargs = Packed(body, packed.buffers).load()

@@ -1,0 +1,126 @@
+"""The notebook's own modules on a Ray node that cannot see the notebook's folder.
+
+As on a rented cluster, where a pod has the image and not the notebook's files, the
+second node of this two-node Ray cluster runs in a mount namespace of its own with an
+empty tmpfs over the notebook's folder (``RayCluster.start(hidden=...)``). A kernel whose
+working directory is that folder imports a module (``helpers``, which imports
+``utils``) and a package with a data file (``mypkg``) from it: a session's cells and a
+launch find them on both nodes, and an edit reaches both with autoreload on. The first
+test checks that one node really cannot see the folder, so none can pass vacuously.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from .kernel_driver import Kernel
+from .ray_cluster import RayCluster, hiding_unavailable, unavailable
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+EVERY_RANK = ("import torch.distributed as dist\n"
+              "_seen = [None] * dist.get_world_size()\n"
+              "dist.all_gather_object(_seen, {value})\n"
+              "_seen")
+
+
+@pytest.fixture(scope="module")
+def notebook_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("notebook")
+    (folder / "utils.py").write_text("BASE = 41\n")
+    (folder / "helpers.py").write_text("import utils\n\nVALUE = utils.BASE + 1\n")
+    package = folder / "mypkg"
+    (package / "data").mkdir(parents=True)
+    (package / "__init__.py").write_text("from . import model\n")
+    (package / "model.py").write_text("class Net:\n    layers = 3\n")
+    (package / "data" / "config.json").write_text(json.dumps({"width": 64}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(notebook_folder):
+    reason = unavailable() or hiding_unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster = RayCluster()
+    try:
+        yield cluster.start(nodes=2, hidden=notebook_folder)
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def kernel(ray_cluster, notebook_folder):
+    kernel = Kernel(notebook_folder)
+    try:
+        kernel.run(f"import os\nos.environ['RAY_ADDRESS'] = {ray_cluster.address!r}\n"
+                   "import nbddp\n%load_ext nbddp").assert_ok()
+        kernel.run("%ddp_session start --ray --nodes 2 --nprocs 1 --cpus-per-node 0.5",
+                   timeout=180).assert_ok()
+        yield kernel
+        kernel.run("%ddp_session stop").assert_ok()
+    finally:
+        kernel.shutdown()
+    assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+
+
+def every_rank(kernel: Kernel, value: str, before: str = "") -> list:
+    """``value`` as each rank of the session sees it, in rank order."""
+    run = kernel.run("%%ddp\n" + before + EVERY_RANK.format(value=value), timeout=120)
+    run.assert_ok()
+    return eval(run.result())  # noqa: S307 - a list of plain values the test made
+
+
+def test_one_node_cannot_see_the_notebooks_folder(kernel, notebook_folder):
+    seen = every_rank(kernel, f"os.path.exists({str(notebook_folder / 'helpers.py')!r})",
+                      before="import os\n")
+    assert sorted(seen) == [False, True], seen
+
+
+def test_a_cell_imports_the_notebooks_module_and_package_on_both_nodes(kernel):
+    assert kernel.run("import sys\n'helpers' in sys.modules").assert_ok().result() == "False"
+    seen = every_rank(kernel, "(helpers.VALUE, Net.layers, json.loads("
+                              "resources.files('mypkg').joinpath('data/config.json')"
+                              ".read_text())['width'])",
+                      before="import json\nfrom importlib import resources\n"
+                             "import helpers\nfrom mypkg.model import Net\n")
+    assert seen == [(42, 3, 64), (42, 3, 64)]
+
+
+def test_an_edit_reaches_both_nodes_with_autoreload(kernel, notebook_folder):
+    kernel.run("%ddp_session autoreload on").assert_ok()
+    try:
+        assert every_rank(kernel, "helpers.VALUE") == [42, 42]
+        (notebook_folder / "helpers.py").write_text(textwrap.dedent("""\
+            import utils
+
+            VALUE = utils.BASE + 2
+
+            def twice():
+                return 2 * VALUE
+            """))
+        seen = every_rank(kernel, "(helpers.VALUE, helpers.twice())")
+        assert seen == [(43, 86), (43, 86)]
+        (notebook_folder / "utils.py").write_text("BASE = 99\n")
+        assert every_rank(kernel, "utils.BASE", before="import utils\n") == [99, 99]
+    finally:
+        kernel.run("%ddp_session autoreload off").assert_ok()
+
+
+def test_a_launch_calls_the_notebooks_module_on_both_nodes(kernel):
+    run = kernel.run(textwrap.dedent("""\
+        import helpers
+        from mypkg.model import Net
+
+        def uses_them():
+            import torch.distributed as dist
+            return dist.get_rank(), helpers.VALUE, Net.layers
+
+        nbddp.launch(uses_them, nprocs=1, ray=nbddp.Ray(nodes=2, cpus_per_node=0.5),
+                     all_ranks=True)
+        """), timeout=240)
+    run.assert_ok()
+    assert eval(run.result()) == [(0, 101, 3), (1, 101, 3)]  # noqa: S307
