@@ -63,13 +63,15 @@ class RayCluster:
             self.add_node(hidden)
         return self
 
-    def add_node(self, hidden: Path | None = None) -> None:
+    def add_node(self, hidden: Path | None = None, env: dict[str, str] | None = None) -> None:
         """A worker node; ``hidden``: a folder it (and every process it starts) sees as
         empty: ``ray start`` runs in a mount namespace of its own (``unshare -m``, as
-        root) with a tmpfs over that folder, which its raylet and workers inherit."""
-        self._start_node([f"--address={self.address}"], hidden)
+        root) with a tmpfs over that folder, which its raylet and workers inherit;
+        ``env``: what its processes' environment adds."""
+        self._start_node([f"--address={self.address}"], hidden, env)
 
-    def _start_node(self, where: list[str], hidden: Path | None = None) -> None:
+    def _start_node(self, where: list[str], hidden: Path | None = None,
+                    env: dict[str, str] | None = None) -> None:
         """Start a node; once more if Ray gave up on it (a node's start waits a fixed
         time for its GCS, which a machine busy with the other lane can exceed). What a
         failed start left running is stopped at once: unknown to ``stop``, it would
@@ -83,7 +85,8 @@ class RayCluster:
                     [*_hiding(hidden), RAY, "start", *where, "--num-cpus=1",
                      "--disable-usage-stats", f"--temp-dir={self.temp_dir}",
                      f"--resources={json.dumps({f'node{index}': 1})}"],
-                    env=self.env, capture_output=True, text=True, timeout=120)
+                    env={**self.env, **(env or {})}, capture_output=True, text=True,
+                    timeout=120)
                 said = f"{done.stdout}\n{done.stderr}"
             except subprocess.TimeoutExpired as timed_out:
                 done, said = None, f"no answer in {timed_out.timeout} s"
@@ -104,6 +107,12 @@ class RayCluster:
         """Node ``index`` goes, as a machine that is lost: its raylet killed."""
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.raylet(index), signal.SIGKILL)
+
+    def stop_node(self, index: int) -> None:
+        """Node ``index`` goes with every process it started, by PID (a node a test
+        added for itself)."""
+        _stop_processes(self.nodes[index])
+        self.nodes[index] = set()
 
     def state(self) -> dict:
         """What the cluster holds of nbddp: live actors of the nbddp namespace, placement

@@ -7,12 +7,16 @@ working directory is that folder imports a module (``helpers``, which imports
 ``utils``) and a package with a data file (``mypkg``) from it: a session's cells and a
 launch find them on both nodes, and an edit reaches both with autoreload on. The first
 test checks that one node really cannot see the folder, so none can pass vacuously.
+Last, a third node whose torch reports another version (a package's metadata put first
+on its import path: the check is nbddp's own), and one that cannot import nbddp (its
+source folder hidden), are named before any cell runs.
 """
 
 from __future__ import annotations
 
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -124,3 +128,53 @@ def test_a_launch_calls_the_notebooks_module_on_both_nodes(kernel):
         """), timeout=240)
     run.assert_ok()
     assert eval(run.result()) == [(0, 101, 3), (1, 101, 3)]  # noqa: S307
+
+
+def test_a_node_with_another_torch_is_named_before_any_cell_runs(
+        ray_cluster, kernel, tmp_path_factory):
+    fake = tmp_path_factory.mktemp("other-torch")
+    (fake / "torch-1.0.0.dist-info").mkdir()
+    (fake / "torch-1.0.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: torch\nVersion: 1.0.0\n")
+    ray_cluster.add_node(env={"PYTHONPATH": str(fake)})
+    try:
+        run = kernel.run(textwrap.dedent("""\
+            three = nbddp.Ray(nodes=3, cpus_per_node=0.5)
+            try:
+                nbddp.Session(nprocs=1, ray=three)
+            except nbddp.NbddpError as exc:
+                print("refused:", exc)
+            try:
+                nbddp.launch(print, nprocs=1, ray=three)
+            except nbddp.WorkerError as exc:
+                print("launch refused:", exc)
+            """), timeout=300)
+    finally:
+        ray_cluster.stop_node(len(ray_cluster.nodes) - 1)
+    run.assert_ok()
+    said = run.stream_text()
+    assert "refused: the session's ranks cannot run here: node " in said, said
+    assert "runs torch 1.0.0 (the notebook's kernel has 2." in said, said
+    assert "one image" in said
+    assert "launch refused: rank " in said and "VersionMismatch: node " in said, said
+    assert kernel.run("%%ddp\n'cells still run'").assert_ok().result() == "'cells still run'"
+
+
+def test_a_node_without_nbddp_is_named_before_any_cell_runs(ray_cluster, kernel):
+    import nbddp
+
+    ray_cluster.add_node(hidden=Path(nbddp.__file__).parent)
+    try:
+        run = kernel.run(textwrap.dedent("""\
+            try:
+                nbddp.Session(nprocs=1, ray=nbddp.Ray(nodes=3, cpus_per_node=0.5))
+            except nbddp.NbddpError as exc:
+                print("refused:", exc)
+            """), timeout=300)
+    finally:
+        ray_cluster.stop_node(len(ray_cluster.nodes) - 1)
+    run.assert_ok()
+    said = run.stream_text()
+    assert "refused: the session's ranks cannot run here: nbddp cannot be imported on " \
+           "Ray node " in said, said
+    assert "No module named 'nbddp'" in said and "one image" in said

@@ -38,6 +38,7 @@ from pathlib import Path
 from .._wire.messages import Assigned, Hello, Ready, Requeueing, Result, StopRequested
 from .._wire.rundir import NODE_NAME_ENV, RunDir
 from .._wire.stacks import answer_stacks
+from .._wire.versions import own_versions
 from .attachable import AttachableLink
 from .debugger import install as install_pdb
 from .link import KernelLink
@@ -88,12 +89,14 @@ def _die_with_launcher() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def hello(rank: int) -> Hello:
+def hello(rank: int, remote: bool = False) -> Hello:
     """What this rank says first: who it is, and where it runs (the node's name as its
-    Ray agent or SLURM gives it: the test clusters' virtual nodes share one host)."""
+    Ray agent or SLURM gives it: the test clusters' virtual nodes share one host); on
+    another machine than the kernel's (``remote``), its versions too."""
     node = (os.environ.get(NODE_NAME_ENV) or os.environ.get("SLURMD_NODENAME")
             or socket.gethostname())
-    return Hello(rank, os.getpid(), node, int(os.environ.get("LOCAL_RANK", "0")))
+    return Hello(rank, os.getpid(), node, int(os.environ.get("LOCAL_RANK", "0")),
+                 own_versions() if remote else ())
 
 
 def _exit(code: int) -> None:
@@ -117,7 +120,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None,
     me = Rank(rank, run_dir.path, run_dir.rank_log(rank), prepared,
               relay.move if relay is not None else _output_mover(run_dir), link.in_run)
     if isinstance(link, AttachableLink):  # what a kernel that attaches is told (the
-        link.greeting = lambda: [hello(rank), *(  # names before Ready, which
+        link.greeting = lambda: [hello(rank, True), *(  # names before Ready, which
             [Assigned(rank, tuple(sorted(me.scope.assigned)))] if rank == 0 else []),
             Ready(rank)]  # is what it waits for)
     while (start := link.wait_start()) is not None:  # (it marks the rank busy)
@@ -158,9 +161,9 @@ def main(argv: list[str]) -> None:
     answer_stacks(run_dir.stacks_file(rank))
     _die_with_launcher()
     link = _link(run_dir, rank, args)
-    link.send(hello(rank))
+    link.send(hello(rank, remote=args.remote or args.mailbox))
     if isinstance(link, AttachableLink):
-        link.greeting = lambda: [hello(rank)]
+        link.greeting = lambda: [hello(rank, True)]
     watch_for_stop(lambda: link.send(StopRequested(rank)))  # a SLURM job's time limit
     install_pdb(rank, link.ask, link.send)  # breakpoint() asks the notebook
     relay = OutputRelay(rank, run_dir.rank_log(rank), link.send) if args.relay_output \

@@ -16,12 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 from .._errors import NbddpError
+from .._version import __version__
+from .._wire.versions import EVERY_NODE_NEEDS
 from .agent import NodeAgent
 from .cluster import NAMESPACE
 from .options import Ray
@@ -126,8 +129,34 @@ class RayPlacement:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=index),
             ).remote(index, self.options.outlives_kernel))
-        self.nodes = self._where()
+        try:
+            self.nodes = self._where()
+        except Exception as exc:
+            missing = self._nbddp_missing(exc)
+            if missing is not None:
+                raise NodeRefused(missing) from None
+            raise
         return self.nodes
+
+    def _nbddp_missing(self, error: BaseException) -> str | None:
+        """What to tell the user if an agent failed as nbddp cannot be imported on its
+        node (which is named: the node its bundle was placed on)."""
+        said = str(error)
+        if "No module named 'nbddp" not in said:
+            return None
+        agent = re.search(r"-agent-(\d+)", said)
+        name = "a node"
+        with contextlib.suppress(Exception):
+            from ray.util.placement_group import placement_group_table
+
+            nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
+            node_id: str = nodes[int(agent.group(1))] if agent else ""
+            hosts = {n["NodeID"]: n.get("NodeManagerHostname", "") for n in self.ray.nodes()}
+            if node_id in hosts:
+                name = f"Ray node {hosts[node_id]}:{node_id[:8]}"
+        return (f"nbddp cannot be imported on {name} (ModuleNotFoundError: No module named "
+                f"'nbddp'): {EVERY_NODE_NEEDS} (nbddp {__version__} here). Install it in "
+                "the nodes' image: one image for the kernel and every node")
 
     def _where(self) -> list[NodeInfo]:
         answers = self.ray.get([agent.where.remote() for agent in self.agents],
@@ -227,6 +256,10 @@ class RayPlacement:
         logger.info("nbddp: the agent of Ray node %s is gone: %s", name, error)
         return (f"the nbddp agent of Ray node {name} died (killed with ray.kill, or its "
                 "process ended)")
+
+
+class NodeRefused(RuntimeError):
+    """A node of the placement cannot run nbddp's agent: what to do is the message."""
 
 
 _ACTOR: Any = None

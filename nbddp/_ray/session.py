@@ -38,7 +38,7 @@ from .._wire.rundir import RunDir, read_own_key
 from .cluster import connect, kernel_address
 from .object_store import OBJECT_STORE, ObjectStoreDelivery
 from .options import Ray
-from .placement import NodeInfo, RayPlacement, held_group
+from .placement import NodeInfo, NodeRefused, RayPlacement, held_group
 
 
 @dataclass(frozen=True)
@@ -153,6 +153,10 @@ class RaySessionGroup(RemoteSessionGroup):
                 read_own_key(self.run_dir.path), self.run_dir.address.read_bytes(),
                 self._torchrun_args(placement), self._worker_args(), self.env,
                 self.shape.cwd)
+        except NodeRefused as exc:
+            self.refusal = str(exc)
+            self._placement_failed(str(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - Ray's errors, said as the group's end
             self._placement_failed(f"{type(exc).__name__}: {exc}")
             return

@@ -77,7 +77,9 @@ class Backend(ABC):
 
     def not_ready(self, group: WaitingGroup) -> NbddpError:
         """Why ``group``'s ranks did not come to wait for their first run, with what
-        their launcher said."""
+        their launcher said (or that their versions differ from the kernel's)."""
+        if group.refusal is not None:
+            return NbddpError(f"the session's ranks cannot run here: {group.refusal}")
         problem = ("stopped" if group.broken
                    else f"were not ready after {self.start_timeout:g} s")
         outside = group.stopped_from_outside()

@@ -46,6 +46,7 @@ from .._wire.messages import (
 )
 from .._wire.rundir import RunDir
 from .._wire.shipped_code import RanksCode
+from .._wire.versions import skew
 from .group import Launcher, LauncherExited, RankGroup, RanksGone
 from .records import Records
 from .shape import GroupShape, Handover
@@ -77,6 +78,8 @@ class WaitingGroup(RankGroup):
         self.ready: set[int] = set()
         self.broken = False
         """A rank or the launcher ended before the group was handed a run."""
+        self.refusal: str | None = None
+        """Why the group runs nothing: a node's versions differ from the kernel's."""
         self.on_change: Callable[[Any], None] | None = None
         """Told of this group (the backend's own type) as its ranks connect, get ready or die."""
         self._start: Start | None = None
@@ -210,12 +213,25 @@ class WaitingGroup(RankGroup):
         return self._answers_question(message)
 
     def _said_hello(self, hello: Hello) -> None:
-        """(Under the lock) A rank is up: it gets the Start if the run is known."""
+        """(Under the lock) A rank is up: it gets the Start if the run is known, unless
+        its machine's versions differ from the kernel's."""
         if self.launcher is not None:
             self.launcher.add_rank(hello.pid)
+        skewed = skew(hello.node, hello.versions) if hello.versions else None
+        if skewed is not None:
+            self._refuse(hello.rank, skewed)
+            return
         self._hellos[hello.rank] = hello
         if self._start is not None and self._server is not None:
             self._send_start(hello.rank)
+
+    def _refuse(self, rank: int, why: str) -> None:
+        """(Under the lock) The group can run nothing (a node's versions differ): a run
+        that waits fails, naming ``rank``; a session that starts says ``why``."""
+        self.refusal = self.refusal or why
+        self.broken = True
+        self._lose(why)
+        self._put_now(Failure(rank, "VersionMismatch", "nbddp", why, ""))
 
     def _wait_launcher(self, launcher: Launcher) -> None:
         code = launcher.wait()

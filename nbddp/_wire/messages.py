@@ -78,6 +78,9 @@ class Hello:
     """The machine it runs on (SLURM's name for it, or the host's)."""
     local_rank: int = 0
     """Its place among that machine's ranks: local rank 0 keeps the machine's data files."""
+    versions: tuple[tuple[str, str], ...] = ()
+    """A rank on another machine: its Python, torch, cloudpickle and nbddp versions,
+    which the kernel compares with its own (``_wire.versions``)."""
 
 
 @dataclass(frozen=True)
