@@ -130,6 +130,34 @@ def test_a_launch_calls_the_notebooks_module_on_both_nodes(kernel):
     assert eval(run.result()) == [(0, 101, 3), (1, 101, 3)]  # noqa: S307
 
 
+def test_files_and_variables_go_rays_way_with_runtime_env(kernel, notebook_folder):
+    """``working_dir`` and ``py_modules`` from the notebook's folder reach the node that
+    cannot see it because Ray uploads them; ``env_vars`` reach the ranks."""
+    run_files = notebook_folder / "run-files"
+    (run_files / "shards").mkdir(parents=True)
+    (run_files / "shards" / "labels.txt").write_text("cat dog\n")
+    extras = notebook_folder / "extras" / "tokenizer"
+    extras.mkdir(parents=True)
+    (extras / "__init__.py").write_text("def split(text):\n    return text.split()\n")
+    run = kernel.run(textwrap.dedent(f"""\
+        def reads_them():
+            import os, tokenizer
+            import torch.distributed as dist
+            with open("shards/labels.txt") as f:
+                words = tokenizer.split(f.read())
+            return dist.get_rank(), words, os.environ["LABEL_SET"]
+
+        ray_env = {{"working_dir": {str(run_files)!r}, "py_modules": [{str(extras)!r}],
+                    "env_vars": {{"LABEL_SET": "pets"}}}}
+        with nbddp.Session(nprocs=1, ray=nbddp.Ray(nodes=2, cpus_per_node=0.5,
+                                                   runtime_env=ray_env)) as with_files:
+            every = with_files.run_all(reads_them)
+        every
+        """), timeout=300)
+    run.assert_ok()
+    assert eval(run.result()) == [(0, ["cat", "dog"], "pets"),  # noqa: S307
+                                  (1, ["cat", "dog"], "pets")]
+
 def test_a_node_with_another_torch_is_named_before_any_cell_runs(
         ray_cluster, kernel, tmp_path_factory):
     fake = tmp_path_factory.mktemp("other-torch")

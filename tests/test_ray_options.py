@@ -25,11 +25,19 @@ pytestmark = pytest.mark.fast
 
 
 @pytest.mark.parametrize("bad", [{"nodes": 0}, {"nodes": True}, {"gpus_per_node": -1},
-                                 {"cpus_per_node": 0}, {"grace": -1}, {"grace": "10"}])
+                                 {"cpus_per_node": 0}, {"grace": -1}, {"grace": "10"},
+                                 {"runtime_env": ["working_dir"]},
+                                 {"runtime_env": {"env_vars": {"X": object()}}}])
 def test_bad_ray_options_are_refused_by_name(bad):
     name = next(iter(bad))
     with pytest.raises((ValueError, TypeError), match=f"Ray\\({name}="):
         nbddp.Ray(**bad)
+
+
+def test_a_runtime_env_is_kept_as_given_and_says_whether_ranks_run_in_it():
+    ray = nbddp.Ray(runtime_env={"working_dir": "data", "pip": ["einops"]})
+    assert ray.runtime_env == {"working_dir": "data", "pip": ["einops"]}
+    assert ray.working_dir and not nbddp.Ray(runtime_env={"env_vars": {"A": "1"}}).working_dir
 
 
 def test_a_ray_client_address_is_refused_with_the_reason():

@@ -8,7 +8,9 @@ as on SLURM.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from .._run.config import RunConfig, RunOptions
 from .._run.flags import flag, no_flag
@@ -25,6 +27,9 @@ class Ray:
     machine); a ``ray://`` client address is refused, as the kernel must run inside the
     cluster (a head-node notebook). With ``grace`` (seconds) the ranks outlive the kernel
     that long, for ``Session.attach()`` in a new one; None: they end with the kernel.
+    ``runtime_env`` is Ray's runtime environment for the agents, and so for torchrun and
+    the ranks: ``working_dir`` (uploaded by Ray; the ranks run in it), ``py_modules``,
+    ``pip``, ``env_vars``; the notebook's own modules ship without it.
     """
 
     nodes: int = field(default=2, metadata=no_flag("--nodes (the SLURM job's flag too) "
@@ -44,6 +49,10 @@ class Ray:
     grace: float | None = field(default=None, metadata=no_flag(
         "%ddp_session start --grace gives it"))
     """Seconds a session's ranks wait for a new kernel after theirs went (None: none)."""
+    runtime_env: dict[str, Any] | None = field(default=None, hash=False, metadata=no_flag(
+        "a dict of Ray's runtime_env keys: give it in Python, nbddp.Ray(runtime_env={...})"))
+    """Ray's runtime environment for the agents, torchrun and the ranks (files, packages
+    and variables beyond the notebook's own modules, which ship by themselves)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.nodes, bool) or not isinstance(self.nodes, int) or self.nodes < 1:
@@ -70,6 +79,13 @@ class Ray:
             raise ValueError(f"Ray(grace=...) is a number of seconds, 0 or more (or None), "
                              f"got {self.grace!r}")
 
+        _check_runtime_env(self.runtime_env)
+
+    @property
+    def working_dir(self) -> bool:
+        """Ray uploads a working directory, where the ranks run."""
+        return bool(self.runtime_env and self.runtime_env.get("working_dir"))
+
     @property
     def outlives_kernel(self) -> bool:
         return bool(self.grace)
@@ -80,6 +96,21 @@ class Ray:
         if self.gpus_per_node:
             bundle["GPU"] = self.gpus_per_node
         return bundle
+
+
+def _check_runtime_env(runtime_env: Any) -> None:
+    """A runtime environment is a dict of Ray's keys that a kernel that attaches can read
+    back (JSON); Ray checks the values when it sets it up."""
+    if runtime_env is None:
+        return
+    if not isinstance(runtime_env, dict) or not all(isinstance(k, str) for k in runtime_env):
+        raise TypeError(f"Ray(runtime_env=...) is a dict of Ray's runtime_env keys "
+                        f"(working_dir, py_modules, pip, env_vars, ...), got {runtime_env!r}")
+    try:
+        json.dumps(runtime_env)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"Ray(runtime_env=...) must hold plain values (str, list, dict: "
+                        f"JSON), as Ray's does: {exc}") from None
 
 
 def ray_run(options: RunOptions, ray: bool | Ray) -> tuple[RunConfig, Ray, int]:

@@ -28,11 +28,15 @@ from .._wire.versions import EVERY_NODE_NEEDS
 from .agent import NodeAgent
 from .cluster import NAMESPACE
 from .options import Ray
+from .runtime_env import for_actors
 
 logger = logging.getLogger(__name__)
 
 _STOP_WAIT = 20.0  # the agents' own stop: SIGTERM, then SIGKILL after 5 s
 _CALL_WAIT = 30.0  # a call to an agent that should answer at once
+SETUP_WAIT = 600.0
+"""How long Ray may take to set up the agents' runtime environment (a ``pip`` list to
+install, a ``working_dir`` to upload) before they answer."""
 _POLL = 0.5
 _KEEP_WAIT = 3600.0  # a payload fetched from another node's object store: GBs, over TCP
 
@@ -121,11 +125,14 @@ class RayPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         actor = _actor_class(self.ray)
+        runtime_env = self.options.runtime_env and for_actors(self.ray,
+                                                              self.options.runtime_env)
         for index in range(self.options.nodes):
             self.agents.append(actor.options(
                 name=agent_name(self.session_id, index), namespace=NAMESPACE,
                 lifetime=_lifetime(self.options), num_cpus=self.options.cpus_per_node,
                 num_gpus=self.options.gpus_per_node, max_concurrency=8, max_restarts=0,
+                **({"runtime_env": runtime_env} if runtime_env else {}),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.placement_group, placement_group_bundle_index=index),
             ).remote(index, self.options.outlives_kernel))
@@ -160,7 +167,7 @@ class RayPlacement:
 
     def _where(self) -> list[NodeInfo]:
         answers = self.ray.get([agent.where.remote() for agent in self.agents],
-                               timeout=_CALL_WAIT)
+                               timeout=SETUP_WAIT if self.options.runtime_env else _CALL_WAIT)
         return [NodeInfo(answer["node_id"], answer["ip"], answer["name"])
                 for answer in answers]
 

@@ -152,7 +152,7 @@ class RaySessionGroup(RemoteSessionGroup):
             placement.start_torchrun(
                 read_own_key(self.run_dir.path), self.run_dir.address.read_bytes(),
                 self._torchrun_args(placement), self._worker_args(), self.env,
-                self.shape.cwd)
+                None if self.options.working_dir else self.shape.cwd)
         except NodeRefused as exc:
             self.refusal = str(exc)
             self._placement_failed(str(exc))
