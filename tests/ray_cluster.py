@@ -108,6 +108,16 @@ class RayCluster:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.raylet(index), signal.SIGKILL)
 
+    def kill_everything_of_node(self, index: int) -> None:
+        """Every process of node ``index`` (its raylet, Ray's workers, what they
+        started) killed at once, as when a pod is evicted or its machine dies."""
+        pids = self.nodes[index].union(*(descendants(pid) for pid in self.nodes[index]))
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        _stop_processes(pids)  # (reaped)
+        self.nodes[index] = set()
+
     def stop_node(self, index: int) -> None:
         """Node ``index`` goes with every process it started, by PID (a node a test
         added for itself)."""

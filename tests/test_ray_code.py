@@ -15,6 +15,7 @@ source folder hidden), are named before any cell runs.
 from __future__ import annotations
 
 import json
+import re
 import textwrap
 from pathlib import Path
 
@@ -206,3 +207,16 @@ def test_a_node_without_nbddp_is_named_before_any_cell_runs(ray_cluster, kernel)
     assert "refused: the session's ranks cannot run here: nbddp cannot be imported on " \
            "Ray node " in said, said
     assert "No module named 'nbddp'" in said and "one image" in said
+
+
+def test_a_node_that_vanishes_mid_cell_is_named_as_lost(ray_cluster, kernel):
+    """Every process of the node that cannot see the notebook's folder is killed at
+    once while a cell runs there (last in the module: the cluster is a node short)."""
+    run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\ntime.sleep(120)")
+    run.wait_for_output("working")
+    ray_cluster.kill_everything_of_node(1)
+    run.finish(timeout=120)
+    text = run.describe()
+    assert run.error() is not None, text
+    assert re.search(r"Ray node \S+ was lost \(its raylet is gone\)", text), text
+    assert "variables defined in earlier cells are gone" in text, text

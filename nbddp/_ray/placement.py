@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import socket
 import threading
 from dataclasses import dataclass
 from types import ModuleType
@@ -38,6 +39,7 @@ SETUP_WAIT = 600.0
 """How long Ray may take to set up the agents' runtime environment (a ``pip`` list to
 install, a ``working_dir`` to upload) before they answer."""
 _POLL = 0.5
+_PROBE_WAIT = 3.0  # an agent asked where it runs answers in milliseconds, if it can
 _KEEP_WAIT = 3600.0  # a payload fetched from another node's object store: GBs, over TCP
 
 
@@ -232,7 +234,36 @@ class RayPlacement:
         self._released.set()
 
     def stopped_from_outside(self) -> str | None:
-        return None if self._stopped else self._lost
+        """Why the ranks were stopped from outside, if they were: a node lost, an agent
+        killed, the placement group removed. Asked when a rank's link closed without a
+        report: if Ray has not said yet that an agent is gone (a node whose every
+        process died at once is declared dead only after Ray's health checks fail, tens
+        of seconds later), each agent is asked to answer at once, and one that cannot
+        is taken as its node lost."""
+        if self._stopped:
+            return None
+        if self._lost is None and self.agents:
+            self._lost = self._unanswered()
+        return self._lost
+
+    def _unanswered(self) -> str | None:
+        """Why an agent that does not answer within ``_PROBE_WAIT`` is gone, if one
+        does not."""
+        calls = [agent.where.remote() for agent in self.agents]
+        ready, _ = self.ray.wait(calls, num_returns=len(calls), timeout=_PROBE_WAIT)
+        for index, call in enumerate(calls):
+            if call not in ready:
+                return self._node_lost(index)
+            try:
+                self.ray.get(call, timeout=0)
+            except Exception as exc:  # noqa: BLE001 - RayActorError and its kin
+                return self._why_gone(index, exc)
+        return None
+
+    def _node_lost(self, index: int) -> str:
+        node = self.nodes[index] if index < len(self.nodes) else None
+        name = node.name if node else f"#{index}"
+        return f"Ray node {name} was lost (nothing of nbddp's answers there)"
 
     def stop(self, clean: bool = False) -> None:
         """Each agent stops its node's torchrun and cleans its node; then the placement
@@ -255,7 +286,7 @@ class RayPlacement:
         removed, or the agent itself was killed."""
         node = self.nodes[index] if index < len(self.nodes) else None
         name = node.name if node else f"#{index}"
-        if node is not None and not _node_alive(self.ray, node.node_id):
+        if node is not None and not _raylet_alive(self.ray, node.node_id):
             return f"Ray node {name} was lost (its raylet is gone)"
         if _placement_removed(self.placement_group):
             return ("the session's Ray placement group was removed from outside "
@@ -286,11 +317,19 @@ def _lifetime(options: Ray) -> str | None:
     return "detached" if options.outlives_kernel else None
 
 
-def _node_alive(ray: ModuleType, node_id: str) -> bool:
+def _raylet_alive(ray: ModuleType, node_id: str) -> bool:
+    """Whether Ray counts the node alive and its raylet takes a connection: a node whose
+    every process died at once (an evicted pod, a dead machine) is declared dead by Ray
+    only once its health checks have failed for a while, but its raylet's port is
+    closed (or silent) at once."""
     with contextlib.suppress(Exception):
         for node in ray.nodes():
             if node.get("NodeID") == node_id:
-                return bool(node.get("Alive"))
+                if not node.get("Alive"):
+                    return False
+                address = (node["NodeManagerAddress"], int(node["NodeManagerPort"]))
+                with socket.create_connection(address, timeout=_PROBE_WAIT):
+                    return True
     return False
 
 
