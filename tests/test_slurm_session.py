@@ -191,6 +191,21 @@ def test_a_cell_on_the_second_nodes_rank_and_an_edit_reloaded_on_both_nodes(clus
     cluster_session.run("%ddp_session autoreload off").assert_ok()
 
 
+def test_the_notebooks_module_ships_to_each_node_of_the_job(cluster_session):
+    """A cluster whose compute nodes do not mount the notebook's folder exists: the
+    ranks import the notebook's module from the copy shipped into their node's own
+    folder (this test cluster's nodes could see the original, so the test checks where
+    each rank's module came from)."""
+    folder = Path(cluster_session.run("import os; os.getcwd()").result().strip("'"))
+    (folder / "shipped_helpers.py").write_text("WIDTH = 64\n")
+    run = cell(cluster_session, "import shipped_helpers\n"
+                                "where = [None] * dist.get_world_size()\n"
+                                "dist.all_gather_object(where, (shipped_helpers.WIDTH, "
+                                "shipped_helpers.__file__.startswith("
+                                "os.environ['NBDDP_NODE_SHM'] + '/code/')))\nwhere")
+    assert run.assert_ok().result() == "[(64, True), (64, True)]"
+
+
 def test_a_failing_rank_on_the_second_node_keeps_the_state(cluster_session):
     rank = second_node_rank(cluster_session)
     cell(cluster_session, "kept = 'still here'").assert_ok()
