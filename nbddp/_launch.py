@@ -15,6 +15,7 @@ from ._run.config import DEFAULT_STALL_AFTER, RunOptions
 from ._run.job import Job
 from ._wire.payload import Payload
 from ._wire.shipped_code import RanksCode
+from ._wire.shipped_code import wanted as code_wanted
 
 R = TypeVar("R")
 
@@ -141,7 +142,7 @@ def launch(
                          max_restarts=max_restarts, stall_after=stall_after, pdb=pdb)
     ranks = run_backend(options, slurm, ray)  # (``backend`` is the process group's)
     payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(
-        ranks.kernels_copies(), code=RanksCode() if ranks.ships_code else None)
+        ranks.kernels_copies(), code=RanksCode() if ranks.ships_code and code_wanted() else None)
     job: Job[R] = Job.started_held(lambda: ranks.start_run(payload))
     return _follow(job, wait)
 

@@ -41,6 +41,7 @@ from ._run.waiting import WaitingGroup
 from ._wire.dataplane import Packed
 from ._wire.held_functions import Teaching
 from ._wire.payload import Payload
+from ._wire.shipped_code import wanted as code_wanted
 
 R = TypeVar("R")
 G = TypeVar("G", bound=WaitingGroup)
@@ -200,7 +201,7 @@ class Session:
         """``payload`` pickled for ``group``'s ranks: the notebook functions they hold
         by number, unless the run is on some ranks only (which alone would take it)."""
         functions = group.functions if config.ranks is None else None
-        code = group.code if self._where.ships_code else None
+        code = group.code if self._where.ships_code and code_wanted() else None
         return payload.dumps(self._where.kernels_copies(), functions, code,
                              look_at_files=config.autoreload)
 

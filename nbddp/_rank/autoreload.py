@@ -126,6 +126,12 @@ def _mtime(path: str) -> float | None:
         return None
 
 
+def ready_to_reload() -> None:
+    """Import IPython's reloader now (a rank at rest, once autoreload is on): the first
+    edit's cell then does not wait for IPython to be imported."""
+    import IPython.extensions.autoreload  # noqa: F401
+
+
 def _superreload(module: ModuleType, old_objects: dict[Any, Any]) -> None:
     """IPython's in-place reload (imported here: a rank of a session that never reloads
     never loads it)."""

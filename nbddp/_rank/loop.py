@@ -37,7 +37,7 @@ from .._wire.messages import (
 )
 from .._wire.payload import Payload, dumps_value
 from . import debugger, setup_check
-from .autoreload import Reloader, forget_listings
+from .autoreload import Reloader, forget_listings, ready_to_reload
 from .metrics import start_reporting, stop_reporting
 from .requeue import RequeueRequested, mark_requeue
 from .scope import Scope
@@ -125,6 +125,7 @@ class Rank:
         self.scope = Scope()
         self.interrupts = Interrupts(in_run)
         self.reloader: Reloader | None = None  # made when a session's run first asks for it
+        self._ready_to_reload = False
         self._final_stats: RankStats | None = None  # this run's, as it ended
         self._records: str | None = None  # the records folder the log was last moved to
 
@@ -183,6 +184,13 @@ class Rank:
                 self._final_stats = stop_reporting()
             if self.reloader is not None and start.options.autoreload:
                 self.reloader.note_new()  # what the cell imported, as it is now
+
+    def at_rest(self) -> None:
+        """The run is reported and the rank waits for the next: with autoreload on, get
+        ready to reload (while the user types, not in the cell after an edit)."""
+        if self.reloader is not None and not self._ready_to_reload:
+            self._ready_to_reload = True
+            ready_to_reload()
 
     def _debug(self, exc: BaseException, start: Start) -> None:
         """Post-mortem on the user's part of ``exc``'s traceback if the run asked for it,

@@ -39,6 +39,14 @@ from .users_code import Finder, OwnModule, PackageTooLarge, imported_names, kern
 
 CODE_FOLDER = "code"
 """The node folder's sub-folder for shipped code."""
+SHIP_ENV = "NBDDP_SHIP_CODE"
+"""``0`` in the kernel's environment: the user's modules do not ship (every node sees the
+notebook's files); read at each run."""
+
+
+def wanted() -> bool:
+    """Whether the user's modules ship with the next run (``SHIP_ENV``)."""
+    return os.environ.get(SHIP_ENV) != "0"
 
 
 @dataclass(frozen=True)
@@ -79,22 +87,25 @@ class RanksCode:
         self._refused: set[str] = set()
         self._sent: ShippedCode | None = None
         """The last files sent that the ranks are not yet known to hold."""
+        self._files: list[tuple[str, str, str]] = []
+        """Every file of the modules: its root, its path under it, and its full path."""
 
     def changes(self, names: Iterable[str], look_at_files: bool) -> ShippedCode | None:
         """What the ranks lack of the user's modules that the kernel imported, that
         ``names`` (the code sent) names, or that were shipped before: the files new to
         them, or (``look_at_files``: autoreload is on) edited since; None if nothing."""
         self._finder.refresh()
-        grew = self._add(set(names) | kernels_modules())
+        grew = self._add(names) | self._add(kernels_modules())
         if not grew and not look_at_files and self._sent is None:
             return None
         files = []
-        for module in self._modules.values():
-            for relative in module.files:
-                path = os.path.join(module.root, relative)
-                seen = self._read(path, look_at_files or path not in self._seen)
-                if seen is not None and self._held.get(path) != seen.digest:
-                    files.append((module.root, relative, seen.digest, seen.data))
+        seen_before, held = self._seen, self._held
+        for root, relative, path in self._files:
+            seen = seen_before.get(path)
+            if seen is None or look_at_files:
+                seen = self._read(path, seen)
+            if seen is not None and held.get(path) != seen.digest:
+                files.append((root, relative, seen.digest, seen.data))
         if not files:
             self._sent = None
             return None
@@ -110,11 +121,12 @@ class RanksCode:
         return tuple(sorted({m.root for m in self._modules.values()},
                             key=lambda root: where.get(root, -1)))
 
-    def _add(self, names: set[str]) -> bool:
+    def _add(self, names: Iterable[str]) -> bool:
         """Take in the user's modules among ``names`` and what they import; whether any
         was new."""
         grew = False
-        todo = [n for n in names if n not in self._modules and n not in self._refused]
+        todo = [n for n in names if n not in self._modules and n not in self._refused
+                and self._finder.may_be(n)]
         while todo:
             name = todo.pop()
             if name in self._modules or name in self._refused:
@@ -123,6 +135,9 @@ class RanksCode:
             if module is None:
                 continue
             self._modules[name] = module
+            self._files.extend((module.root, relative, path)
+                               for relative, path in zip(module.files, module.paths(),
+                                                         strict=True))
             grew = True
             for path in module.paths():
                 if path.endswith(".py"):
@@ -137,17 +152,14 @@ class RanksCode:
             warnings.warn(f"nbddp: {exc}", stacklevel=4)
             return None
 
-    def _read(self, path: str, look: bool) -> _Seen | None:
-        """The file's digest, read again if its time or size changed (``look``: stat it;
-        else what was seen last)."""
-        seen = self._seen.get(path)
-        if seen is not None and not look:
-            return seen
+    def _read(self, path: str, seen: _Seen | None) -> _Seen | None:
+        """The file as it is now: ``seen`` (as it was last read) if its time and size
+        are the same, else read again."""
         try:
             st = os.stat(path)
         except OSError:
             return seen
-        if seen is None or (seen.mtime_ns, seen.size) != (st.st_mtime_ns, st.st_size):
+        if seen is None or seen.mtime_ns != st.st_mtime_ns or seen.size != st.st_size:
             try:
                 data = _bytes(path)
             except OSError:

@@ -131,6 +131,13 @@ class Finder:
     def __init__(self) -> None:
         self._found: dict[str, OwnModule | None] = {}
         self._folders: tuple[tuple[str, int], ...] = ()
+        self._path: tuple[tuple[str, ...], str, tuple[str, ...]] | None = None
+        """The import path and working directory when last looked at, and the user's
+        folders on that path."""
+
+    def may_be(self, name: str) -> bool:
+        """``name`` may be the user's: not known not to be."""
+        return self._found.get(name, True) is not None
 
     def find(self, name: str) -> OwnModule | None:
         """The user's module or package ``name``, or None (not the user's, not found)."""
@@ -142,24 +149,25 @@ class Finder:
 
     def refresh(self) -> None:
         """Forget what was found if a user folder on ``sys.path`` changed since."""
-        folders = _users_folders_now()
-        if folders != self._folders:
-            self._folders = folders
+        path, cwd = tuple(sys.path), os.getcwd()
+        if self._path is None or self._path[:2] != (path, cwd):
+            self._path = (path, cwd, _users_folders(path))
+        folders = []
+        for folder in self._path[2]:
+            try:
+                folders.append((folder, os.stat(folder).st_mtime_ns))
+            except OSError:
+                continue
+        if tuple(folders) != self._folders:
+            self._folders = tuple(folders)
             self._found.clear()
 
 
-def _users_folders_now() -> tuple[tuple[str, int], ...]:
-    """The user's folders on ``sys.path``, each with its listing's time."""
-    seen = []
-    for entry in sys.path:
-        folder = os.path.abspath(entry or os.curdir)
-        if (folder + os.sep).startswith(installed_places()):
-            continue
-        try:
-            seen.append((folder, os.stat(folder).st_mtime_ns))
-        except OSError:
-            continue
-    return tuple(seen)
+def _users_folders(path: tuple[str, ...]) -> tuple[str, ...]:
+    """The user's folders on the import path ``path`` (the working directory for '')."""
+    installed = installed_places()
+    folders = (os.path.abspath(entry or os.curdir) for entry in path)
+    return tuple(dict.fromkeys(f for f in folders if not (f + os.sep).startswith(installed)))
 
 
 def _locate(name: str) -> OwnModule | None:
