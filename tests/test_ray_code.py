@@ -131,6 +131,17 @@ def test_a_launch_calls_the_notebooks_module_on_both_nodes(kernel):
     assert eval(run.result()) == [(0, 101, 3), (1, 101, 3)]  # noqa: S307
 
 
+def test_after_cd_a_node_that_cannot_follow_stays_and_cells_still_run(kernel, notebook_folder):
+    experiments = notebook_folder / "experiments"
+    experiments.mkdir()
+    kernel.run(f"%cd {experiments}").assert_ok()
+    try:
+        seen = every_rank(kernel, "(os.getcwd(), helpers.VALUE)", before="import os\n")
+    finally:
+        kernel.run(f"%cd {notebook_folder}").assert_ok()
+    assert sorted(where == str(experiments) for where, _ in seen) == [False, True], seen
+    assert [value for _, value in seen] == [43, 43]
+
 def test_files_and_variables_go_rays_way_with_runtime_env(kernel, notebook_folder):
     """``working_dir`` and ``py_modules`` from the notebook's folder reach the node that
     cannot see it because Ray uploads them; ``env_vars`` reach the ranks."""

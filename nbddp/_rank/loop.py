@@ -245,9 +245,9 @@ class Rank:
                 self._move_log(self.log, log)
                 self.log = log
             self._records = start.records
-        if start.cwd is not None and start.cwd != os.getcwd():
-            started_in = os.getcwd()
-            os.chdir(start.cwd)
+        if start.cwd is not None and start.cwd != os.getcwd() and os.path.isdir(start.cwd):
+            started_in = os.getcwd()  # (a node that cannot see the notebook's folder
+            os.chdir(start.cwd)  # stays where it is: its modules ship all the same)
             if sys.path and sys.path[0] == started_in:  # `python -m` put the old one first
                 sys.path[0] = start.cwd
         for name, value in start.env.items():
