@@ -194,3 +194,11 @@ def test_payload_without_code_carries_none():
     packed = Payload.capture(len, ([1],), {}).dumps()
     assert packed.code is None
     assert Payload.unpack(Packed(packed.data)).fn is len
+
+
+def test_nbddp_ship_code_0_keeps_the_modules_home(monkeypatch):
+    from nbddp._wire.shipped_code import wanted
+
+    assert wanted()
+    monkeypatch.setenv("NBDDP_SHIP_CODE", "0")
+    assert not wanted()
