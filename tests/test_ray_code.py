@@ -170,29 +170,33 @@ def test_files_and_variables_go_rays_way_with_runtime_env(kernel, notebook_folde
     assert eval(run.result()) == [(0, ["cat", "dog"], "pets"),  # noqa: S307
                                   (1, ["cat", "dog"], "pets")]
 
+def with_a_third_node(ray_cluster: RayCluster, kernel: Kernel, node: dict,
+                      then: str = "") -> str:
+    """What the kernel printed trying a session on three nodes (the third made with
+    ``node``'s arguments, and gone after), then running ``then``."""
+    ray_cluster.add_node(**node)
+    try:
+        run = kernel.run("three = nbddp.Ray(nodes=3, cpus_per_node=0.5)\n"
+                         "try:\n    nbddp.Session(nprocs=1, ray=three)\n"
+                         "except nbddp.NbddpError as exc:\n    print('refused:', exc)\n"
+                         + textwrap.dedent(then), timeout=300)
+    finally:
+        ray_cluster.stop_node(len(ray_cluster.nodes) - 1)
+    return run.assert_ok().stream_text()
+
+
 def test_a_node_with_another_torch_is_named_before_any_cell_runs(
         ray_cluster, kernel, tmp_path_factory):
     fake = tmp_path_factory.mktemp("other-torch")
     (fake / "torch-1.0.0.dist-info").mkdir()
     (fake / "torch-1.0.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: torch\nVersion: 1.0.0\n")
-    ray_cluster.add_node(env={"PYTHONPATH": str(fake)})
-    try:
-        run = kernel.run(textwrap.dedent("""\
-            three = nbddp.Ray(nodes=3, cpus_per_node=0.5)
-            try:
-                nbddp.Session(nprocs=1, ray=three)
-            except nbddp.NbddpError as exc:
-                print("refused:", exc)
-            try:
-                nbddp.launch(print, nprocs=1, ray=three)
-            except nbddp.WorkerError as exc:
-                print("launch refused:", exc)
-            """), timeout=300)
-    finally:
-        ray_cluster.stop_node(len(ray_cluster.nodes) - 1)
-    run.assert_ok()
-    said = run.stream_text()
+    said = with_a_third_node(ray_cluster, kernel, {"env": {"PYTHONPATH": str(fake)}}, """\
+        try:
+            nbddp.launch(print, nprocs=1, ray=three)
+        except nbddp.WorkerError as exc:
+            print("launch refused:", exc)
+        """)
     assert "refused: the session's ranks cannot run here: node " in said, said
     assert "runs torch 1.0.0 (the notebook's kernel has 2." in said, said
     assert "one image" in said
@@ -203,18 +207,7 @@ def test_a_node_with_another_torch_is_named_before_any_cell_runs(
 def test_a_node_without_nbddp_is_named_before_any_cell_runs(ray_cluster, kernel):
     import nbddp
 
-    ray_cluster.add_node(hidden=Path(nbddp.__file__).parent)
-    try:
-        run = kernel.run(textwrap.dedent("""\
-            try:
-                nbddp.Session(nprocs=1, ray=nbddp.Ray(nodes=3, cpus_per_node=0.5))
-            except nbddp.NbddpError as exc:
-                print("refused:", exc)
-            """), timeout=300)
-    finally:
-        ray_cluster.stop_node(len(ray_cluster.nodes) - 1)
-    run.assert_ok()
-    said = run.stream_text()
+    said = with_a_third_node(ray_cluster, kernel, {"hidden": Path(nbddp.__file__).parent})
     assert "refused: the session's ranks cannot run here: nbddp cannot be imported on " \
            "Ray node " in said, said
     assert "No module named 'nbddp'" in said and "one image" in said

@@ -116,7 +116,7 @@ def test_a_node_installs_before_the_kernels_folder_and_rewrites_only_changes(
     install(code)
     mirror = node / "code" / str(notebook).lstrip("/")
     assert (mirror / "helpers.py").read_bytes() == (notebook / "helpers.py").read_bytes()
-    assert sys.path.index(str(mirror)) < sys.path.index(str(notebook))
+    assert sys.path[0] == str(mirror)  # (before an installed module of the same name too)
     before = (mirror / "utils.py").stat().st_mtime_ns
     install(code)
     assert (mirror / "utils.py").stat().st_mtime_ns == before
@@ -188,6 +188,45 @@ def test_an_edit_within_the_same_second_and_size_is_not_hidden_by_bytecode(
                           timeout=60, env={**os.environ, "NBDDP_NODE_SHM": str(node)})
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == "42"
+
+
+def test_a_new_submodule_and_data_file_ship_once_autoreload_looks(notebook):
+    ranks = RanksCode()
+    ranks.taught(ranks.changes({"mypkg"}, False))
+    time.sleep(0.01)
+    (notebook / "mypkg" / "layers.py").write_text("DEPTH = 4\n")
+    (notebook / "mypkg" / "data" / "vocab.txt").write_text("a b c\n")
+    assert "mypkg/layers.py" not in shipped(ranks.changes(set(), False))
+    assert set(shipped(ranks.changes(set(), True))) == {"mypkg/layers.py",
+                                                       "mypkg/data/vocab.txt"}
+
+
+def test_a_module_an_edit_newly_imports_ships_with_the_edit(notebook):
+    ranks = RanksCode()
+    ranks.taught(ranks.changes({"helpers"}, False))
+    (notebook / "helpers.py").write_text("import utils, unused\nVALUE = utils.BASE + 2\n")
+    assert set(shipped(ranks.changes(set(), True))) == {"helpers.py", "unused.py"}
+
+
+def test_a_first_import_after_an_edit_gets_the_edit_without_autoreload(notebook):
+    """A cell that names the module (its import line) looks at its files again, as a
+    first import on a rank that can see the folder would read the edited file."""
+    ranks = RanksCode()
+    ranks.taught(ranks.changes({"helpers"}, False))
+    (notebook / "helpers.py").write_text("import utils\nVALUE = -1\n")
+    assert ranks.changes({"os"}, False) is None  # (a cell that does not name it)
+    assert shipped(ranks.changes({"helpers"}, False)) == {
+        "helpers.py": b"import utils\nVALUE = -1\n"}
+
+
+def test_a_shipped_path_that_would_leave_the_code_folder_is_refused(tmp_path, monkeypatch):
+    from nbddp._wire.shipped_code import ShippedCode
+
+    monkeypatch.setenv("NBDDP_NODE_SHM", str(tmp_path))
+    escape = ShippedCode((("/nb", "../../../outside.py", "0" * 64, b"x = 1\n"),), ("/nb",))
+    with pytest.raises(ValueError, match="leaves the code folder"):
+        install(escape)
+    assert not (tmp_path / "outside.py").exists()
 
 
 def test_payload_without_code_carries_none():

@@ -104,11 +104,11 @@ class LocalGroup(WaitingGroup):
         dataplane.write(path, payload, room)
         return path
 
-    def _said_hello(self, hello: Hello) -> None:
+    def _said_hello(self, hello: Hello) -> bool:
         """(Under the lock) The hand-over watches the process that said hello for its
         rank (a PID the rank's earlier process had is not taken for it)."""
         self._watch.follow(hello.rank, hello.pid)
-        super()._said_hello(hello)
+        return super()._said_hello(hello)
 
     def _check_present(self, called: set[int]) -> None:
         if self._watch.stopping(TORCHRUN):  # killed: the ranks die of it next

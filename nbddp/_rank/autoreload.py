@@ -21,7 +21,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from .._wire.users_code import installed_places, is_users_file
+from .._wire.users_code import installed_places, users_file
 
 
 class ReloadFailed(ImportError):
@@ -48,7 +48,7 @@ class Reloader:
         """Note the modules imported since the last look (and their files' times)."""
         for name in set(sys.modules) - self._seen:
             self._seen.add(name)
-            path = _users_file(sys.modules.get(name))
+            path = users_file(sys.modules.get(name))
             if path is not None:
                 mtime = _mtime(path)
                 if mtime is not None:
@@ -110,15 +110,6 @@ def _finders_of_users_folders() -> list[tuple[str, Any]]:
             and not path.startswith(installed)]
 
 
-def _users_file(module: ModuleType | None) -> str | None:
-    """The module's source file, if it is the user's (not nbddp's, not installed)."""
-    path = getattr(module, "__file__", None)
-    if not isinstance(path, str):
-        return None
-    path = os.path.abspath(path)
-    return path if is_users_file(path) else None
-
-
 def _mtime(path: str) -> float | None:
     try:
         return os.stat(path).st_mtime
@@ -133,8 +124,8 @@ def ready_to_reload() -> None:
 
 
 def _superreload(module: ModuleType, old_objects: dict[Any, Any]) -> None:
-    """IPython's in-place reload (imported here: a rank of a session that never reloads
-    never loads it)."""
+    """IPython's in-place reload (imported here, or at rest once autoreload is on: a rank
+    of a session that never reloads never loads it)."""
     from IPython.extensions.autoreload import superreload
 
     superreload(module, importlib.reload, old_objects)

@@ -156,7 +156,7 @@ class Rank:
             if not start.options.runs_on(self.rank):
                 return Report(Result(self.rank))  # at rest, state untouched
             reporter = start_reporting(self.rank, send)
-            payload = Payload.unpack(_packed_payload(start))
+            payload = Payload.unpack(_packed_payload(start), self.run_dir)
             if debugger.DEBUGGING and not getattr(payload.fn, "keeps_last_failure", False):
                 debugger.DEBUGGING.last_failure = None  # (its frames may hold much memory)
             scope = self.scope if start.session else Scope()
@@ -187,10 +187,12 @@ class Rank:
 
     def at_rest(self) -> None:
         """The run is reported and the rank waits for the next: with autoreload on, get
-        ready to reload (while the user types, not in the cell after an edit)."""
+        ready to reload (while the user types, not in the cell after an edit; where that
+        fails, the reload itself says why)."""
         if self.reloader is not None and not self._ready_to_reload:
             self._ready_to_reload = True
-            ready_to_reload()
+            with contextlib.suppress(Exception):
+                ready_to_reload()
 
     def _debug(self, exc: BaseException, start: Start) -> None:
         """Post-mortem on the user's part of ``exc``'s traceback if the run asked for it,

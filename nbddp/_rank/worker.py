@@ -129,8 +129,8 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None,
             relay.flush()  # (the run's last lines before its end)
         link.send(report.message, report.data)
         link.run_over()
-        me.at_rest()
         me.interrupts.forget()  # (after that: a later SIGINT finds the rank at rest)
+        me.at_rest()
         ended_well = isinstance(report.message, (Result, Requeueing))
         del report  # (its data, a CPU copy of the result's tensors, goes now)
         if not start.session:

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 _STOP_WAIT = 20.0  # the agents' own stop: SIGTERM, then SIGKILL after 5 s
 _CALL_WAIT = 30.0  # a call to an agent that should answer at once
-SETUP_WAIT = 600.0
+_SETUP_WAIT = 600.0
 """How long Ray may take to set up the agents' runtime environment (a ``pip`` list to
 install, a ``working_dir`` to upload) before they answer."""
 _POLL = 0.5
@@ -169,7 +169,7 @@ class RayPlacement:
 
     def _where(self) -> list[NodeInfo]:
         answers = self.ray.get([agent.where.remote() for agent in self.agents],
-                               timeout=SETUP_WAIT if self.options.runtime_env else _CALL_WAIT)
+                               timeout=_SETUP_WAIT if self.options.runtime_env else _CALL_WAIT)
         return [NodeInfo(answer["node_id"], answer["ip"], answer["name"])
                 for answer in answers]
 
@@ -238,32 +238,31 @@ class RayPlacement:
         killed, the placement group removed. Asked when a rank's link closed without a
         report: if Ray has not said yet that an agent is gone (a node whose every
         process died at once is declared dead only after Ray's health checks fail, tens
-        of seconds later), each agent is asked to answer at once, and one that cannot
-        is taken as its node lost."""
+        of seconds later), each agent is asked to answer at once, and the node of one
+        that cannot, and whose raylet does not answer either, is taken as lost."""
         if self._stopped:
             return None
         if self._lost is None and self.agents:
-            self._lost = self._unanswered()
+            with contextlib.suppress(Exception):  # (Ray's own failure: nothing to add)
+                self._lost = self._unanswered()
         return self._lost
 
     def _unanswered(self) -> str | None:
         """Why an agent that does not answer within ``_PROBE_WAIT`` is gone, if one
-        does not."""
+        does not (a slow agent on a live node is no loss)."""
         calls = [agent.where.remote() for agent in self.agents]
         ready, _ = self.ray.wait(calls, num_returns=len(calls), timeout=_PROBE_WAIT)
         for index, call in enumerate(calls):
+            node = self.nodes[index] if index < len(self.nodes) else None
             if call not in ready:
-                return self._node_lost(index)
+                if node is not None and not _raylet_alive(self.ray, node.node_id):
+                    return f"Ray node {node.name} was lost (its raylet is gone)"
+                continue
             try:
                 self.ray.get(call, timeout=0)
             except Exception as exc:  # noqa: BLE001 - RayActorError and its kin
                 return self._why_gone(index, exc)
         return None
-
-    def _node_lost(self, index: int) -> str:
-        node = self.nodes[index] if index < len(self.nodes) else None
-        name = node.name if node else f"#{index}"
-        return f"Ray node {name} was lost (nothing of nbddp's answers there)"
 
     def stop(self, clean: bool = False) -> None:
         """Each agent stops its node's torchrun and cleans its node; then the placement

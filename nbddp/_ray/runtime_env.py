@@ -17,6 +17,8 @@ import logging
 from types import ModuleType
 from typing import Any
 
+from .._errors import NbddpError
+
 logger = logging.getLogger(__name__)
 
 
@@ -25,10 +27,16 @@ def for_actors(ray: ModuleType, runtime_env: dict[str, Any]) -> dict[str, Any]:
     cluster ``ray`` is connected to, and named by their URIs."""
     if "working_dir" not in runtime_env and "py_modules" not in runtime_env:
         return runtime_env
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+    try:  # (Ray's own upload, as ray.init uses it: not a public API of Ray's)
+        from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+        from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
 
-    scratch = ray._private.worker.global_worker.node.get_runtime_env_dir_path()
+        scratch = ray._private.worker.global_worker.node.get_runtime_env_dir_path()
+    except (ImportError, AttributeError) as exc:
+        raise NbddpError(
+            f"this Ray ({ray.__version__}) does not upload a local working_dir or "
+            f"py_modules as nbddp expects ({type(exc).__name__}: {exc}): pass them as "
+            "URIs (e.g. an s3:// or gs:// zip), or use Ray 2.60") from None
     env = dict(runtime_env)
     for upload in (upload_py_modules_if_needed, upload_working_dir_if_needed):
         options: dict[str, Any] = {"scratch_dir": scratch, "logger": logger}

@@ -161,13 +161,13 @@ class WaitingGroup(RankGroup):
                 return
             if isinstance(inner, Disconnected):
                 self._lose(f"rank {inner.rank} had stopped")
-            if isinstance(inner, Hello):
-                self._said_hello(inner)
-            elif isinstance(inner, Ready):
+            refused = isinstance(inner, Hello) and not self._said_hello(inner)
+            if isinstance(inner, Ready):
                 self.ready.add(inner.rank)
             elif isinstance(inner, (Failure, Disconnected)) and self._start is None:
                 self.broken = True
-            self._put_now(message)
+            if not refused:  # (a refused rank's hello is said by its Failure)
+                self._put_now(message)
         self._changed()
 
     def _holds(self, message: Any, inner: Any) -> bool:
@@ -212,18 +212,19 @@ class WaitingGroup(RankGroup):
         it waits for), not the run's."""
         return self._answers_question(message)
 
-    def _said_hello(self, hello: Hello) -> None:
+    def _said_hello(self, hello: Hello) -> bool:
         """(Under the lock) A rank is up: it gets the Start if the run is known, unless
-        its machine's versions differ from the kernel's."""
+        its machine's versions differ from the kernel's (False: it is refused)."""
         if self.launcher is not None:
             self.launcher.add_rank(hello.pid)
         skewed = skew(hello.node, hello.versions) if hello.versions else None
         if skewed is not None:
             self._refuse(hello.rank, skewed)
-            return
+            return False
         self._hellos[hello.rank] = hello
         if self._start is not None and self._server is not None:
             self._send_start(hello.rank)
+        return True
 
     def _refuse(self, rank: int, why: str) -> None:
         """(Under the lock) The group can run nothing (a node's versions differ): a run

@@ -16,6 +16,7 @@ import types
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import cloudpickle
@@ -99,13 +100,14 @@ class Payload:
         return names
 
     @classmethod
-    def unpack(cls, packed: Packed) -> Payload:
-        """Install the kernel's import path, the user's modules it shipped, and cell
-        sources here, then unpickle the rest."""
+    def unpack(cls, packed: Packed, code_home: Path | None = None) -> Payload:
+        """Install the kernel's import path, the user's modules it shipped (into the
+        node's folder for them, else ``code_home``'s), and cell sources here, then
+        unpickle the rest."""
         body, sys_path, sources, shipped = pickle.loads(packed.data)
         sys.path.extend(p for p in sys_path if p not in sys.path)
         if shipped is not None:
-            install(shipped)
+            install(shipped, code_home)
         for filename, lines in sources.items():
             linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
         fn, args, kwargs = Packed(body, packed.buffers).load()

@@ -2,7 +2,7 @@
 installed environment, as files that can be shipped to nodes that cannot see them.
 
 A module is the user's when its file is not in the standard library, in an installed
-package's folder (site-packages), in the Python prefix, or in nbddp itself: a module
+package's folder (site-packages), or in nbddp itself: a module
 beside the notebook, in a folder put on ``sys.path``, or an editable install's source
 tree (the ranks' autoreload watches the same files: ``_rank.autoreload``). Such a
 module is found three ways, because a session's cell may import a module that the
@@ -16,7 +16,9 @@ A top-level module goes as its one file; a package goes whole: its ``__init__``,
 submodules and the data files inside it (what ``importlib.resources`` would find), not
 its ``__pycache__`` nor hidden folders. Finding names again costs the kernel a look at
 ``sys.modules``' size, a set lookup per name, and one ``stat`` per user folder on
-``sys.path``: the answers are kept until a folder's listing changes.
+``sys.path``: a name found to be no module of the user's is asked again only once a
+folder's listing changed (a file written there may be the module that was missing). A
+package's own folders' times say when it gained or lost a file (``OwnModule.again``).
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ import os
 import re
 import sys
 import sysconfig
-from collections.abc import Iterable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -73,14 +74,25 @@ def is_users_file(path: str) -> bool:
 @dataclass(frozen=True)
 class OwnModule:
     """A top-level module or package of the user's: ``files`` (paths relative to
-    ``root``, the folder it is imported from) are what ships."""
+    ``root``, the folder it is imported from) are what ships; a package's ``folders``,
+    with their times, say when its listing changed."""
 
     name: str
     root: str
     files: tuple[str, ...]
+    folders: tuple[tuple[str, int], ...] = ()
 
-    def paths(self) -> Iterable[str]:
-        return (os.path.join(self.root, f) for f in self.files)
+    @functools.cached_property
+    def paths(self) -> tuple[str, ...]:
+        """Each of ``files``' full path."""
+        return tuple(os.path.join(self.root, f) for f in self.files)
+
+    def again(self) -> OwnModule:
+        """This module as its folders hold it now: a package whose folders changed is
+        listed again (a new submodule or data file ships too)."""
+        if not self.folders or all(_mtime(folder) == seen for folder, seen in self.folders):
+            return self
+        return _package(self.name, os.path.join(self.root, self.name), self.root)
 
 
 def imported_names(source: str) -> set[str]:
@@ -107,7 +119,7 @@ def kernels_modules() -> set[str]:
         return _kernels_seen[1]
     found = {name for name, module in list(sys.modules.items())
              if "." not in name and name not in NEVER_SHIPPED
-             and _module_file(module) is not None}
+             and users_file(module) is not None}
     _kernels_seen = (count, found)
     return found
 
@@ -115,8 +127,9 @@ def kernels_modules() -> set[str]:
 _kernels_seen: tuple[int, set[str]] | None = None
 
 
-def _module_file(module: ModuleType | None) -> str | None:
-    """The user's source file of ``module`` (a package's ``__init__``), if it is one."""
+def users_file(module: ModuleType | None) -> str | None:
+    """The user's source file of ``module`` (a package's ``__init__``), if it is one
+    (not nbddp's, not installed)."""
     path = getattr(module, "__file__", None)
     if not isinstance(path, str):
         return None
@@ -160,7 +173,7 @@ class Finder:
                 continue
         if tuple(folders) != self._folders:
             self._folders = tuple(folders)
-            self._found.clear()
+            self._found = {name: found for name, found in self._found.items() if found}
 
 
 def _users_folders(path: tuple[str, ...]) -> tuple[str, ...]:
@@ -174,7 +187,7 @@ def _locate(name: str) -> OwnModule | None:
     """Where ``name`` is imported from here: the module loaded, else what the import
     path would find (nothing is imported to find it)."""
     module = sys.modules.get(name)
-    origin = _module_file(module) if module is not None else None
+    origin = users_file(module) if module is not None else None
     if origin is None and module is None:
         try:
             spec = importlib.machinery.PathFinder.find_spec(name)
@@ -187,16 +200,17 @@ def _locate(name: str) -> OwnModule | None:
         return None
     if os.path.basename(origin) == "__init__.py":
         package = os.path.dirname(origin)
-        root = os.path.dirname(package)
-        return OwnModule(name, root, _package_files(package, root))
+        return _package(name, package, os.path.dirname(package))
     return OwnModule(name, os.path.dirname(origin), (os.path.basename(origin),))
 
 
-def _package_files(package: str, root: str) -> tuple[str, ...]:
-    """Every file of ``package`` to ship (relative to ``root``), sorted."""
-    files, total = [], 0
+def _package(name: str, package: str, root: str) -> OwnModule:
+    """The package ``name`` at ``package``: every file to ship (relative to ``root``),
+    sorted, and its folders' times. ``PackageTooLarge`` as soon as it is too large."""
+    files, folders, total = [], [], 0
     for folder, dirs, names in os.walk(package):
         dirs[:] = sorted(d for d in dirs if d not in _SKIPPED_DIRS and not d.startswith("."))
+        folders.append((folder, _mtime(folder)))
         for file in names:
             if file.startswith(".") or file.endswith(_SKIPPED_SUFFIXES):
                 continue
@@ -205,10 +219,17 @@ def _package_files(package: str, root: str) -> tuple[str, ...]:
                 total += os.path.getsize(path)
             except OSError:
                 continue
+            if total > MAX_PACKAGE_BYTES:
+                raise PackageTooLarge(
+                    f"package {name!r} ({package}) holds more than nbddp ships with a cell "
+                    f"({MAX_PACKAGE_BYTES // 2**20} MiB): install it on the nodes, or pass "
+                    "it with Ray's runtime_env (py_modules)")
             files.append(os.path.relpath(path, root))
-    if total > MAX_PACKAGE_BYTES:
-        raise PackageTooLarge(
-            f"package {os.path.basename(package)!r} ({package}) holds {total / 2**20:.0f} MiB, "
-            f"more than nbddp ships with a cell ({MAX_PACKAGE_BYTES // 2**20} MiB): install "
-            "it on the nodes, or pass it with Ray's runtime_env (py_modules)")
-    return tuple(sorted(files))
+    return OwnModule(name, root, tuple(sorted(files)), tuple(folders))
+
+
+def _mtime(path: str) -> int:
+    try:
+        return os.stat(path).st_mtime_ns
+    except OSError:
+        return -1
