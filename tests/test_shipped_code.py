@@ -108,17 +108,16 @@ def test_modules_the_kernel_imported_ship_unasked(notebook):
 
 
 def test_a_node_installs_before_the_kernels_folder_and_rewrites_only_changes(
-        notebook, tmp_path, monkeypatch):
+        notebook, tmp_path):
     node = tmp_path / "node"
     node.mkdir(mode=0o700)
-    monkeypatch.setenv("NBDDP_NODE_SHM", str(node))
     code = RanksCode().changes({"helpers"}, False)
-    install(code)
+    install(code, node)
     mirror = node / "code" / str(notebook).lstrip("/")
     assert (mirror / "helpers.py").read_bytes() == (notebook / "helpers.py").read_bytes()
     assert sys.path[0] == str(mirror)  # (before an installed module of the same name too)
     before = (mirror / "utils.py").stat().st_mtime_ns
-    install(code)
+    install(code, node)
     assert (mirror / "utils.py").stat().st_mtime_ns == before
 
 
@@ -148,12 +147,12 @@ def test_a_payload_brings_the_users_modules_to_a_rank_that_cannot_see_them(
         import pathlib
         from nbddp._wire.dataplane import Packed
         from nbddp._wire.payload import Payload
-        payload = Payload.unpack(Packed(pathlib.Path({str(payload_file)!r}).read_bytes()))
+        payload = Payload.unpack(Packed(pathlib.Path({str(payload_file)!r}).read_bytes()),
+                                 pathlib.Path({str(node)!r}))
         print(payload.fn())
         """)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, text=True,
-                          capture_output=True, timeout=60,
-                          env={**os.environ, "NBDDP_NODE_SHM": str(node)})
+                          capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(42, 3)"
     assert not (hidden / "helpers.py").samefile(
@@ -172,20 +171,20 @@ def test_an_edit_within_the_same_second_and_size_is_not_hidden_by_bytecode(
     (notebook / "utils.py").write_text("BASE = 42\n")  # (same size, same second)
     edit = ranks.changes({"utils"}, True)
     script = textwrap.dedent("""\
-        import importlib, pickle, sys
+        import importlib, pathlib, pickle, sys
         from nbddp._wire.shipped_code import install
-        first, edit = pickle.loads(sys.stdin.buffer.read())
-        install(first)
+        first, edit, node = pickle.loads(sys.stdin.buffer.read())
+        install(first, node)
         import utils
         assert utils.BASE == 41, utils.BASE
-        install(edit)
+        install(edit, node)
         print(importlib.reload(utils).BASE)
         """)
     import pickle
 
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path,
-                          input=pickle.dumps((first, edit)), capture_output=True,
-                          timeout=60, env={**os.environ, "NBDDP_NODE_SHM": str(node)})
+                          input=pickle.dumps((first, edit, node)), capture_output=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr.decode()
     assert done.stdout.decode().strip() == "42"
 
@@ -219,13 +218,12 @@ def test_a_first_import_after_an_edit_gets_the_edit_without_autoreload(notebook)
         "helpers.py": b"import utils\nVALUE = -1\n"}
 
 
-def test_a_shipped_path_that_would_leave_the_code_folder_is_refused(tmp_path, monkeypatch):
+def test_a_shipped_path_that_would_leave_the_code_folder_is_refused(tmp_path):
     from nbddp._wire.shipped_code import ShippedCode
 
-    monkeypatch.setenv("NBDDP_NODE_SHM", str(tmp_path))
     escape = ShippedCode((("/nb", "../../../outside.py", "0" * 64, b"x = 1\n"),), ("/nb",))
     with pytest.raises(ValueError, match="leaves the code folder"):
-        install(escape)
+        install(escape, tmp_path)
     assert not (tmp_path / "outside.py").exists()
 
 

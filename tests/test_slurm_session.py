@@ -202,7 +202,7 @@ def test_the_notebooks_module_ships_to_each_node_of_the_job(cluster_session):
                                 "where = [None] * dist.get_world_size()\n"
                                 "dist.all_gather_object(where, (shipped_helpers.WIDTH, "
                                 "shipped_helpers.__file__.startswith("
-                                "os.environ['NBDDP_NODE_SHM'] + '/code/')))\nwhere")
+                                "os.environ['NBDDP_NODE_DISK'] + '/code/')))\nwhere")
     assert run.assert_ok().result() == "[(64, True), (64, True)]"
 
 

@@ -36,6 +36,7 @@ from .._wire.messages import (
     Start,
 )
 from .._wire.payload import Payload, dumps_value
+from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV
 from . import debugger, setup_check
 from .autoreload import Reloader, forget_listings, ready_to_reload
 from .metrics import start_reporting, stop_reporting
@@ -54,6 +55,14 @@ class Report:
 
     message: Result | Failure | Requeueing
     data: dataplane.Packed | None = None
+
+
+def code_home(run_dir: Path) -> Path:
+    """Where the user's modules shipped to this rank are written: the node's private
+    folder on local disk (or in shared memory), which its torchrun removes, where
+    nbddp's torchrun made one; else the rank's run folder, which goes with the run."""
+    node = os.environ.get(NODE_DISK_ENV) or os.environ.get(NODE_SHM_ENV)
+    return Path(node) if node else run_dir
 
 
 def _packed_payload(start: Start) -> dataplane.Packed:
@@ -156,7 +165,7 @@ class Rank:
             if not start.options.runs_on(self.rank):
                 return Report(Result(self.rank))  # at rest, state untouched
             reporter = start_reporting(self.rank, send)
-            payload = Payload.unpack(_packed_payload(start), self.run_dir)
+            payload = Payload.unpack(_packed_payload(start), code_home(self.run_dir))
             if debugger.DEBUGGING and not getattr(payload.fn, "keeps_last_failure", False):
                 debugger.DEBUGGING.last_failure = None  # (its frames may hold much memory)
             scope = self.scope if start.session else Scope()

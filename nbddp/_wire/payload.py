@@ -101,9 +101,9 @@ class Payload:
 
     @classmethod
     def unpack(cls, packed: Packed, code_home: Path | None = None) -> Payload:
-        """Install the kernel's import path, the user's modules it shipped (into the
-        node's folder for them, else ``code_home``'s), and cell sources here, then
-        unpickle the rest."""
+        """Install the kernel's import path, the user's modules it shipped (into
+        ``code_home``, the node's folder for them), and cell sources here, then unpickle
+        the rest."""
         body, sys_path, sources, shipped = pickle.loads(packed.data)
         sys.path.extend(p for p in sys_path if p not in sys.path)
         if shipped is not None:

@@ -4,8 +4,8 @@ On a cluster people rent, a node has the image, not the folder the notebook sits
 ``import helpers`` fails there. So the kernel ships the user's own modules
 (``_wire.users_code``) to the ranks of a cluster backend with the run's payload, before
 anything in it is unpickled, and each node writes them into its private folder (on
-local disk, ``NBDDP_NODE_DISK``, which its torchrun removes), under the path they have
-in the kernel::
+local disk, which its torchrun removes: ``_rank.loop.code_home``), under the path they
+have in the kernel::
 
     <node folder>/code/<the kernel's folder, e.g. home/me/project>/helpers.py
 
@@ -38,7 +38,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .rundir import NODE_DISK_ENV, NODE_SHM_ENV
 from .users_code import Finder, OwnModule, PackageTooLarge, imported_names, kernels_modules
 
 CODE_FOLDER = "code"
@@ -267,8 +266,7 @@ _installed: dict[str, str] = {}
 
 
 def install(code: ShippedCode, home: Path | None = None) -> None:
-    """Write ``code``'s files into this node's folder for them (``home``'s where the
-    rank was started without one; a new temporary folder where neither is), and put
+    """Write ``code``'s files into ``home``'s folder for them (the node's), and put
     their folders first on the import path, in the kernel's order: the rank imports
     what the kernel would."""
     base = _code_folder(home)
@@ -299,12 +297,9 @@ def _write_files(base: Path, files: Iterable[tuple[str, str, str, bytes]]) -> No
 
 
 def _code_folder(home: Path | None) -> Path:
-    """This node's folder for shipped code: in the node's private folder on local disk
-    (or in shared memory), which its torchrun removes; else in ``home`` (the rank's run
-    folder), which goes with the run."""
-    node = os.environ.get(NODE_DISK_ENV) or os.environ.get(NODE_SHM_ENV)
-    if node:
-        return Path(node) / CODE_FOLDER
+    """The folder for shipped code in ``home`` (the node's private folder, which its
+    torchrun removes, or the rank's run folder, which goes with the run); in a new
+    temporary folder without one (a payload unpacked outside a rank)."""
     return (home or Path(tempfile.mkdtemp(prefix="nbddp-code-"))) / CODE_FOLDER
 
 
