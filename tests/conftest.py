@@ -30,6 +30,10 @@ def pytest_configure(config):
     # ignored, and Python then leaves it ignored.
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # A stop (SIGTERM, as a shell's kill of the lanes' process group sends it) ends the
+    # suite as Ctrl-C does, so pytest_unconfigure still removes the lane's folders (two
+    # empty lane folders were left in /dev/shm by a suite stopped so).
+    signal.signal(signal.SIGTERM, _stopped)
     # Runs (and kernels started by tests) put their run dirs in a temp dir of our own,
     # so the leftover check sees this session's files only.
     session_tmp = tempfile.mkdtemp(prefix="pytest-nbddp-")
@@ -38,6 +42,10 @@ def pytest_configure(config):
     # Standby ranks would outlive each test that launches (and every kernel the tests
     # start inherits this); the tests of standby ranks turn them on themselves.
     os.environ["NBDDP_STANDBY"] = "0"
+
+
+def _stopped(signum, frame):
+    raise KeyboardInterrupt(f"stopped by signal {signum}")
 
 
 def pytest_unconfigure(config):
