@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import glob
+import json
 import os
 import shutil
 import signal
 import tempfile
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import pytest
 
@@ -89,31 +92,66 @@ def descendants(root: int | None = None) -> set[int]:
     return found - zombies
 
 
+# --- what a run may not skip: its clusters and tools ---------------------------------
+
+REQUIRED = frozenset(filter(None, os.environ.get("NBDDP_REQUIRE", "").split(",")))
+"""The clusters and tools this run must have (of ``ray``, ``slurm``, ``browser``):
+scripts/test.sh's full run, CI's, names all three, so a test that would skip for want of
+one (the ``ray`` command not on PATH, the SLURM cluster dead mid-suite) fails instead,
+with the reason, and the run is not green with a lane of it unrun. GPU tests still skip."""
+
+
+def missing(need: str, reason: str) -> NoReturn:
+    """Skip the test for want of ``need``: fail it where this run requires ``need``."""
+    if need in REQUIRED:
+        pytest.fail(f"this run requires {need} (NBDDP_REQUIRE), and it is missing: {reason}",
+                    pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test marked with a required cluster or tool that skipped anyway (a ``skipif``, a
+    skip of its own) is reported failed, with the reason it gave."""
+    report = (yield).get_result()
+    needs = sorted(name for name in REQUIRED if item.get_closest_marker(name))
+    if report.skipped and needs and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = (f"this run requires {', '.join(needs)} (NBDDP_REQUIRE), "
+                           f"so this test may not skip: {reason}")
+
+
 # --- lanes: the whole suite runs as two pytest processes at once (scripts/test.sh) ----
 
 LANE = os.environ.get("NBDDP_TEST_LANE", "")
 """``waiting`` or ``busy``: this process runs only that lane's tests; unset: all."""
 
-WAITING_LANE = {
-    "test_slurm_submit.py", "test_slurm_cluster.py", "test_requeue.py", "test_export.py",
-    "test_docs.py", "test_session.py", "test_security.py", "test_stacks.py",
-    "test_rank_view.py", "test_kernel.py", "test_pdb.py", "test_metrics.py",
-    "test_models_back.py", "test_slurm_session.py", "test_ray_session.py",
-    "test_ray_lifecycle.py", "test_cluster_relay.py",
-    "test_setup_hangs.py",
-    "cluster_session.ipynb",  # (a notebook: its SLURM jobs queue beside no other test's)
-}
-"""Modules whose tests spend much of their time waiting (on SLURM's scheduler, a timeout,
-a silent rank, a kernel): on a 2-core machine they run beside the rest, which keep both
-cores busy, and the suite takes about two thirds of the time. Every other test, and the
-other notebooks, run in the ``busy`` lane; together the lanes run every test once."""
-
 
 def lane_of(item: pytest.Item) -> str:
-    return "waiting" if item.path.name in WAITING_LANE else "busy"
+    """Tests marked ``waits`` spend much of their time waiting (on SLURM's scheduler, a
+    timeout, a silent rank, a kernel): on a 2-core machine they run beside the rest, which
+    keep both cores busy, and the suite takes about two thirds of the time. Every other
+    test runs in the ``busy`` lane; together the lanes run every test once."""
+    return "waiting" if item.get_closest_marker("waits") else "busy"
+
+
+def notebook_marks(item: pytest.Item) -> tuple[str, ...]:
+    """The marks a notebook asks for in its metadata (``"nbddp_test": {"marks": [...]}``):
+    nbval's cells carry no decorators, so a notebook that needs a cluster says so there."""
+    return _notebook_marks(item.path) if item.path.suffix == ".ipynb" else ()
+
+
+@functools.cache
+def _notebook_marks(path: Path) -> tuple[str, ...]:
+    metadata = json.loads(path.read_text()).get("metadata", {})
+    return tuple(metadata.get("nbddp_test", {}).get("marks", []))
 
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in notebook_marks(item):
+            item.add_marker(mark)
     if not LANE:
         return
     if LANE not in ("waiting", "busy"):
@@ -310,7 +348,7 @@ def slurm_env() -> dict[str, str]:
 
     reason = unavailable()
     if reason:
-        pytest.skip(reason)
+        missing("slurm", reason)
     return {**os.environ, **load_env()}
 
 

@@ -17,7 +17,7 @@ from queue import Empty
 
 from jupyter_client.manager import start_new_kernel
 
-CELL_TIMEOUT = 60.0  # no cell here should come near this; it only stops a hang
+CELL_TIMEOUT = 180.0  # no cell here should come near this; it only stops a hang
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 

@@ -29,7 +29,7 @@ from .test_ray_session import (
 from .test_ray_session import setup_cell as ray_setup_cell
 from .test_slurm_session import session_jobs, start_session  # noqa: F401 - fixture
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.waits]
 
 PER_NODE = RELAY_FROM_PER_NODE  # (the fewest ranks a node has a relay for)
 RAY_START = f"%ddp_session start --ray --nodes 2 --nprocs {PER_NODE}"

@@ -28,8 +28,10 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import wait_until
+from .conftest import missing, wait_until
 from .kernel_driver import Kernel
+
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 LANGUAGES = {"python", "text", "bash", "console", "toml", "yaml"}
@@ -170,12 +172,12 @@ def _run_page(kernel: Kernel, page: Path, clusters: list) -> None:
             slurm_checked = True
             reason = _slurm_ready(kernel)
             if reason:
-                pytest.skip(f"{where} and after need SLURM: {reason}")
+                missing("slurm", f"{where} and after need SLURM: {reason}")
         if block.needs_ray and not ray_checked:
             ray_checked = True
             reason = _ray_ready(kernel, clusters)
             if reason:
-                pytest.skip(f"{where} and after need Ray: {reason}")
+                missing("ray", f"{where} and after need Ray: {reason}")
         if block.lang == "python":
             run = kernel.run(block.body, timeout=BLOCK_TIMEOUT)
             if block.raises:

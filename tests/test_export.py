@@ -18,6 +18,8 @@ from nbddp._slurm.sbatch import sbatch_text, submission_sbatch_text
 from .conftest import wait_until
 from .slurm import job_ended, job_info, submit
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 GOLDEN = Path(__file__).parent / "golden"
 
 

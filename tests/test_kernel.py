@@ -18,8 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
+
 from .conftest import descendants, run_dirs, wait_until
 from .kernel_driver import CELL_TIMEOUT, Execution, Kernel
+
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
 
 
 def _start_time(pid: int) -> str | None:

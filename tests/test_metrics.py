@@ -11,6 +11,8 @@ import nbddp
 from nbddp._rank.reporter import until_next_beat
 from nbddp._wire.history import History, read_history
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 
 def train_and_log(steps):
     import torch

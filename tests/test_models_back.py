@@ -19,6 +19,8 @@ import torch.nn as nn
 import nbddp
 from nbddp._rank.whole import make_whole
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 STEPS = 3
 
 

@@ -21,6 +21,8 @@ import nbddp
 
 from .kernel_driver import Execution
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 STOPS = """
 def stops(ranks):
     import torch.distributed as dist

@@ -22,6 +22,8 @@ from nbddp._wire.messages import RankStats
 
 from .conftest import wait_until
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 # --- functions the ranks run ---------------------------------------------------------
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from .conftest import missing
 from .kernel_driver import Kernel
 from .ray_cluster import RayCluster, hiding_unavailable, unavailable
 
@@ -49,7 +50,7 @@ def notebook_folder(tmp_path_factory):
 def ray_cluster(notebook_folder):
     reason = unavailable() or hiding_unavailable()
     if reason:
-        pytest.skip(reason)
+        missing("ray", reason)
     cluster = RayCluster()
     try:
         yield cluster.start(nodes=2, hidden=notebook_folder)

@@ -25,7 +25,7 @@ from .ray_cluster import RayCluster
 from .test_ray_session import START, cell, setup_cell
 from .test_ray_session import ray_cluster as ray_cluster  # noqa: F401 - this module's own
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.waits]
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ from nbddp._magic import _check_combination, _ray_options
 from nbddp._ray.options import ray_run
 from nbddp._run.config import RunOptions
 
+from .conftest import missing
+
 pytestmark = pytest.mark.fast
 
 
@@ -111,8 +113,15 @@ def _closed_port() -> int:
         return probe.getsockname()[1]  # (closed again: nothing listens there)
 
 
-NEEDS_RAY = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
-                               reason="ray is not installed")
+NEEDS_RAY = pytest.mark.ray
+"""(A test that runs ray's own code: skipped where ray is not installed, by the fixture
+below, and failed instead where the run requires ray.)"""
+
+
+@pytest.fixture(autouse=True)
+def _ray_installed(request):
+    if request.node.get_closest_marker("ray") and importlib.util.find_spec("ray") is None:
+        missing("ray", "ray is not installed (pip install 'nbddp[ray]')")
 
 
 def _launch_says(address: str | None, ray_address: str, first: str = "",

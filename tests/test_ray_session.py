@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pytest
 
+from .conftest import missing
 from .kernel_driver import Kernel
 from .ray_cluster import RayCluster, unavailable
 from .test_pdb import answer
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.waits]
 
 START = "%ddp_session start --ray --nodes 2 --nprocs 1"
 
@@ -25,7 +26,7 @@ START = "%ddp_session start --ray --nodes 2 --nprocs 1"
 def ray_cluster():
     reason = unavailable()
     if reason:
-        pytest.skip(reason)
+        missing("ray", reason)
     cluster = RayCluster()
     try:
         yield cluster.start(nodes=2)

@@ -26,6 +26,8 @@ from nbddp._slurm.sbatch import submission_sbatch_text
 from .conftest import wait_until
 from .slurm import job_ended, job_info, slurm
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 # --- functions the ranks run ---------------------------------------------------------
 
 

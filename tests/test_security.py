@@ -31,7 +31,7 @@ from nbddp._wire.messages import DebugInput, Disconnected, Hello, Ready, encode
 
 from .conftest import SHM, local_run_dirs, wait_until
 
-pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
+pytestmark = [pytest.mark.fast, pytest.mark.waits]  # the fast lane: bash scripts/test.sh --fast
 
 
 def mode(path) -> int:

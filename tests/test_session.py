@@ -22,7 +22,7 @@ from .conftest import descendants, run_dirs, wait_until
 from .kernel_driver import Kernel
 from .test_kernel import _alive, _snapshot
 
-pytestmark = pytest.mark.slow  # kernels and rank groups, several seconds each
+pytestmark = [pytest.mark.slow, pytest.mark.waits]  # kernels and rank groups, several seconds each
 
 START = """
 %load_ext nbddp

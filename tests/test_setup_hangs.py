@@ -18,6 +18,8 @@ from nbddp._wire.messages import Collectives, SetupLook
 
 from .conftest import wait_until
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 # --- the report, from the ranks' looks ----------------------------------------------------
 
 

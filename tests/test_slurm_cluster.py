@@ -17,7 +17,7 @@ from nbddp._slurm.launcher import job_status
 from .conftest import wait_until
 from .slurm import alive, job_ended, job_info, slurm, start_time, submit
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.waits]
 
 def test_two_node_job_runs_on_both_nodes(slurm_env, jobs, tmp_path):
     # Polled with scontrol rather than sbatch --wait, which polls every 2 s, then 10 s.

@@ -33,7 +33,7 @@ from .test_kernel import _alive, _snapshot
 from .test_pdb import answer
 from .test_slurm_submit import setup_cell
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.waits]
 
 START = "%ddp_session start --slurm --nodes 2 --nprocs 1 --time 00:10:00 --cpus-per-task 1"
 JOB_ID = re.compile(r"SLURM job (\d+) is running on n\[1-2\]")

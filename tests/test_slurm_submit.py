@@ -20,7 +20,7 @@ from .conftest import wait_until
 from .kernel_driver import Kernel
 from .slurm import job_ended, job_info, slurm
 
-pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+pytestmark = [pytest.mark.slurm, pytest.mark.slow, pytest.mark.waits]
 
 JOB_ID = re.compile(r"submitted SLURM job (\d+)")
 

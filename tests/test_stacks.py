@@ -29,6 +29,8 @@ from nbddp._wire.stacks import read_dump
 
 from .conftest import wait_until
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 NBDDP = Path(nbddp.__file__).parent
 TORCH = Path(importlib.util.find_spec("torch").origin).parent
 THREADING = threading.__file__
