@@ -1,83 +1,117 @@
-"""Where the front door chooses a backend: the one module of it that names them.
+"""Where the front door finds a backend: the registry of cluster kinds.
 
-``launch``, ``Session`` and the magics say what the user asked (``slurm=``, ``ray=``) and get
-a ``Backend`` (``_run.backend``) to drive; attaching finds the backend that holds the
-session. A new backend is a package beside ``_local``, ``_slurm`` and ``_ray`` and a
-few lines here (and its option in the public signatures).
+``launch``, ``Session`` and the magics say what the user asked (``cluster=nbddp.Slurm()``,
+``--ray``...) and get a ``Backend`` (``_run.backend``) to drive: this machine's, or the
+one of the cluster kind whose option type the user gave. Each kind declares itself in
+its own package (a ``ClusterKind``, see ``_run.cluster_kind``); this module lists them,
+one line each. A new backend is its package and one ``register`` line (here, or in the
+user's own code: the magics take its flags from then on).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import os
+import warnings
+from typing import Any
 
 from ._local.backend import local_backend, warm_up
 from ._local.standby import StandbyState, standby
-from ._ray.backend import attach_ray_session, ray_backend
+from ._ray.backend import RayKind
 from ._ray.options import Ray
-from ._ray.session import kept_ray_sessions
 from ._run.backend import Backend
+from ._run.cluster_kind import Attached, ClusterKind
 from ._run.config import RunOptions
-from ._run.waiting import WaitingGroup
-from ._slurm.backend import attach_run, attach_session, slurm_backend, slurm_session_backend
+from ._run.job import Job
+from ._slurm.backend import SlurmKind
 from ._slurm.options import Slurm
 
-__all__ = ["Ray", "Slurm", "StandbyState", "attach_run", "attached_session", "run_backend",
-           "session_backend", "standby", "warm_up"]
+__all__ = ["KINDS", "Ray", "Slurm", "StandbyState", "attach_run", "attached_session",
+           "chosen_cluster", "kind_of", "register", "run_backend", "session_backend",
+           "standby", "warm_up"]
+
+KINDS: list[ClusterKind] = []
+"""The cluster kinds, in the order they were registered (a session to attach to is
+looked for in the reverse order: the last registered, the most particular, first)."""
 
 
-def run_backend(options: RunOptions, slurm: bool | Slurm = False,
-                ray: bool | Ray = False) -> Backend:
-    """The backend of a one-off run: this machine, a SLURM batch job, or Ray's nodes."""
-    _one_cluster(slurm, ray)
-    if slurm is not False:
-        return slurm_backend(options, slurm)
-    if ray is not False:
-        return ray_backend(options, ray)
-    return local_backend(options)
+def register(kind: ClusterKind) -> ClusterKind:
+    """Make ``kind`` a cluster the front door knows: ``cluster=kind.options(...)`` and the
+    magics' ``--<kind.name>`` (with its flags) choose it."""
+    taken = [known for known in KINDS if known.name == kind.name
+             or known.options is kind.options]
+    if taken:
+        raise ValueError(f"a cluster kind named {kind.name!r} (or taking "
+                         f"{kind.options.__name__}) is registered already: {taken[0]!r}")
+    KINDS.append(kind)
+    return kind
 
 
-def session_backend(options: RunOptions, slurm: bool | Slurm = False,
-                    grace: float | None = None, ray: bool | Ray = False) -> Backend:
-    """The backend of a session's ranks: this machine, one SLURM job (whose ranks
-    outlive the kernel for ``grace`` seconds), or a Ray placement group (``Ray.grace``,
-    or ``grace``)."""
-    _one_cluster(slurm, ray)
-    if slurm is not False:
-        return slurm_session_backend(options, slurm, grace)
-    if ray is not False:
-        return ray_backend(options, _with_grace(ray, grace))
-    if grace is not None:
-        raise ValueError("grace is for a session on a cluster (slurm=... or ray=...): a "
-                         "local session's ranks end with the kernel")
-    return local_backend(options)
+register(SlurmKind())
+register(RayKind())
 
 
-def attached_session(job_id: str | int | None
-                     ) -> tuple[Backend, WaitingGroup, frozenset[str]]:
+def kind_of(cluster: Any) -> ClusterKind:
+    """The kind whose option type ``cluster`` is; ``TypeError`` for anything else."""
+    for kind in KINDS:
+        if isinstance(cluster, kind.options):
+            return kind
+    names = ", ".join(f"nbddp.{kind.options.__name__}(...)" for kind in KINDS)
+    raise TypeError(f"cluster= takes one of {names}, got {cluster!r}")
+
+
+def chosen_cluster(cluster: Any, slurm: Any = False, ray: Any = False,
+                   stacklevel: int = 3) -> Any:
+    """The user's cluster from ``cluster=``, or from the older ``slurm=`` / ``ray=``
+    (which still work, with a warning that names the new spelling); None: this machine."""
+    old = [(name, value) for name, value in (("slurm", slurm), ("ray", ray))
+           if value is not False]
+    if len(old) + (cluster is not None) > 1:
+        raise ValueError("a run goes to one cluster: give cluster=, not "
+                         + " and ".join(f"{name}=" for name, _ in old)
+                         + (" as well" if cluster is not None else " both"))
+    if not old:
+        return cluster
+    name, value = old[0]
+    kind = next(kind for kind in KINDS if kind.name == name)
+    warnings.warn(f"{name}= is now cluster=: write cluster=nbddp.{kind.options.__name__}"
+                  f"({'' if value is True else '...'}) ({name}= will go in a later release)",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return kind.chosen(value)
+
+
+def run_backend(options: RunOptions, cluster: Any = None) -> Backend:
+    """The backend of a one-off run: this machine (``cluster=None``), or a cluster's."""
+    if cluster is None:
+        return local_backend(options)
+    return kind_of(cluster).run_backend(options, cluster)
+
+
+def session_backend(options: RunOptions, cluster: Any = None,
+                    grace: float | None = None) -> Backend:
+    """The backend of a session's ranks: this machine, or a cluster's, whose ranks may
+    outlive the kernel for ``grace`` seconds (each kind says its default)."""
+    if cluster is None:
+        if grace is not None:
+            raise ValueError("grace is for a session on a cluster (cluster=...): a local "
+                             "session's ranks end with the kernel")
+        return local_backend(options)
+    return kind_of(cluster).session_backend(options, cluster, grace)
+
+
+def attached_session(job_id: str | int | None) -> Attached:
     """The session whose ranks outlived their kernel, reconnected to this kernel: its
-    backend, its ranks, and the names kept on them. ``job_id``: its SLURM job, or its
-    Ray session (``ray-...``); without it, this account's one running session (a Ray
-    session's, where its folder is kept; else a SLURM job's)."""
-    if isinstance(job_id, str) and job_id.startswith("ray-"):
-        return attach_ray_session(job_id)
-    if job_id is None and any(record.options.outlives_kernel
-                              for record, _ in kept_ray_sessions()):
-        return attach_ray_session(None)
-    return attach_session(job_id)
+    backend, its ranks, and the names kept on them. ``job_id``: its cluster's id for it
+    (a SLURM job, a Ray session ``ray-...``); without it, this account's one running
+    session (the most particular kind's first: a Ray session's, where one is kept)."""
+    for kind in reversed(KINDS):
+        if kind.attaches(job_id):
+            return kind.attach_session(job_id)
+    raise ValueError(f"no cluster kind knows a session {job_id!r}")
 
 
-def _one_cluster(slurm: bool | Slurm, ray: bool | Ray) -> None:
-    if slurm is not False and ray is not False:
-        raise ValueError("a run goes to one cluster: give slurm= or ray=, not both")
-
-
-def _with_grace(ray: bool | Ray, grace: float | None) -> bool | Ray:
-    """``ray`` with the session's ``grace`` (given once: here or in ``Ray``)."""
-    if grace is None:
-        return ray
-    chosen = Ray() if ray is True else ray
-    if isinstance(chosen, Ray):
-        if chosen.grace is not None and chosen.grace != grace:
-            raise ValueError(f"grace={grace:g} disagrees with Ray(grace={chosen.grace:g})")
-        return dataclasses.replace(chosen, grace=grace)
-    return ray
+def attach_run(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:
+    """A batch run followed again from a new kernel (a SLURM job's, by its id)."""
+    for kind in reversed(KINDS):
+        if kind.attaches(job_id) and type(kind).attach_run is not ClusterKind.attach_run:
+            return kind.attach_run(job_id, run_dir)
+    raise ValueError(f"no cluster kind follows a run {job_id!r} again")

@@ -10,8 +10,8 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeVar, overload
 
-from ._backends import Ray, Slurm, attach_run, run_backend
-from ._run.config import DEFAULT_STALL_AFTER, RunOptions
+from ._backends import Ray, Slurm, attach_run, chosen_cluster, run_backend
+from ._run.config import DEFAULT_STALL_AFTER, ClusterOptions, RunOptions
 from ._run.job import Job
 from ._wire.payload import Payload
 from ._wire.shipped_code import RanksCode
@@ -38,6 +38,7 @@ def launch(
     max_restarts: int = ...,
     stall_after: float | None = ...,
     pdb: bool = ...,
+    cluster: ClusterOptions | None = ...,
     slurm: bool | Slurm = ...,
     ray: bool | Ray = ...,
 ) -> Job[R]: ...
@@ -59,6 +60,7 @@ def launch(
     max_restarts: int = ...,
     stall_after: float | None = ...,
     pdb: bool = ...,
+    cluster: ClusterOptions | None = ...,
     slurm: bool | Slurm = ...,
     ray: bool | Ray = ...,
 ) -> list[R]: ...
@@ -80,6 +82,7 @@ def launch(
     max_restarts: int = ...,
     stall_after: float | None = ...,
     pdb: bool = ...,
+    cluster: ClusterOptions | None = ...,
     slurm: bool | Slurm = ...,
     ray: bool | Ray = ...,
 ) -> R: ...
@@ -102,6 +105,7 @@ def launch(
     max_restarts: int = 0,
     stall_after: float | None = DEFAULT_STALL_AFTER,
     pdb: bool = False,
+    cluster: ClusterOptions | None = None,
     slurm: bool | Slurm = False,
     ray: bool | Ray = False,
 ) -> R | list[R] | Job[R]:
@@ -127,11 +131,12 @@ def launch(
     background and wait (see ``standby``), so the next launch of the same shape starts
     in a fraction of a second; ``Job.warm`` says whether a run used them.
 
-    ``slurm=Slurm(nodes=2, ...)`` (or ``True``) submits the run as a SLURM batch job
-    instead, with ``nprocs``/``gpus`` ranks per node, and follows it in the same way:
-    queue state, then output, metrics and result. Interrupting stops it (``scancel``).
-    ``ray=Ray(nodes=2, ...)`` (or ``True``) runs it on a Ray cluster's nodes, ``nprocs``
-    ranks per node: placed, run and stopped as a session of one run.
+    ``cluster=nbddp.Slurm(nodes=2, ...)`` submits the run as a SLURM batch job instead,
+    with ``nprocs``/``gpus`` ranks per node, and follows it in the same way: queue state,
+    then output, metrics and result. Interrupting stops it (``scancel``).
+    ``cluster=nbddp.Ray(nodes=2, ...)`` runs it on a Ray cluster's nodes, ``nprocs`` ranks
+    per node: placed, run and stopped as a session of one run. (``slurm=`` and ``ray=``
+    are the older spelling of ``cluster=``: they still work, with a warning.)
 
     Raises ``WorkerError`` when a rank fails, ``TimeoutError`` after ``timeout``
     seconds, ``PayloadError`` when something cannot be sent; nothing is left running.
@@ -140,7 +145,8 @@ def launch(
     options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, timeout=timeout, init=init,
                          all_ranks=all_ranks, env=env, output=output,
                          max_restarts=max_restarts, stall_after=stall_after, pdb=pdb)
-    ranks = run_backend(options, slurm, ray)  # (``backend`` is the process group's)
+    chosen = chosen_cluster(cluster, slurm, ray)
+    ranks = run_backend(options, chosen)  # (``backend`` is the process group's)
     payload = Payload.capture(fn, tuple(args), dict(kwargs or {})).dumps(
         ranks.kernels_copies(), code=RanksCode() if ranks.ships_code and code_wanted() else None)
     job: Job[R] = Job.started_held(lambda: ranks.start_run(payload))
@@ -153,7 +159,8 @@ def _follow(job: Job, wait: bool) -> Any:
 
 
 def attach(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:
-    """Follow a run submitted with ``slurm=`` again, e.g. after a kernel restart.
+    """Follow a run submitted to SLURM (``cluster=nbddp.Slurm()``) again, e.g. after a
+    kernel restart.
 
     The job is found by its id among this account's run folders, or in ``run_dir``. Its
     output and metrics so far are shown again, then live; ``result()`` returns rank 0's

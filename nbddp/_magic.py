@@ -14,7 +14,6 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
-from IPython.core.displayhook import DisplayHook
 from IPython.core.error import UsageError
 from IPython.core.magic import (
     Magics,
@@ -24,16 +23,29 @@ from IPython.core.magic import (
 )
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ._backends import Ray, Slurm
+from ._backends import Slurm
+from ._cluster_flags import (
+    add_new_kinds,
+    check_cluster_flags,
+    chosen_kind,
+    cluster_arguments,
+    cluster_flags_given,
+    cluster_from_flags,
+)
 from ._errors import NbddpError
 from ._export.script import export
 from ._launch import launch
 from ._notebook import auto_cells
+from ._notebook.shell import (
+    running_cell_number,
+    unless_hidden,
+    without_ipythons_own_post_mortem,
+)
 from ._rank.cell import Cell, CellResult
 from ._rank.debugger import debug_last_failure
 from ._run.config import RunOptions
 from ._run.devices import GpusNotVisible
-from ._run.flags import argparse_arguments, defaults, flag_values
+from ._run.flags import argparse_arguments, flag_values
 from ._run.job import Job
 from ._run.rank_choice import parse_ranks
 from ._session import Session
@@ -89,72 +101,12 @@ def _parse_names(text: str) -> tuple[str, ...]:
     return names
 
 
-def _job_shape_flags(args: Any) -> bool:
-    """Whether a flag that shapes a SLURM job (its nodes, time, partition...) was given."""
-    return bool(args.nodes != 1 or args.time or args.partition or args.sbatch
-                or args.cpus_per_task)
-
-
-def _job_flags(args: Any) -> bool:
-    """Whether any flag that describes a SLURM job was given."""
-    return _job_shape_flags(args) or bool(args.requeue or args.signal_before is not None)
-
-
-_RAY_FLAGS = (
-    argument("--ray", action="store_true",
-             help="run the ranks on a Ray cluster's nodes (one placement group; --nodes N, "
-                  "--nprocs or --gpus ranks per node); the kernel must run inside the cluster"),
-    *_flags(Ray),
-)
-
-
-def _ray_options(args: Any, gpus: int | None, grace: float | None = None) -> Ray:
-    """The ``--ray`` flags as ``Ray`` options (``--nodes`` is the SLURM job's flag too)."""
-    return Ray(nodes=args.nodes, gpus_per_node=gpus or 0, grace=grace,
-               **_values(Ray, args))
-
-
-def _ray_flags(args: Any) -> bool:
-    """Whether a flag that describes a Ray placement was given (``--ray`` aside)."""
-    given = _values(Ray, args)
-    return any(given[name] != default for name, default in defaults(Ray).items()
-               if name in given)
-
-
-def _check_ray(args: Any) -> None:
-    """``--ray``'s flags, and those that go with it."""
-    if not args.ray:
-        if _ray_flags(args):
-            raise UsageError("--address and --cpus-per-node describe a Ray placement: add "
-                             "--ray")
-        return
-    if args.slurm or getattr(args, "export", None):
-        raise UsageError("--ray runs the ranks on a Ray cluster: no --slurm or --export")
-    slurm_only = (args.time or args.partition or args.sbatch or args.cpus_per_task
-                  or args.requeue or args.signal_before is not None)
-    if slurm_only:
-        raise UsageError("--time, --partition, --sbatch, --cpus-per-task, --requeue and "
-                         "--signal-before describe a SLURM job; with --ray, --nodes and "
-                         "--cpus-per-node say what each node holds")
-
-
 def _check_combination(args: Any) -> None:
-    """Flags that mean something only beside others: the SLURM job's, Ray's."""
-    _check_ray(args)
-    if args.ray:
-        return
-    if _job_shape_flags(args) and not (args.export or args.slurm):
-        raise UsageError("--nodes, --time, --partition and --sbatch describe a SLURM job: "
-                         "add --slurm to submit the cell, or --export PATH to write it")
-    if args.export and args.slurm:
-        raise UsageError("--export writes the job's files and --slurm submits it: "
-                         "choose one")
+    """Flags that mean something only beside others: a cluster's, ``--export``'s."""
+    check_cluster_flags(args, exporting=bool(args.export))
     if args.ranks is not None and args.export:
         raise UsageError("--ranks picks a session's ranks for a cell; an exported script "
                          "runs on every rank")
-    if (args.requeue or args.signal_before is not None) and not args.slurm:
-        raise UsageError("--requeue and --signal-before are for a job submitted from "
-                         "the notebook: add --slurm")
 
 
 def _chosen_ranks(text: str, session: Session | None) -> tuple[int, ...] | None:
@@ -170,8 +122,8 @@ def _chosen_ranks(text: str, session: Session | None) -> tuple[int, ...] | None:
         raise UsageError(str(exc)) from None
 
 
-def _session_conflicts(run: dict[str, Any], slurm: bool, session: Session,
-                       ray: bool = False) -> list[str]:
+def _session_conflicts(run: dict[str, Any], cluster_flags: list[str],
+                       session: Session) -> list[str]:
     """The ``%%ddp`` options that ask for ranks other than the open session's."""
     config = session.config
     wanted = {
@@ -179,11 +131,9 @@ def _session_conflicts(run: dict[str, Any], slurm: bool, session: Session,
         "--gpus": run["gpus"] is not None,
         "--backend": run["backend"] is not None and run["backend"] != config.backend,
         "--no-init": not run["init"] and config.init,
-        "--slurm": slurm,
-        "--ray": ray,
         "--max-restarts": run["max_restarts"] != 0,
     }
-    return [option for option, conflicts in wanted.items() if conflicts]
+    return [option for option, conflicts in wanted.items() if conflicts] + cluster_flags
 
 
 @magics_class
@@ -223,12 +173,7 @@ class DDPMagics(Magics):
                  help="do not run: write the cell as a script for torchrun/srun/python at "
                       "PATH, an sbatch file beside it (and a payload file for data without "
                       "source)"),
-        argument("--slurm", action="store_true",
-                 help="submit the cell as a SLURM batch job (sbatch) and follow it here: "
-                      "queue state, output, metrics, result; interrupting the cell runs "
-                      "scancel"),
-        *_flags(Slurm),
-        *_RAY_FLAGS,
+        *cluster_arguments(),
     )
     @line_cell_magic
     def ddp(self, line: str, cell: str | None = None) -> Any:
@@ -240,6 +185,8 @@ class DDPMagics(Magics):
         failing rank raises nbddp.WorkerError with the traceback of the cell's lines.
         """
         __tracebackhide__ = True  # errors show the user's cell, not this frame
+        if add_new_kinds(self.ddp.parser):
+            _ddp_line.cache_clear()  # (lines parsed before the kind was registered)
         args, checked = _ddp_line(line)
         if checked is None:  # -h
             print(self.ddp.parser.format_help())
@@ -251,10 +198,10 @@ class DDPMagics(Magics):
                                for name, value in checked.items()}  # (--gpus I,J)
         if self._shell.call_pdb and not args.export:  # %pdb on: post-mortem on the rank
             run["pdb"] = True
-            _without_ipythons_own_post_mortem(self._shell)
+            without_ipythons_own_post_mortem(self._shell)
         session = self._open_session
         if session is not None and not args.export:
-            conflicts = _session_conflicts(run, args.slurm, session, args.ray)
+            conflicts = _session_conflicts(run, cluster_flags_given(args), session)
             if conflicts:
                 raise UsageError(
                     f"{', '.join(conflicts)} would need other ranks than the open session's "
@@ -268,7 +215,8 @@ class DDPMagics(Magics):
         except SyntaxError as exc:  # shown at the cell's line, before anything starts
             raise exc.with_traceback(None) from None
         if args.export:
-            return _export_cell(code, args.export, run, _values(Slurm, args))
+            return _export_cell(code, args.export, run,
+                                {**_values(Slurm, args), "nodes": args.nodes})
         if session is not None:
             config = session._config_for(
                 timeout=run["timeout"],  # None: the session's
@@ -279,18 +227,14 @@ class DDPMagics(Magics):
         else:
             result = self._launch(code, args, run)
         self._shell.user_ns.update(result.outputs)
-        return _unless_hidden(result.value, cell)
+        return unless_hidden(result.value, cell)
 
     def _launch(self, code: Cell, args: Any, run: dict[str, Any]) -> CellResult:
         __tracebackhide__ = True
         try:
-            if args.ray:
+            if chosen_kind(args) is not None:
                 run = {**run, "gpus": _per_node(run["gpus"])}
-                return launch(code, **run, ray=_ray_options(args, run["gpus"]))
-            slurm = args.slurm and Slurm(**_values(Slurm, args))
-            if args.slurm:
-                run = {**run, "gpus": _per_node(run["gpus"])}
-            return launch(code, **run, slurm=slurm)
+            return launch(code, **run, cluster=cluster_from_flags(args, run["gpus"]))
         except (ValueError, TypeError) as exc:
             if isinstance(exc, NbddpError):
                 raise
@@ -307,7 +251,7 @@ class DDPMagics(Magics):
         (in auto mode the notebook's cell has none: its own first line is line 1)."""
         __tracebackhide__ = True
         source = "\n" + body if magic_line else body
-        filename = self._shell.compile.cache(source, _running_cell_number(self._shell))
+        filename = self._shell.compile.cache(source, running_cell_number(self._shell))
         return Cell.from_notebook(source, filename, self._shell.user_ns,
                                   self._shell.user_ns_hidden, outputs, ranks_own)
 
@@ -326,16 +270,7 @@ class DDPMagics(Magics):
                    "your one running session); with auto or autoreload: on or off")
     @_arguments(
         *_flags(RunOptions, session=True),
-        argument("--slurm", action="store_true",
-                 help="start the ranks as one SLURM job (sbatch) that holds its nodes for "
-                      "the session: --nprocs or --gpus ranks per node; the cell shows the "
-                      "queue wait and returns when every rank is ready"),
-        argument("--grace", type=float, metavar="SECONDS",
-                 help="with --slurm or --ray: how long the ranks wait for a kernel to "
-                      "attach after this one has gone (default with --slurm: as long as "
-                      "the job runs; with --ray: they end with the kernel)"),
-        *_flags(Slurm),
-        *_RAY_FLAGS,
+        *cluster_arguments(session=True),
     )
     @line_magic
     def ddp_session(self, line: str) -> Any:
@@ -351,10 +286,11 @@ class DDPMagics(Magics):
         ``%ddp_session stop`` ends the session (and its job), ``restart`` starts fresh
         ranks, and ``%ddp_session`` says what runs (its value is a ``SessionStatus``).
         """
+        add_new_kinds(self.ddp_session.parser, session=True)
         args = parse_argstring(self.ddp_session, line)
-        if args.action != "start" and (args.slurm or args.ray or _job_flags(args)
-                                       or args.grace is not None or _ray_flags(args)):
-            raise UsageError("--slurm, --ray, --grace and the cluster's options are for "
+        given = cluster_flags_given(args, session=True)
+        if args.action != "start" and given:
+            raise UsageError(f"{', '.join(given)}: a cluster's flags are for "
                              "%ddp_session start")
         if args.action == "auto":
             return self._auto(args.job)
@@ -453,57 +389,15 @@ def _ddp_line(line: str) -> tuple[Any, Mapping[str, Any] | None]:
     return args, MappingProxyType(run)
 
 
-def _unless_hidden(value: Any, cell: str) -> Any:
-    """The cell's value, or None if the cell ends in ';' (a comment after it aside): a
-    trailing ';' hides the value, as in any cell. IPython's own check for magics
-    (``output_can_be_silenced``) tokenises the whole cell at every run; a cell with no
-    ';' in it cannot end in one."""
-    if ";" in cell and DisplayHook.semicolon_at_end_of_expression(cell):
-        return None
-    return value
-
-
-def _without_ipythons_own_post_mortem(shell: Any) -> None:
-    """``%pdb on`` makes IPython open its debugger on whatever a cell raises: for a
-    ``%%ddp`` cell, that would be nbddp's frame in the kernel, right after the rank's
-    own post-mortem. Off for this cell; back on once it has run."""
-    shell.call_pdb = False
-
-    def back_on(_: Any = None) -> None:
-        shell.call_pdb = True
-        shell.events.unregister("post_run_cell", back_on)
-
-    shell.events.register("post_run_cell", back_on)
-
-
-def _running_cell_number(shell: Any) -> int:
-    """The number of the cell being run (its ``In[N]``), which its traceback lines show.
-
-    ``shell.execution_count`` is the next cell's number on IPython 9 (which counts a cell
-    before running it) and this cell's on IPython 8 (after), so it is not asked directly:
-    the running cell's own ``ExecutionResult`` (set while its code runs) has the number
-    IPython compiled it under; outside ``run_cell`` the display hook's prompt number."""
-    running = getattr(shell.displayhook, "exec_result", None)
-    number = getattr(running, "execution_count", None)
-    if number is not None:
-        return int(number)
-    return int(getattr(shell.displayhook, "prompt_count", shell.execution_count))
-
-
 def _start_session(args: Any) -> Session:
-    _check_ray(args)
-    if (_job_flags(args) or args.grace is not None) and not (args.slurm or args.ray):
-        raise UsageError("--nodes, --time, --partition, --sbatch and --grace describe a "
-                         "SLURM job: add --slurm to start the session's ranks as one")
+    check_cluster_flags(args, session=True)
     run = _values(RunOptions, args, session=True)
     try:
-        if args.ray:
-            run = {**run, "gpus": _per_node(run["gpus"])}
-            return Session(**run, ray=_ray_options(args, run["gpus"], args.grace))
-        if args.slurm:
-            run = {**run, "gpus": _per_node(run["gpus"])}
-            return Session(**run, slurm=Slurm(**_values(Slurm, args)), grace=args.grace)
-        return Session(**run)
+        if chosen_kind(args) is None:
+            return Session(**run)
+        run = {**run, "gpus": _per_node(run["gpus"])}
+        cluster = cluster_from_flags(args, run["gpus"], session=True)
+        return Session(**run, cluster=cluster, grace=args.grace)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, NbddpError):
             raise

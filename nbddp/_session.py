@@ -11,9 +11,9 @@ meanwhile, the next run finds out before it starts (the ranks' roll call, see
 ``_run.waiting``), and runs on fresh ranks, saying that the state is gone.
 
 Where the ranks run is the backend's (``_run.backend``, chosen in ``_backends``): on this
-machine (started by torchrun here, or taken from standby), or, with ``slurm=``, as one
-SLURM job on the cluster's nodes, which the session waits for, showing its state. Every
-run is handed to the ranks the same way.
+machine (started by torchrun here, or taken from standby), or on a cluster's nodes (one
+SLURM job, one Ray placement group), which the session waits for, showing its state.
+Every run is handed to the ranks the same way.
 """
 
 from __future__ import annotations
@@ -23,11 +23,17 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TextIO, TypeVar
 
-from ._backends import Ray, Slurm, attached_session, session_backend
+from ._backends import Ray, Slurm, attached_session, chosen_cluster, session_backend
 from ._errors import NbddpError
 from ._notebook.ipython_autoreload import notebook_autoreloads
 from ._run.backend import Backend
-from ._run.config import DEFAULT_STALL_AFTER, ConfigPerRun, RunConfig, RunOptions
+from ._run.config import (
+    DEFAULT_STALL_AFTER,
+    ClusterOptions,
+    ConfigPerRun,
+    RunConfig,
+    RunOptions,
+)
 from ._run.group import RanksGone
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
@@ -58,27 +64,29 @@ class Session:
     the error says whether the ranks kept their state or were restarted. ``close()``
     (or leaving a ``with`` block) stops them; so does the kernel's end.
 
-    ``slurm=nbddp.Slurm(nodes=2, ...)`` starts them as one SLURM job instead,
+    ``cluster=nbddp.Slurm(nodes=2, ...)`` starts them as one SLURM job instead,
     ``nprocs`` (or ``gpus``) ranks per node, and waits until the job runs (its state is
     shown meanwhile; Ctrl-C cancels it). Its ranks outlive the kernel for ``grace``
     seconds (None, the default: as long as the job runs; 0: they end with the kernel),
     and ``Session.attach(job_id)`` in a new kernel reconnects to them, state and all.
     ``close()`` cancels the job.
 
-    ``ray=nbddp.Ray(nodes=2, ...)`` starts them on a Ray cluster's nodes, ``nprocs`` per
-    node, as one placement group; with ``Ray(grace=...)`` they outlive the kernel that
-    long, and ``Session.attach()`` reconnects a new kernel.
+    ``cluster=nbddp.Ray(nodes=2, ...)`` starts them on a Ray cluster's nodes, ``nprocs``
+    per node, as one placement group; with ``grace`` (or ``Ray(grace=...)``) they outlive
+    the kernel that long, and ``Session.attach()`` reconnects a new kernel. (``slurm=``
+    and ``ray=`` are the older spelling of ``cluster=``: they still work, with a warning.)
     """
 
     def __init__(self, nprocs: int | None = None, *, gpus: int | Sequence[int] | None = None,
                  backend: str | None = None, init: bool = True, timeout: float | None = None,
                  env: Mapping[str, str] | None = None,
                  output: Literal["rank0", "all", "none"] = "rank0",
-                 slurm: bool | Slurm = False, grace: float | None = None,
-                 ray: bool | Ray = False) -> None:
+                 cluster: ClusterOptions | None = None, grace: float | None = None,
+                 slurm: bool | Slurm = False, ray: bool | Ray = False) -> None:
         options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
                              timeout=timeout, env=env, output=output)
-        self._begin(session_backend(options, slurm, grace, ray))
+        chosen = chosen_cluster(cluster, slurm, ray)
+        self._begin(session_backend(options, chosen, grace))
         self._group, hold = held_while(self._new_group)  # a press: stops them once they exist
         self._wait_ready(hold)
         self._where.started(self._group)

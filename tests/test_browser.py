@@ -71,7 +71,7 @@ LOCAL = TRAIN + "nbddp.launch(train, nprocs=2, args=(40,))"
 def on_ray(address: str) -> str:
     """The same run on a two-node Ray cluster: one rank on each node."""
     return (f"import os\nos.environ['RAY_ADDRESS'] = {address!r}\n" + TRAIN
-            + "nbddp.launch(train, nprocs=1, args=(40,), ray=nbddp.Ray(nodes=2))")
+            + "nbddp.launch(train, nprocs=1, args=(40,), cluster=nbddp.Ray(nodes=2))")
 
 
 def _notebook(source: str) -> dict:

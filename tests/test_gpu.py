@@ -247,7 +247,7 @@ def seen():
     on = torch.ones(1, device="cuda")
     return os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count(), on.device.type
 nbddp.launch(seen, nprocs=1, backend="gloo", all_ranks=True,
-             ray=nbddp.Ray(nodes=2, gpus_per_node=1))
+             cluster=nbddp.Ray(nodes=2, gpus_per_node=1))
 """
 
 

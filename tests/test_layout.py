@@ -18,7 +18,8 @@ pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 PACKAGE = Path(__file__).resolve().parents[1] / "nbddp"
 FLOOR = {"_errors", "_version"}
 """Leaf modules every package may use: the exceptions a user catches, and the version."""
-FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_backends", "_worker", "_torchrun"}
+FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_cluster_flags", "_backends", "_worker",
+              "_torchrun"}
 BACKENDS = {"_local", "_slurm", "_ray"}
 """The backends: packages that place and start rank groups (see ``_run.backend``)."""
 CHOOSER = "_backends"
@@ -139,15 +140,18 @@ def test_the_architecture_page_states_these_rules():
     assert stated == ALLOWED
 
 
-def test_the_waiting_lane_names_test_modules_that_exist():
-    """A module (or notebook) renamed or removed would silently leave the waiting lane
-    (the suite's two lanes, see conftest)."""
-    from .conftest import WAITING_LANE
+def test_the_marks_notebooks_ask_for_are_the_suites_own():
+    """A notebook says its marks in its metadata (the lanes, and the clusters a run may
+    not skip, are chosen by them, see conftest): a misspelt one would silently leave it
+    in the wrong lane, or let it skip."""
+    import json
 
-    tests = Path(__file__).resolve().parent
-    notebooks = tests.parent / "notebooks"
-    assert {name for name in WAITING_LANE
-            if not (tests / name).exists() and not (notebooks / name).exists()} == set()
+    known = set(re.findall(r'^    "(\w+): ', (PACKAGE.parent / "pyproject.toml").read_text(),
+                           re.M))
+    asked = {mark for notebook in (PACKAGE.parent / "notebooks").glob("*.ipynb")
+             for mark in json.loads(notebook.read_text())["metadata"]
+             .get("nbddp_test", {}).get("marks", [])}
+    assert asked and asked <= known, asked - known
 
 
 def test_the_front_door_names_the_backends_in_one_module_only():

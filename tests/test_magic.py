@@ -146,14 +146,14 @@ def test_timeout_stops_every_rank(ddp):
     run = ddp.run("""
         %%ddp --nprocs 2 --timeout 2
         import time
-        time.sleep(120)
+        time.sleep(600)
     """)
     elapsed = time.monotonic() - started
     assert run.error() is not None and run.error()["ename"] == "TimeoutError", run.describe()
     assert "did not finish within 2 s" in run.error_text(), run.describe()
-    assert elapsed < 20, f"the cell returned {elapsed:.1f} s after it started"
-    wait_until(lambda: not descendants(ddp.pid), timeout=5)
-    assert run_dirs() == dirs
+    # (not the sleep's end: the ranks were stopped; the bound is loose for a loaded machine)
+    assert elapsed < 120, f"the cell returned {elapsed:.1f} s after it started"
+    wait_until(lambda: not descendants(ddp.pid) and run_dirs() == dirs, timeout=30)
     assert _ok_result(ddp, "%%ddp --nprocs 2\n'after the timeout'") == "'after the timeout'"
 
 
@@ -377,7 +377,7 @@ def test_the_line_form_shows_help_or_says_it_is_a_cell_magic(ddp):
     ("--nprocs 0", "nprocs must be at least 1"),
     ("--nprocs 2 --timeout -1", "timeout must be a positive"),
     ("--gpus ,", "gpus must be a positive count"),
-    ("--nodes 2", "add --slurm to submit the cell, or --export PATH"),
+    ("--nodes 2", "add --slurm or --ray to run the cell on one, or --export PATH"),
     ("--time 01:00:00", "add --slurm to submit the cell, or --export PATH"),
     ("--slurm --export job.py", "choose one"),
     ("--nprocs 2 --stall-after -1", "stall_after must be a positive number"),

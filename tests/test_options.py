@@ -30,9 +30,10 @@ from nbddp._slurm.options import Slurm, SlurmOptions
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
-MAGIC_ONLY = {"help", "out", "export", "slurm", "ray", "ranks", "auto_cell"}
+MAGIC_ONLY = {"help", "out", "export", "slurm", "ray", "nodes", "ranks", "auto_cell"}
 """``%%ddp``'s own flags, which are no option of a run: help, names to bring back,
-exporting instead of running, submitting to SLURM, running on Ray."""
+exporting instead of running, a cluster's word (submitting to SLURM, running on Ray),
+and its nodes."""
 EXPORT_RENAMED = {"gpus": (SlurmOptions, "gpus_per_node")}
 """export's ``gpus`` counts GPUs per node (0: none), as a SLURM job's shape does."""
 
@@ -52,7 +53,7 @@ def _dests(parser: Any) -> set[str]:
 
 
 def test_launch_takes_every_run_option_with_its_default():
-    taken = _parameters(launch, {"fn", "args", "kwargs", "wait", "slurm", "ray"})
+    taken = _parameters(launch, {"fn", "args", "kwargs", "wait", "cluster", "slurm", "ray"})
     assert taken == dict(defaults(RunOptions))
 
 
@@ -66,9 +67,9 @@ def test_launch_overloads_have_the_implementations_parameters():
 
 
 def test_session_takes_run_options_with_their_defaults():
-    started = _parameters(Session.__init__, {"self", "slurm", "grace", "ray"})
+    started = _parameters(Session.__init__, {"self", "cluster", "slurm", "grace", "ray"})
     assert started.items() <= dict(defaults(RunOptions)).items()
-    for cluster in ("slurm", "ray"):
+    for cluster in ("cluster", "slurm", "ray"):
         assert _parameters(launch, set())[cluster] == \
             _parameters(Session.__init__, set())[cluster]
     per_run = _parameters(Session.submit, {"self", "fn", "args", "kwargs", "stdout",
@@ -81,6 +82,9 @@ def test_session_takes_run_options_with_their_defaults():
 def test_export_takes_run_and_slurm_options_with_their_defaults():
     slurm_fields = {field.name for field in dataclasses.fields(Slurm)}
     for name, default in _parameters(export, {"fn", "path", "args", "kwargs"}).items():
+        if name == "nodes":  # (the magics' own --nodes)
+            assert default == defaults(Slurm)["nodes"]
+            continue
         owner, field = EXPORT_RENAMED.get(
             name, (Slurm if name in slurm_fields else RunOptions, name))
         assert field in defaults(owner), f"export's {name} is no option of {owner.__name__}"
@@ -110,13 +114,13 @@ def test_ddp_has_a_flag_for_every_option_a_cell_can_take_and_no_other():
     assert _dests(parser) == wanted | MAGIC_ONLY
     assert {"gpus", "nprocs", "backend", "timeout", "init", "max_restarts", "stall_after",
             "output", "nodes", "time", "partition", "cpus_per_task", "sbatch", "requeue",
-            "signal_before"} <= wanted  # those %%ddp has always had
+            "signal_before"} <= wanted | MAGIC_ONLY  # those %%ddp has always had
 
 
 def test_ddp_session_has_a_flag_for_every_option_a_session_starts_with():
     parser = DDPMagics.ddp_session.parser
     job = {field.name for options in (Slurm, Ray) for field, _ in flagged(options)}
-    options = _dests(parser) - {"help", "action", "job", "slurm", "ray", "grace"} - job
+    options = _dests(parser) - {"help", "action", "job", "slurm", "ray", "nodes", "grace"} - job
     assert options == {field.name for field, _ in flagged(RunOptions, session=True)}
     assert options == {"gpus", "nprocs", "backend", "timeout", "init"}
     assert options <= set(_parameters(Session.__init__, {"self"}))
@@ -141,7 +145,7 @@ def test_each_flag_sets_its_option():
     assert RunOptions(**_values(RunOptions, args)) == RunOptions(
         gpus=[0, 2], nprocs=2, backend="gloo", timeout=5.0, init=False, max_restarts=1,
         stall_after=None, output="all")
-    assert Slurm(**_values(Slurm, args)) == Slurm(
+    assert Slurm(nodes=args.nodes, **_values(Slurm, args)) == Slurm(
         nodes=2, time="01:00:00", partition="p", cpus_per_task=8,
         sbatch=("--account=a", "--qos=q"), requeue=True, signal_before=60)
     assert _values(RunOptions, parse_argstring(DDPMagics.ddp, "--stall-after 30"))[
@@ -167,11 +171,12 @@ def test_a_sessions_time_limit_is_not_taken_for_its_timeout():
 
 
 @pytest.mark.parametrize("line, says", [
-    ("start --nodes 2", "add --slurm to start the session's ranks as one"),
+    ("start --nodes 2", "add --slurm or --ray to start the session's ranks on one"),
+    ("start --time 00:10:00", "add --slurm to start the session's ranks as one"),
     ("stop --slurm", "are for %ddp_session start"),
     ("status --time 00:10:00", "are for %ddp_session start"),
     ("start --slurm --requeue", "does not take requeue"),
-    ("start --grace 60", "add --slurm to start the session's ranks as one"),
+    ("start --grace 60", "add --slurm or --ray to start the session's ranks on one"),
     ("attach 12 --nprocs 2", "no options but the job id"),
     ("stop 12", "takes no job id"),
 ])
@@ -245,7 +250,7 @@ def test_a_cell_ending_in_a_semicolon_hides_its_value_as_ipython_decides(cell):
     cell, without tokenising cells that hold no ';'."""
     from IPython.core.displayhook import DisplayHook
 
-    from nbddp._magic import _unless_hidden
+    from nbddp._notebook.shell import unless_hidden
 
     hidden = DisplayHook.semicolon_at_end_of_expression(cell)
-    assert _unless_hidden("value", cell) == (None if hidden else "value")
+    assert unless_hidden("value", cell) == (None if hidden else "value")

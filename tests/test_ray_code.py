@@ -125,7 +125,7 @@ def test_a_launch_calls_the_notebooks_module_on_both_nodes(kernel):
             import torch.distributed as dist
             return dist.get_rank(), helpers.VALUE, Net.layers
 
-        nbddp.launch(uses_them, nprocs=1, ray=nbddp.Ray(nodes=2, cpus_per_node=0.5),
+        nbddp.launch(uses_them, nprocs=1, cluster=nbddp.Ray(nodes=2, cpus_per_node=0.5),
                      all_ranks=True)
         """), timeout=240)
     run.assert_ok()
@@ -162,7 +162,7 @@ def test_files_and_variables_go_rays_way_with_runtime_env(kernel, notebook_folde
 
         ray_env = {{"working_dir": {str(run_files)!r}, "py_modules": [{str(extras)!r}],
                     "env_vars": {{"LABEL_SET": "pets"}}}}
-        with nbddp.Session(nprocs=1, ray=nbddp.Ray(nodes=2, cpus_per_node=0.5,
+        with nbddp.Session(nprocs=1, cluster=nbddp.Ray(nodes=2, cpus_per_node=0.5,
                                                    runtime_env=ray_env)) as with_files:
             every = with_files.run_all(reads_them)
         every
@@ -178,7 +178,7 @@ def with_a_third_node(ray_cluster: RayCluster, kernel: Kernel, node: dict,
     ray_cluster.add_node(**node)
     try:
         run = kernel.run("three = nbddp.Ray(nodes=3, cpus_per_node=0.5)\n"
-                         "try:\n    nbddp.Session(nprocs=1, ray=three)\n"
+                         "try:\n    nbddp.Session(nprocs=1, cluster=three)\n"
                          "except nbddp.NbddpError as exc:\n    print('refused:', exc)\n"
                          + textwrap.dedent(then), timeout=300)
     finally:
@@ -194,7 +194,7 @@ def test_a_node_with_another_torch_is_named_before_any_cell_runs(
         "Metadata-Version: 2.1\nName: torch\nVersion: 1.0.0\n")
     said = with_a_third_node(ray_cluster, kernel, {"env": {"PYTHONPATH": str(fake)}}, """\
         try:
-            nbddp.launch(print, nprocs=1, ray=three)
+            nbddp.launch(print, nprocs=1, cluster=three)
         except nbddp.WorkerError as exc:
             print("launch refused:", exc)
         """)

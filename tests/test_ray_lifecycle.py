@@ -64,7 +64,7 @@ def total(n):
     x = torch.tensor([float(n + dist.get_rank())])
     dist.all_reduce(x)
     return x.item(), os.environ["NBDDP_NODE_NAME"]
-nbddp.launch(total, nprocs=1, args=(10,), ray=nbddp.Ray(nodes=2), all_ranks=True)
+nbddp.launch(total, nprocs=1, args=(10,), cluster=nbddp.Ray(nodes=2), all_ranks=True)
 """, timeout=180).assert_ok()
         values = eval(run.result())  # noqa: S307 - our own repr
         assert [value for value, _ in values] == [21.0, 21.0]
@@ -141,7 +141,7 @@ def fails():
     if dist.get_rank() == 1:
         raise ValueError("bad shard")
     dist.barrier()
-nbddp.launch(fails, nprocs=1, ray=nbddp.Ray(nodes=2))
+nbddp.launch(fails, nprocs=1, cluster=nbddp.Ray(nodes=2))
 """
 
 SLEEPS = """
@@ -149,7 +149,7 @@ def sleeps():
     import time
     print("sleeping", flush=True)
     time.sleep(120)
-nbddp.launch(sleeps, nprocs=1, ray=nbddp.Ray(nodes=2))
+nbddp.launch(sleeps, nprocs=1, cluster=nbddp.Ray(nodes=2))
 """
 
 
@@ -205,11 +205,11 @@ import ray
 
 
 def test_the_python_api_places_attaches_and_closes(ray_cluster, tmp_path):
-    """``nbddp.Session(ray=...)``: one placement group of a bundle per node, spread over
-    distinct nodes; ``Session.attach()`` in a new kernel (with ``grace``) finds its state;
-    ``close`` leaves nothing."""
+    """``nbddp.Session(cluster=nbddp.Ray(...))``: one placement group of a bundle per
+    node, spread over distinct nodes; ``Session.attach()`` in a new kernel (with
+    ``grace``) finds its state; ``close`` leaves nothing."""
     with dying_kernel(ray_cluster, tmp_path / "first") as first:
-        first.run("s = nbddp.Session(nprocs=1, ray=nbddp.Ray(nodes=2, grace=120))\n"
+        first.run("s = nbddp.Session(nprocs=1, cluster=nbddp.Ray(nodes=2, grace=120))\n"
                   "s.run(lambda: globals().update(kept=41))", timeout=180).assert_ok()
         placed = first.run(PLACEMENT, timeout=60).assert_ok().result()
         assert eval(placed) == [("STRICT_SPREAD", {0: {"CPU": 1.0}, 1: {"CPU": 1.0}})]  # noqa: S307

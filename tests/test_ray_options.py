@@ -17,7 +17,8 @@ from IPython.core.error import UsageError
 
 import nbddp
 from nbddp._backends import session_backend
-from nbddp._magic import _check_combination, _ray_options
+from nbddp._cluster_flags import cluster_from_flags
+from nbddp._magic import _check_combination
 from nbddp._ray.options import ray_run
 from nbddp._run.config import RunOptions
 
@@ -68,9 +69,7 @@ def test_a_shape_that_cannot_be_is_refused(options, ray, message):
 
 def test_grace_is_given_once():
     with pytest.raises(ValueError, match="disagrees with Ray\\(grace=5\\)"):
-        session_backend(RunOptions(), grace=10, ray=nbddp.Ray(grace=5))
-    with pytest.raises(ValueError, match="one cluster: give slurm= or ray="):
-        session_backend(RunOptions(), slurm=True, ray=True)
+        session_backend(RunOptions(), nbddp.Ray(grace=5), grace=10)
 
 
 def _parsed(line: str):
@@ -84,14 +83,16 @@ def _parsed(line: str):
 def test_the_magic_flags_make_the_options():
     args = _parsed("--ray --nodes 3 --address 10.0.0.1:6379 --cpus-per-node 4")
     _check_combination(args)
-    assert _ray_options(args, gpus=1) == nbddp.Ray(nodes=3, gpus_per_node=1, cpus_per_node=4,
-                                                   address="10.0.0.1:6379")
+    assert cluster_from_flags(args, gpus_per_node=1) == nbddp.Ray(
+        nodes=3, gpus_per_node=1, cpus_per_node=4, address="10.0.0.1:6379")
 
 
 @pytest.mark.parametrize("line, message", [
-    ("--address 10.0.0.1:6379", "describe a Ray placement: add --ray"),
-    ("--ray --slurm", "no --slurm or --export"),
-    ("--ray --time 00:10:00", "describe a SLURM job"),
+    ("--address 10.0.0.1:6379", "--address describes a Ray placement: add --ray"),
+    ("--address 10.0.0.1:6379 --cpus-per-node 2", "describe a Ray placement: add --ray"),
+    ("--ray --slurm", "one cluster: --slurm or --ray, not both"),
+    ("--ray --export job.py", "--export writes the job's files and --ray runs the cell"),
+    ("--ray --time 00:10:00", "--time describes a SLURM job"),
 ])
 def test_flags_that_do_not_go_together_are_refused(line, message):
     with pytest.raises(UsageError, match=message):
@@ -101,7 +102,7 @@ def test_flags_that_do_not_go_together_are_refused(line, message):
 CONNECT = """
 import nbddp
 try:
-    nbddp.launch(print, nprocs=1, ray=nbddp.Ray(nodes=2, address=ADDRESS))
+    nbddp.launch(print, nprocs=1, cluster=nbddp.Ray(nodes=2, address=ADDRESS))
 except nbddp.NbddpError as error:
     print(error)
 """

@@ -62,7 +62,7 @@ def test_a_requeued_job_is_followed_to_its_result(slurm_env, jobs, monkeypatch, 
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
     flag = tmp_path / "go-on"
     job = nbddp.launch(waits_to_be_requeued, nprocs=2, args=(str(flag),), wait=False,
-                       slurm=nbddp.Slurm(time="00:05:00", requeue=True))
+                       cluster=nbddp.Slurm(time="00:05:00", requeue=True))
     assert job.slurm_job_id is not None
     jobs.append(job.slurm_job_id)
     wait_until(lambda: "run 0 waiting" in job.logs[0], timeout=120, interval=0.2)
@@ -84,7 +84,7 @@ RUN_AND_WAIT = """
 import os
 {source}
 job = nbddp.launch(waits_to_be_requeued, nprocs=2, args=({flag!r},), wait=False,
-                   slurm=nbddp.Slurm(time="00:05:00"))
+                   cluster=nbddp.Slurm(time="00:05:00"))
 """
 
 
@@ -168,7 +168,7 @@ def test_bad_requeue_options_are_refused():
 
 def test_requeue_outside_a_slurm_job_says_where_it_works(monkeypatch):
     monkeypatch.delenv("NBDDP_REQUEUE_FILE", raising=False)
-    with pytest.raises(RuntimeError, match=r"works in a run submitted with launch\(slurm="):
+    with pytest.raises(RuntimeError, match=r"works in a run submitted to SLURM: launch\(cluster="):
         nbddp.requeue()
     assert nbddp.stop_requested() is False
 

@@ -178,7 +178,7 @@ def test_sbatch_files_get_max_restarts(tmp_path):
 
 def test_launch_and_slurm_must_agree_on_max_restarts():
     with pytest.raises(ValueError, match="disagrees"):
-        nbddp.launch(always_fails, 2, max_restarts=1, slurm=Slurm(max_restarts=2))
+        nbddp.launch(always_fails, 2, max_restarts=1, cluster=Slurm(max_restarts=2))
 
 
 # --- a clean environment ----------------------------------------------------------------

@@ -570,7 +570,7 @@ def test_the_python_api_runs_on_the_nodes(slurm_env, jobs, monkeypatch, capsys):
     def naps() -> None:
         time.sleep(600)
 
-    with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=2, cpus_per_task=1)) as session:
+    with nbddp.Session(nprocs=1, cluster=nbddp.Slurm(nodes=2, cpus_per_task=1)) as session:
         jobs.append(session.status().where.split()[2])
         assert sorted(session.run_all(where)) == ["n1", "n2"]
         assert "on SLURM job" in str(session.status())
@@ -588,7 +588,7 @@ def test_the_python_api_runs_on_the_nodes(slurm_env, jobs, monkeypatch, capsys):
 
 def test_options_a_session_job_cannot_take_are_refused(slurm_env):
     with pytest.raises(ValueError, match="does not take requeue"):
-        nbddp.Session(nprocs=1, slurm=nbddp.Slurm(requeue=True))
+        nbddp.Session(nprocs=1, cluster=nbddp.Slurm(requeue=True))
     with pytest.raises(ValueError, match="grace is for a session on a cluster"):
         nbddp.Session(nprocs=1, grace=60)
 
@@ -598,7 +598,7 @@ def test_attach_names_the_session_jobs_to_choose_from(slurm_env, jobs, monkeypat
     with pytest.raises(nbddp.NbddpError, match="SLURM job 999999 is not a running session"):
         nbddp.Session.attach(999999)
     job = nbddp.Slurm(nodes=1, cpus_per_task=1)  # (beside the module's two-node session)
-    with nbddp.Session(nprocs=1, slurm=job) as one, nbddp.Session(nprocs=1, slurm=job) as two:
+    with nbddp.Session(nprocs=1, cluster=job) as one, nbddp.Session(nprocs=1, cluster=job) as two:
         ids = [session.status().where.split()[2] for session in (one, two)]
         jobs.extend(ids)
         with pytest.raises(nbddp.NbddpError, match="several session jobs run") as error:
@@ -619,7 +619,7 @@ def test_attach_takes_no_folder_that_anyone_else_made_or_can_write(slurm_env, jo
     a session's folder, with a key of their own: attach must not listen with it."""
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
     monkeypatch.setattr(nbddp._slurm.backend, "ATTACH_WAIT", 2.0)
-    with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=1, cpus_per_task=1)) as session:
+    with nbddp.Session(nprocs=1, cluster=nbddp.Slurm(nodes=1, cpus_per_task=1)) as session:
         job_id = session.status().where.split()[2]
         jobs.append(job_id)
         real = session._group.run_dir.path
@@ -651,7 +651,7 @@ def test_another_user_cannot_read_the_key_or_move_the_address(slurm_env, jobs, m
         shared.chmod(0o755)
         monkeypatch.setenv("NBDDP_RUNS_DIR", str(shared / "runs"))
         monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
-        with nbddp.Session(nprocs=1, slurm=nbddp.Slurm(nodes=2, cpus_per_task=1)) as session:
+        with nbddp.Session(nprocs=1, cluster=nbddp.Slurm(nodes=2, cpus_per_task=1)) as session:
             jobs.append(session.status().where.split()[2])
             folder = session._group.run_dir.path
             assert (folder.stat().st_mode & 0o777, (folder / "key").stat().st_mode & 0o777,

@@ -89,7 +89,7 @@ def count(n):
     print("counted", n, flush=True)
     return n * dist.get_world_size()
 
-job = nbddp.launch(count, nprocs=2, args=(3,), slurm=nbddp.Slurm(nodes=1), wait=False)
+job = nbddp.launch(count, nprocs=2, args=(3,), cluster=nbddp.Slurm(nodes=1), wait=False)
 value = job.result()
 del os.environ["NBDDP_KERNEL_HOST"]
 value, job.history, job.logs[1]
@@ -116,7 +116,7 @@ def fails_on_rank_1():
     dist.barrier()
 
 try:
-    nbddp.launch(fails_on_rank_1, nprocs=1, slurm=nbddp.Slurm(nodes=2))
+    nbddp.launch(fails_on_rank_1, nprocs=1, cluster=nbddp.Slurm(nodes=2))
 except nbddp.WorkerError as error:
     caught = error
 print("rank", caught.rank, "|", caught.summary, "|", type(caught.__cause__).__name__)
@@ -137,7 +137,7 @@ QUEUED = """
 def quick():
     return "released"
 
-job = nbddp.launch(quick, nprocs=1, slurm=nbddp.Slurm(sbatch=["--hold"]), wait=False)
+job = nbddp.launch(quick, nprocs=1, cluster=nbddp.Slurm(sbatch=["--hold"]), wait=False)
 """
 
 
@@ -183,7 +183,7 @@ def test_a_timeout_cancels_the_job(slurm_env, jobs, monkeypatch):
 
         time.sleep(600)
 
-    job = nbddp.launch(sleeps, nprocs=1, slurm=True, timeout=40, wait=False)
+    job = nbddp.launch(sleeps, nprocs=1, cluster=nbddp.Slurm(), timeout=40, wait=False)
     assert job.slurm_job_id is not None
     jobs.append(job.slurm_job_id)
     stacks = wait_until(lambda: (now := job.stacks()).get(0, "").startswith(  # on demand,
@@ -209,7 +209,7 @@ def waits_for(flag, steps):
     print("going on", flush=True)
     return "finished after the restart"
 
-job = nbddp.launch(waits_for, nprocs=2, args=({flag!r}, 4), slurm=nbddp.Slurm(nodes=1),
+job = nbddp.launch(waits_for, nprocs=2, args=({flag!r}, 4), cluster=nbddp.Slurm(nodes=1),
                    wait=False)
 """
 
@@ -253,9 +253,9 @@ def test_bad_slurm_requests_fail_before_anything_runs(slurm_env, monkeypatch):
     with pytest.raises(TypeError, match="list of lines"):
         nbddp.Slurm(sbatch="--account=proj")
     with pytest.raises(ValueError, match="GPUs per node"):
-        nbddp.launch(print, slurm=True, gpus=[0, 1])
+        nbddp.launch(print, cluster=nbddp.Slurm(), gpus=[0, 1])
     with pytest.raises(nbddp.NbddpError, match="sbatch refused the job: .*partition"):
-        nbddp.launch(print, slurm=nbddp.Slurm(partition="no-such-partition"))
+        nbddp.launch(print, cluster=nbddp.Slurm(partition="no-such-partition"))
     with pytest.raises(nbddp.NbddpError, match="no run folder of SLURM job 999999"):
         nbddp.attach("999999")
 
@@ -267,7 +267,7 @@ def test_a_job_whose_script_cannot_start_says_why(slurm_env, jobs, monkeypatch, 
     broken.write_text("#!/bin/sh\necho 'no torch on this node' >&2\nexit 3\n")
     broken.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(broken))
-    job = nbddp.launch(print, slurm=True, wait=False)
+    job = nbddp.launch(print, cluster=nbddp.Slurm(), wait=False)
     jobs.append(job.slurm_job_id)
     with pytest.raises(nbddp.NbddpError, match="no torch on this node"):
         job.result(timeout=120)
@@ -285,7 +285,7 @@ def test_a_job_cancelled_outside_the_notebook_says_so(slurm_env, jobs, monkeypat
         print("sleeping", flush=True)
         time.sleep(600)
 
-    job = nbddp.launch(sleeps, nprocs=1, slurm=True, wait=False)
+    job = nbddp.launch(sleeps, nprocs=1, cluster=nbddp.Slurm(), wait=False)
     jobs.append(job.slurm_job_id)
     wait_until(lambda: "sleeping" in job.logs[0], timeout=120, interval=0.2)
     slurm(slurm_env, "scancel", job.slurm_job_id)
@@ -310,7 +310,7 @@ def test_a_kernel_inside_an_allocation_submits_a_job_that_runs(slurm_env, jobs, 
     for name, value in ALLOCATION.items():
         monkeypatch.setenv(name, value)
     job = nbddp.launch(sees_its_job, nprocs=1, args=(["SLURM_JOB_ID", "SLURM_MEM_PER_CPU"],),
-                       slurm=nbddp.Slurm(sbatch=["--mem=64M"], time="00:05:00"), wait=False)
+                       cluster=nbddp.Slurm(sbatch=["--mem=64M"], time="00:05:00"), wait=False)
     assert job.slurm_job_id is not None
     jobs.append(job.slurm_job_id)
     assert job.result(timeout=120) == {"SLURM_JOB_ID": job.slurm_job_id,
@@ -324,7 +324,7 @@ def test_a_submitted_job_restarts_a_failed_rank(slurm_env, jobs, monkeypatch):
 
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
     job = nbddp.launch(fails_first, nprocs=2, args=("raise",), wait=False,
-                       slurm=nbddp.Slurm(time="00:05:00", max_restarts=1))
+                       cluster=nbddp.Slurm(time="00:05:00", max_restarts=1))
     assert job.slurm_job_id is not None
     jobs.append(job.slurm_job_id)
     assert job.result(timeout=180) == 1

@@ -43,11 +43,13 @@ def requeue() -> NoReturn:
 
     Once every rank has ended, the job goes back to the queue; when it runs again, the
     function starts from its beginning (resume from your checkpoint) and the notebook
-    follows the new run to its result. Only in a job submitted with ``launch(slurm=...)``.
+    follows the new run to its result. Only in a job submitted to SLURM
+    (``launch(cluster=nbddp.Slurm())``).
     """
     if not os.environ.get(REQUEUE_FILE_ENV):
         raise RuntimeError("nbddp.requeue() puts a SLURM job back in the queue: it works "
-                           "in a run submitted with launch(slurm=...) or %%ddp --slurm")
+                           "in a run submitted to SLURM: launch(cluster=nbddp.Slurm()) or "
+                           "%%ddp --slurm")
     raise RequeueRequested
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from .._errors import NbddpError
 from .._run.backend import Backend, follow
+from .._run.cluster_kind import Attached, ClusterKind, ClusterShape
 from .._run.config import RunConfig, RunOptions
+from .._run.flags import flag_values
 from .._run.job import Job
 from .._run.records import FolderPerCell
 from .._run.shape import GroupShape
@@ -139,3 +142,40 @@ def attach_ray_session(session_id: str | None
     print(f"nbddp: attached to Ray session {record.session_id} ({record.nprocs} ranks, "
           f"{len(names)} names kept on them)", flush=True)
     return backend, group, names
+
+
+class RayKind(ClusterKind):
+    """Ray, as the front door finds it: ``cluster=nbddp.Ray(...)``, ``--ray``."""
+
+    name, title, options, job_word = "ray", "Ray", Ray, "placement"
+    run_help = ("run the ranks on a Ray cluster's nodes (one placement group; --nodes N, "
+                "--nprocs or --gpus ranks per node); the kernel must run inside the cluster")
+    session_help = run_help
+
+    def run_backend(self, options: RunOptions, chosen: Any) -> Backend:
+        return ray_backend(options, chosen)
+
+    def session_backend(self, options: RunOptions, chosen: Any,
+                        grace: float | None) -> Backend:
+        return ray_backend(options, _with_grace(self.chosen(chosen), grace))
+
+    def attaches(self, job_id: str | int | None) -> bool:
+        if job_id is None:
+            return any(record.options.outlives_kernel for record, _ in kept_ray_sessions())
+        return isinstance(job_id, str) and job_id.startswith("ray-")
+
+    def attach_session(self, job_id: str | int | None) -> Attached:
+        return attach_ray_session(None if job_id is None else str(job_id))
+
+    def from_flags(self, parsed: Any, shape: ClusterShape) -> Any:
+        return Ray(nodes=shape.nodes, gpus_per_node=shape.gpus_per_node or 0,
+                   grace=shape.grace, **flag_values(Ray, parsed))
+
+
+def _with_grace(ray: Ray, grace: float | None) -> Ray:
+    """``ray`` with the session's ``grace`` (given once: here or in ``Ray``)."""
+    if grace is None:
+        return ray
+    if ray.grace is not None and ray.grace != grace:
+        raise ValueError(f"grace={grace:g} disagrees with Ray(grace={ray.grace:g})")
+    return dataclasses.replace(ray, grace=grace)

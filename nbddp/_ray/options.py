@@ -1,6 +1,6 @@
 """What a Ray session asks of the cluster: the user's ``Ray`` choices, checked.
 
-``Ray`` is what a user passes to ``launch(ray=...)`` and ``Session(ray=...)``; the
+``Ray`` is what a user passes as ``cluster=`` to ``launch`` and ``Session``; the
 ``%%ddp --ray`` and ``%ddp_session start --ray`` flags fill one. ``ray_run`` turns it and
 the run's options into the run's shape: ``nprocs`` (or ``gpus``) count ranks per node,
 as on SLURM.
@@ -12,13 +12,13 @@ import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .._run.config import RunConfig, RunOptions
+from .._run.config import ClusterOptions, RunConfig, RunOptions
 from .._run.flags import flag, no_flag
 
 
 @dataclass(frozen=True)
-class Ray:
-    """Run the ranks on a Ray cluster: ``Session(nprocs=1, ray=Ray(nodes=2))``.
+class Ray(ClusterOptions):
+    """Run the ranks on a Ray cluster: ``Session(nprocs=1, cluster=Ray(nodes=2))``.
 
     One placement group holds ``nodes`` bundles, no two on one node (``STRICT_SPREAD``),
     each with ``gpus_per_node`` GPUs and ``cpus_per_node`` CPUs; on each node a small
@@ -32,7 +32,7 @@ class Ray:
     ``pip``, ``env_vars``; the notebook's own modules ship without it.
     """
 
-    nodes: int = field(default=2, metadata=no_flag("--nodes (the SLURM job's flag too) "
+    nodes: int = field(default=2, metadata=no_flag("the magics' --nodes (any cluster's) "
                                                    "gives it"))
     """Ray nodes, one torchrun on each, joined by c10d rendezvous."""
     gpus_per_node: int = field(default=0, metadata=no_flag("--gpus N gives it (per node)"))

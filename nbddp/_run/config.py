@@ -264,3 +264,10 @@ for nbddp's process group and for one a user's code creates."""
 def torchrun_environment(max_restarts: int) -> dict[str, str]:
     """What torchrun's environment needs for ``max_restarts``."""
     return dict(RESTART_SAFE_ENV) if max_restarts else {}
+
+
+class ClusterOptions:
+    """What a user gives as ``cluster=``: the option type of a cluster kind (``Slurm``,
+    ``Ray``) derives from it, so that the public signatures name one type."""
+
+    __slots__ = ()

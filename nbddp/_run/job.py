@@ -81,7 +81,7 @@ class Job(Generic[R]):
     """A launched run. ``result()`` waits for it; ``cancel()`` stops it; ``done()`` asks."""
 
     slurm_job_id: str | None = None
-    """The SLURM job id of a run submitted with ``slurm=``; None for a local run."""
+    """The SLURM job id of a run submitted to SLURM; None for a local run."""
     warm: bool = False
     """True if the run was handed to standby ranks that were already waiting for it."""
     ended_by: str | None = None

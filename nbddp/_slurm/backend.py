@@ -12,10 +12,13 @@ import dataclasses
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 from .._errors import NbddpError
 from .._run.backend import Backend, follow
+from .._run.cluster_kind import Attached, ClusterKind, ClusterShape, flags_say
 from .._run.config import RunConfig, RunOptions
+from .._run.flags import flag_values
 from .._run.job import Job
 from .._run.records import records_root
 from .._run.shape import GroupShape
@@ -153,7 +156,7 @@ def attach_session(job_id: str | int | None
 
 
 def attach_run(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:
-    """Follow a run submitted with ``slurm=`` again: found by its id among this account's
+    """Follow a run submitted to SLURM again: found by its id among this account's
     run folders, or in ``run_dir``."""
     folder = find_run_dir(str(job_id)) if run_dir is None else RunDir.of_job(Path(run_dir))
     group = SlurmGroup.attached(folder)
@@ -220,3 +223,51 @@ def _no_single_session(found: list[tuple[SessionRecord, RunDir]],
 
 def _count(number: int, thing: str) -> str:
     return f"{number} {thing}" + ("" if number == 1 else "s")
+
+
+class SlurmKind(ClusterKind):
+    """SLURM, as the front door finds it: ``cluster=nbddp.Slurm(...)``, ``--slurm``."""
+
+    name, title, options = "slurm", "SLURM", Slurm
+    run_help = ("submit the cell as a SLURM batch job (sbatch) and follow it here: queue "
+                "state, output, metrics, result; interrupting the cell runs scancel")
+    session_help = ("start the ranks as one SLURM job (sbatch) that holds its nodes for the "
+                    "session: --nprocs or --gpus ranks per node; the cell shows the queue "
+                    "wait and returns when every rank is ready")
+
+    def run_backend(self, options: RunOptions, chosen: Any) -> Backend:
+        return slurm_backend(options, chosen)
+
+    def session_backend(self, options: RunOptions, chosen: Any,
+                        grace: float | None) -> Backend:
+        return slurm_session_backend(options, chosen, grace)
+
+    def attaches(self, job_id: str | int | None) -> bool:
+        return True  # (asked last: a job id that no other kind claims is SLURM's)
+
+    def attach_session(self, job_id: str | int | None) -> Attached:
+        return attach_session(job_id)
+
+    def attach_run(self, job_id: str | int, run_dir: str | os.PathLike | None) -> Job:
+        return attach_run(job_id, run_dir)
+
+    def unchosen(self, given: list[str], exporting: bool, session: bool) -> str | None:
+        submitted_only = [flag for flag in given if flag in _SUBMITTED_ONLY]
+        if session:
+            return (f"{flags_say(given, 'describe')} a SLURM job: add --slurm to start the "
+                    "session's ranks as one")
+        if not exporting and len(submitted_only) < len(given):
+            return (f"{flags_say(given, 'describe')} a SLURM job: add --slurm to submit the "
+                    "cell, or --export PATH to write it")
+        if submitted_only:
+            return (f"{' and '.join(submitted_only)} "
+                    f"{'are' if len(submitted_only) > 1 else 'is'} for a job submitted from "
+                    "the notebook: add --slurm")
+        return None
+
+    def from_flags(self, parsed: Any, shape: ClusterShape) -> Any:
+        return Slurm(nodes=shape.nodes, **flag_values(Slurm, parsed))
+
+
+_SUBMITTED_ONLY = ("--requeue", "--signal-before")
+"""Flags for a job the notebook submits and follows, which an exported job file lacks."""

@@ -1,7 +1,7 @@
 """What a SLURM job asks for: the user's ``Slurm`` choices and the ``#SBATCH`` options.
 
-``Slurm`` is what a user passes to ``launch(slurm=...)``, and the one place of the
-``%%ddp`` flags that describe a SLURM job (``--nodes``...); ``SlurmOptions`` is the full
+``Slurm`` is what a user passes as ``launch(cluster=...)``, and the one place of the
+``%%ddp`` flags that describe a SLURM job (``--time``...); ``SlurmOptions`` is the full
 set of ``#SBATCH`` choices that export and submission write (``Slurm.options`` adds the
 ranks and GPUs per node that ``launch`` decides; ``export`` builds one from its
 arguments, and its checks are here).
@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .._run.config import RunConfig, RunOptions, check_max_restarts
+from .._run.config import ClusterOptions, RunConfig, RunOptions, check_max_restarts
 from .._run.flags import flag, no_flag
 
 
@@ -73,8 +73,8 @@ def rendezvous_port(port: int | None) -> str:
 
 
 @dataclass(frozen=True)
-class Slurm:
-    """Submit the run as a SLURM batch job: ``launch(fn, nprocs=2, slurm=Slurm(nodes=2))``.
+class Slurm(ClusterOptions):
+    """Submit the run as a SLURM batch job: ``launch(fn, nprocs=2, cluster=Slurm(nodes=2))``.
 
     ``nprocs`` (or ``gpus``) given to ``launch`` counts ranks per node. ``sbatch`` adds
     ``#SBATCH`` lines such as ``"--account=proj"``. The run folder (payload, logs,
@@ -82,9 +82,8 @@ class Slurm:
     ``~/.cache/nbddp/runs``.
     """
 
-    nodes: int = field(default=1, metadata=flag(
-        "with --slurm, --ray or --export: machines for the job (ranks per node: --nprocs or "
-        "--gpus; default one)", type=int, metavar="N"))
+    nodes: int = field(default=1, metadata=no_flag(
+        "the magics' --nodes (any cluster's, and --export's) gives it"))
     """Machines; one torchrun per machine, joined by c10d rendezvous."""
     time: str | None = field(default=None, metadata=flag(
         "with --slurm or --export: the job's time limit, e.g. 01:00:00"))
