@@ -21,8 +21,9 @@ median of ``--cells``), and the CPU share of one core while every rank logs. Tar
 issue's): a no-op cell on 1,024 nodes of 8 ranks under 50 ms of kernel CPU; 8,192 ranks'
 metrics at 10 a second under one core.
 
+Writes its record (``_record.py``) under ``benchmarks/results/``.
 Run: ``python benchmarks/bench_nodes.py [--nodes 128 1024] [--per-node 8]
-[--layout auto|flat|tree] [--json PATH]``.
+[--layout auto|flat|tree] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -269,6 +270,8 @@ def main() -> None:
         serve(host, int(port), key_file, int(first), int(count), int(per_node), mode,
               tree == "1")
         return
+    from _record import add_options
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--per-node", type=int, default=8)
@@ -278,9 +281,12 @@ def main() -> None:
     parser.add_argument("--layout", choices=("auto", "flat", "tree"), default="auto",
                         help="the relays: as a session places them, or all on the kernel's "
                              "link, or in a tree at any count")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
-    results: dict[str, Any] = {"machine": platform.node(), "cpus": os.cpu_count(),
+    from _record import Record
+
+    record = Record.start("nodes", opts)
+    results: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(),
                                "per_node": opts.per_node, "rate": opts.rate,
                                "layout": opts.layout}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
@@ -293,10 +299,7 @@ def main() -> None:
             print(f"{nodes:>6} {nodes * opts.per_node:>6} {figures['start_s']:>8.1f} "
                   f"{figures['cell_cpu_ms']:>12.2f} {figures['cell_wall_ms']:>13.2f} "
                   f"{100 * figures['metrics_cpu_share']:>11.1f}%", flush=True)
-    if opts.json:
-        from bench_launch import write_json
-
-        write_json(opts.json, results)
+    record.write(results)
 
 
 if __name__ == "__main__":
