@@ -93,8 +93,8 @@ def gpu_processes() -> set[int]:
 
 
 def ready_standby(timeout: float = 120.0) -> Any:
-    """The standby group, once it is ready (torch imported: seconds on a GPU machine,
-    where a launch sooner would wait for it and time that wait)."""
+    """The standby group, once it is ready (its ranks have imported torch: a launch
+    sooner would wait for them, and time that wait)."""
     deadline = time.monotonic() + timeout
     while (state := nbddp.standby()).status != "ready":
         if time.monotonic() > deadline:

@@ -50,9 +50,9 @@ def allreduce_once() -> float:
 
 IDLE_GAP = 0.010
 """Seconds every process sits idle before a call in the ``noop after idle`` figure: about
-a person's quickest pace, and more than a kernel's gap between two cells (4-6 ms on a
-2-core machine). A machine whose cores went idle takes longer to wake every process a
-call needs; in a kernel, each cell meets that."""
+a person's quickest pace, and more than a kernel's gap between two cells. A machine
+whose cores went idle takes longer to wake every process a call needs; in a kernel, each
+cell meets that."""
 
 
 def python_round_trips(repeats: int) -> dict[str, list[float]]:

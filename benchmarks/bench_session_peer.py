@@ -12,20 +12,19 @@ uses ``torch``, as a notebook's training step does (what a call by value costs g
 with what the function's code reaches: cloudpickle looks for the submodules it uses).
 
 Both sides' ranks stay up for the whole run and are called in alternating blocks, so
-that a machine whose speed drifts (as a shared virtual machine's does, by a factor of
-two within an hour) slows both alike. Every other round runs the blocks in reverse
-order: a block pays for what the one before it left running (a Monarch all-reduce
-block leaves its processes busy for a while), and in one fixed order the same side
-always followed it. Then the same through a real Jupyter kernel, as a person meets it
-(unless ``--calls-only``): ``%%ddp`` session cells and cells that await the Monarch
-endpoints (a no-op, the tensor op, an all-reduce; neither side shows a value), each timed
-from the execute request to the kernel going idle, in a new random order every round
-(a cell's time depends on the one before it: one that kept both cores busy leaves them
-quick to wake), with a plain cell (``x = 1 + 1``: no value shown either) whose time is
-taken off: a cell's own time. Medians of every call and the ratio nbddp / Monarch are
-printed, each ratio of calls and of cells with its 95% interval (a bootstrap over the
-rounds): a side is ahead only where all of the interval is. The record (``_record.py``,
-under ``benchmarks/results/``) keeps every sample.
+that a machine whose speed drifts (as a shared virtual machine's does) slows both alike.
+Every other round runs the blocks in reverse order: a block pays for what the one before
+it left running (a Monarch all-reduce block leaves its processes busy for a while), and
+in one fixed order the same side always followed it. Then the same through a real
+Jupyter kernel, as a person meets it (unless ``--calls-only``): ``%%ddp`` session cells
+and cells that await the Monarch endpoints (a no-op, the tensor op, an all-reduce;
+neither side shows a value), each timed from the execute request to the kernel going
+idle, in a new random order every round (a cell's time depends on the one before it: one
+that kept both cores busy leaves them quick to wake), with a plain cell (``x = 1 + 1``:
+no value shown either) whose time is taken off: a cell's own time. Medians of every call
+and the ratio nbddp / Monarch are printed, each ratio of calls and of cells with its 95%
+interval (a bootstrap over the rounds): a side is ahead only where all of the interval
+is. The record (``_record.py``, under ``benchmarks/results/``) keeps every sample.
 
 Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
 so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--ranks N ...]
