@@ -19,20 +19,17 @@ the nodes import from the folder they share with the kernel here), alternated:
    edit; target: at most 50 ms more. (The ranks reload it as a local session's would:
    most of the difference is IPython's reload of the module, on both nodes.)
 
-Writes the raw samples, the machine, the commit and the load before it started to
-``--json`` (under ``benchmarks/results/`` for a figure that counts). Refuses to report
-figures (marks them noisy) when the load before it started was 1.5 or more.
-Run: ``python benchmarks/bench_code.py [--rounds N] [--cells N] [--json PATH]``.
+Writes its record (``_record.py``: the machine, the commit, the load before it started,
+the raw samples) to ``benchmarks/results/code_shipping-*.json``, or ``--json``; refuses
+to start on a loaded machine unless ``--noisy``.
+Run: ``python benchmarks/bench_code.py [--rounds N] [--cells N] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -42,7 +39,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU ma
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
-from bench_launch import write_json  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 from bench_ray import LocalRayCluster  # noqa: E402
 from bench_session import run_cell  # noqa: E402
 
@@ -51,7 +48,6 @@ MODULE_BYTES = 40_000
 FIRST_TARGET = 0.3  # seconds more for the first cell with shipping
 CHECK_TARGET = 1e-4  # seconds of kernel CPU per cell for the check
 EDIT_TARGET = 0.050  # seconds more for the cell after an edit
-QUIET_LOAD = 1.5
 
 NAMES = [f"shipped_{i:02d}" for i in range(MODULES)]
 IMPORTS = "import " + ", ".join(NAMES)
@@ -161,19 +157,7 @@ def edits(client: Any, folder: Path, rounds: int, gap: float) -> dict[str, list[
     return times
 
 
-def machine() -> dict[str, Any]:
-    model = next((line.split(":", 1)[1].strip() for line in
-                  Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), platform.processor())
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(),
-            "commit": commit, "date": datetime.datetime.now().isoformat(timespec="seconds")}
-
-
-def report(result: dict[str, Any]) -> None:
-    noisy = result["load_before"] >= QUIET_LOAD
-    label = " (NOISY: load before start {:.2f})".format(result["load_before"]) if noisy else ""
+def report(result: dict[str, Any], label: str) -> None:
     med = statistics.median
     first, later, check, edit = (result[k] for k in ("first_cell_s", "later_cell_s",
                                                      "check_cpu_s", "edit_cell_s"))
@@ -202,11 +186,12 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=40, help="later cells each (default 40)")
     parser.add_argument("--gap", type=float, default=1.5,
                         help="seconds between cells, as typed (default 1.5)")
-    parser.add_argument("--json", type=Path, help="write the samples to this file")
+    add_options(parser)
     opts = parser.parse_args()
     from jupyter_client.manager import start_new_kernel
 
-    result: dict[str, Any] = {"machine": machine(), "load_before": os.getloadavg()[0]}
+    record = Record.start("code_shipping", opts)
+    result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp, \
             LocalRayCluster(cpus=1) as cluster:
         folder = Path(tmp) / "notebook"
@@ -232,9 +217,8 @@ def main() -> None:
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
-    result["load_after"] = os.getloadavg()[0]
-    report(result)
-    write_json(opts.json, result)
+    report(result, record.label)
+    record.write(result)
 
 
 if __name__ == "__main__":

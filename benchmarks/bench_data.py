@@ -15,7 +15,10 @@ cost), each after the standby group is ready:
 - the kernel's peak memory growth while it receives a 1 GiB result (in a fresh process
   of its own, so the peak is that launch's).
 
-Run: ``python benchmarks/bench_data.py [--repeats N] [--sizes MiB,...] [--json PATH]``.
+Writes its record (``_record.py``, every launch's time among its samples) under
+``benchmarks/results/``.
+Run: ``python benchmarks/bench_data.py [--repeats N] [--sizes MiB,...] [--noisy]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from pathlib import Path
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 
 import torch  # noqa: E402
-from bench_launch import write_json  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 
 import nbddp  # noqa: E402
 
@@ -40,6 +43,9 @@ MIB = 2**20
 CAPTURE_TARGET = 0.3  # seconds a 1 GiB captured tensor may add to a launch
 RESULT_TARGET = 0.5  # seconds a 1 GiB result may add
 PEAK_TARGET = 1.1  # GiB the kernel's memory may grow by while receiving a 1 GiB result
+LAUNCHES: list[dict] = []
+"""Every timed launch: what it ran, on what, after what, and its seconds (the samples
+behind each median)."""
 
 
 def reads(data: torch.Tensor | None) -> float:
@@ -94,7 +100,16 @@ def timed(repeats: int, fn, *args, after=None) -> float:
         if after is not None:
             launch(fn, *after)
         times.append(launch(fn, *args))
+    LAUNCHES.append({"fn": fn.__name__, "args": _described(args),
+                     "after": None if after is None else _described(after),
+                     "warm": True, "seconds": times})
     return statistics.median(times)
+
+
+def _described(args: tuple) -> list:
+    """A launch's arguments as the record keeps them: a tensor by its size."""
+    return [f"tensor of {a.nbytes} bytes" if isinstance(a, torch.Tensor) else a
+            for a in args]
 
 
 def throughput(sizes_mib: list[int], repeats: int) -> dict:
@@ -136,8 +151,12 @@ def cold(repeats: int, size_mib: int) -> dict:
     """What a captured tensor adds to a cold launch (its write overlaps torchrun's
     start)."""
     data = torch.ones(size_mib * MIB, dtype=torch.uint8)
-    base = statistics.median(launch(holds, None, warm=False) for _ in range(repeats))
-    with_data = statistics.median(launch(holds, data, warm=False) for _ in range(repeats))
+    bases = [launch(holds, None, warm=False) for _ in range(repeats)]
+    with_datas = [launch(holds, data, warm=False) for _ in range(repeats)]
+    base, with_data = statistics.median(bases), statistics.median(with_datas)
+    for args, times in (((None,), bases), ((data,), with_datas)):
+        LAUNCHES.append({"fn": "holds", "args": _described(args), "after": None,
+                         "warm": False, "seconds": times})
     print(f"  cold launch {base:.3f} s; with {size_mib} MiB captured {with_data:.3f} s "
           f"(+{with_data - base:.3f} s)", flush=True)
     return {"size_mib": size_mib, "base_s": base, "with_data_s": with_data,
@@ -170,9 +189,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="launches per figure")
     parser.add_argument("--sizes", default="64,1024,5120", help="MiB, comma-separated")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
     sizes = [int(s) for s in opts.sizes.split(",")]
+    record = Record.start("data", opts)
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")
         os.environ["NBDDP_DISPLAY"] = "text"
@@ -193,12 +213,13 @@ def main() -> None:
               "rank_memory_mib_after_reading_1gib": memory,
               "kernel_peak_growth_gib_for_1gib_result": peak,
               "targets": {"capture_1gib_s": CAPTURE_TARGET, "result_1gib_s": RESULT_TARGET,
-                          "kernel_peak_gib": PEAK_TARGET}}
+                          "kernel_peak_gib": PEAK_TARGET},
+              "launches_s": LAUNCHES}
     print("\neach rank after reading a captured 1 GiB tensor: " + "; ".join(
         f"rank {r}: RSS {m['rss']:.0f} MiB, PSS {m['pss']:.0f} MiB, private "
         f"{m['private']:.0f} MiB" for r, m in enumerate(memory)))
     print(f"kernel peak growth receiving a 1 GiB result: {peak:.2f} GiB "
-          f"(target <= {PEAK_TARGET})")
+          f"(target <= {PEAK_TARGET}){record.label}")
     if gib:
         print(f"1 GiB captured: +{gib['capture_added_s']:.3f} s warm, the same data again; "
               f"+{gib['first_capture_added_s']:.3f} s warm, new data; "
@@ -206,7 +227,7 @@ def main() -> None:
               f"1 GiB result: +{gib['result_added_s']:.3f} s again, "
               f"+{gib['first_result_added_s']:.3f} s the first time (target <= "
               f"{RESULT_TARGET})")
-    write_json(opts.json, result)
+    record.write(result)
 
 
 if __name__ == "__main__":

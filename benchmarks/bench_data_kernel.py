@@ -26,7 +26,9 @@ written) and the walk that finds it again (``kept again``).
 The spread of those steps over the repeats is what says where a slow first send loses
 its time.
 
-Run: ``python benchmarks/bench_data_kernel.py [--repeats N] [--sizes MiB,...] [--json PATH]``.
+Writes its record (``_record.py``) under ``benchmarks/results/``.
+Run: ``python benchmarks/bench_data_kernel.py [--repeats N] [--sizes MiB,...] [--noisy]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_launch import write_json
+from _record import Record, add_options
 
 MIB = 2**20
 FIRST_TARGET = 0.6  # seconds a 1 GiB captured tensor may add, the first time
@@ -233,11 +235,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="launches per figure")
     parser.add_argument("--steps", type=int, default=10, help="timed sends, step by step")
     parser.add_argument("--sizes", default="64,1024,5120", help="MiB, comma-separated")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
     sizes = [int(s) for s in opts.sizes.split(",")]
-    result: dict[str, Any] = {"repeats": opts.repeats, "cpus": os.cpu_count(),
-                              "load_before": os.getloadavg()[0], "sizes": {}}
+    record = Record.start("data_kernel", opts)
+    result: dict[str, Any] = {"repeats": opts.repeats, "cpus": os.cpu_count(), "sizes": {}}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")
         kernel = Kernel(tmp)
@@ -269,9 +271,9 @@ def main() -> None:
             kernel.run("nbddp.standby(False)")
         finally:
             kernel.close()
-    result["load_after"] = os.getloadavg()[0]
     gib = result["sizes"].get(1024)
     if gib:
+        print(f"\n1 GiB figures{record.label}:")
         for name, target in (("first send", FIRST_TARGET), ("again", AGAIN_TARGET),
                              ("result", RESULT_TARGET)):
             value = statistics.median(gib["added_s"][name])
@@ -286,7 +288,7 @@ def main() -> None:
         grown = statistics.median(gib["result_memory_gib"])
         print(f"1 GiB result: the kernel grew {grown:.2f} GiB, target <= {MEMORY_TARGET}: "
               f"{'met' if grown <= MEMORY_TARGET else 'MISSED'}")
-    write_json(opts.json, result)
+    record.write(result)
 
 
 if __name__ == "__main__":

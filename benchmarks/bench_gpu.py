@@ -10,7 +10,9 @@ against plain torchrun; (4) a session's cell round trip on the GPU; (5) a 1 GiB 
 tensor into a session's cell (it arrives on the rank's GPU) and out (it comes back on
 the CPU).
 
-Run: ``python benchmarks/bench_gpu.py [--repeats N] [--json PATH]``.
+Writes its record (``_record.py``) under ``benchmarks/results/`` after each part, so a
+run stopped midway keeps the parts it finished.
+Run: ``python benchmarks/bench_gpu.py [--repeats N] [--only PART] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), os.environ.g
 import _workloads  # noqa: E402
 import torch  # noqa: E402
 from _compare import alternate, run_torchrun  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 
 import nbddp  # noqa: E402
 from nbddp._run.config import RunConfig  # noqa: E402
@@ -90,8 +93,8 @@ def gpu_processes() -> set[int]:
 
 
 def ready_standby(timeout: float = 120.0) -> Any:
-    """The standby group, once it is ready (torch imported: seconds on a GPU machine,
-    where a launch sooner would wait for it and time that wait)."""
+    """The standby group, once it is ready (its ranks have imported torch: a launch
+    sooner would wait for them, and time that wait)."""
     deadline = time.monotonic() + timeout
     while (state := nbddp.standby()).status != "ready":
         if time.monotonic() > deadline:
@@ -121,7 +124,7 @@ def warm_launches(repeats: int, pause: float) -> dict:
         nbddp.standby(False)
     parts = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
     return {"wall": walls, "wall_median": statistics.median(walls), "warm": warm,
-            "parts_median": parts, "idle_standby_pids_on_gpu": idle_on_gpu}
+            "parts": splits, "parts_median": parts, "idle_standby_pids_on_gpu": idle_on_gpu}
 
 
 def noop() -> None:
@@ -151,7 +154,8 @@ def session_figures(cells: int, repeats: int) -> dict:
             out.append(seconds)
             assert back.device.type == "cpu" and back.numel() == GIB
             del back
-    return {"cell_round_trip_ms": base * 1000,
+    return {"cell_round_trip_s": trip, "cuda_1gib_in_samples_s": into,
+            "cuda_1gib_out_samples_s": out, "cell_round_trip_ms": base * 1000,
             "cuda_1gib_in_s": statistics.median(into), "arrived_on": sorted(landed),
             "cuda_1gib_in_gb_per_s": GIB / 1e9 / max(statistics.median(into) - base, 1e-9),
             "cuda_1gib_out_s": statistics.median(out),
@@ -166,11 +170,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs per figure (default 3)")
     parser.add_argument("--steps", type=int, default=300, help="timed training steps")
     parser.add_argument("--cells", type=int, default=50, help="session round trips")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     parser.add_argument("--only", choices=PARTS, action="append",
                         help="run only this part (may be repeated; default: all)")
     opts = parser.parse_args()
     parts = set(opts.only or PARTS)
+    record = Record.start("gpu", opts)
     nbddp.standby(False)
     result: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -188,11 +193,11 @@ def main() -> None:
                 opts.repeats, partial(timed, nbddp.launch, _workloads.allreduce_once_cuda, gpus=1),
                 partial(plain, _workloads.allreduce_once_cuda))
             result["cold_launch_s"] = ratio([s for s, _ in nb], [s for s, _ in tr])
-            report(result, opts.json)
+            report(result, record)
         if "warm" in parts:
             print("warm launches, split ", end="", flush=True)
             result["warm_launch"] = warm_launches(opts.repeats + 2, 2.0)
-            report(result, opts.json)
+            report(result, record)
         if "training" in parts:
             print("conv DDP training ", end="", flush=True)
             args = (opts.steps, 30)
@@ -203,18 +208,17 @@ def main() -> None:
             result["conv_steps_per_s"] = ratio([v["steps_per_s"] for _, v in nb],
                                                [v["steps_per_s"] for _, v in tr])
             result["conv_threads"] = {"nbddp": nb[0][1]["threads"], "torchrun": tr[0][1]["threads"]}
-            report(result, opts.json)
+            report(result, record)
         if "session" in parts:
             print("session on the GPU", flush=True)
             result["session"] = session_figures(opts.cells, opts.repeats)
-            report(result, opts.json)
+            report(result, record)
 
 
-def report(result: dict, path: Path | None) -> None:
+def report(result: dict, record: Record) -> None:
     """The figures so far, printed and saved (a run stopped midway keeps what it has)."""
-    print(json.dumps(result, indent=1), flush=True)
-    if path:
-        path.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=1) + record.label, flush=True)
+    record.write(result)
 
 
 if __name__ == "__main__":

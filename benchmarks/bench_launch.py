@@ -4,14 +4,14 @@ Measures (1) the wall time of a cold launch (standby off) whose ranks all-reduce
 tensor, against plain torchrun, alternated; (2) the same launch warm, on standby ranks,
 after a pause such as a person takes between cells, and the idle memory of a standby
 group; (3) the steady-state steps/s of a small DDP training loop, timed inside the
-ranks, against plain torchrun, alternated. Medians and ratios are printed (``--json``
-saves them). Run: ``python benchmarks/bench_launch.py [--repeats N] [--json PATH]``.
+ranks, against plain torchrun, alternated. Medians and ratios are printed; the record
+(``_record.py``, under ``benchmarks/results/``) keeps every sample.
+Run: ``python benchmarks/bench_launch.py [--repeats N] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +31,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo for both, even on
 import _workloads  # noqa: E402
 import torch  # noqa: E402
 from _compare import alternate, run_torchrun  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 
 import nbddp  # noqa: E402
 from nbddp._run.config import RunConfig  # noqa: E402
@@ -123,10 +124,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50, help="untimed training steps first")
     parser.add_argument("--pause", type=float, default=5.0,
                         help="seconds between warm launches (default 5)")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
     if min(opts.repeats, opts.steps) < 1 or opts.warmup < 0:
         parser.error("--repeats and --steps must be at least 1, --warmup at least 0")
+    record = Record.start("launch", opts)
     load_start = os.getloadavg()[0]
     nbddp.standby(False)  # cold launches and training: no standby group starting beside
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
@@ -159,24 +161,16 @@ def main() -> None:
         "loadavg_1min": {"start": load_start, "end": os.getloadavg()[0]},
         "launch_wall_s": launch, "warm_launch_s": warm, "train_steps_per_s": train,
     }
-    print_table(result)
-    write_json(opts.json, result)
+    print_table(result, record.label)
+    record.write(result)
 
 
-def write_json(path: Path | None, result: dict) -> None:
-    """Write every figure as JSON, when the user asked for a file."""
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {path}")
-
-
-def print_table(r: dict) -> None:
+def print_table(r: dict, label: str = "") -> None:
     """Print the medians, ratios and targets as a small table."""
     print(f"\nnbddp vs plain torchrun: {r['nprocs']} CPU ranks (gloo), median of {r['repeats']} "
           f"runs each; torch {r['torch']}, {r['cpus']} CPUs, {r['threads_per_rank']['nbddp']:.0f}/"
           f"{r['threads_per_rank']['torchrun']:.0f} threads per rank (nbddp/torchrun), "
-          f"load {r['loadavg_1min']['start']:.2f} -> {r['loadavg_1min']['end']:.2f}")
+          f"load {r['loadavg_1min']['start']:.2f} -> {r['loadavg_1min']['end']:.2f}{label}")
     print(f"{'':34}{'nbddp':>10}{'torchrun':>10}{'ratio':>8}  target")
     rows = [("launch + all_reduce, wall s", r["launch_wall_s"], "{:10.3f}"),
             (f"MLP DDP training, steps/s ({r['steps']})", r["train_steps_per_s"], "{:10.1f}")]

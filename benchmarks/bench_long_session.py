@@ -8,7 +8,10 @@ memory). The cells are cut into blocks; per block it prints the median and 10th
 percentile wall time of the all-reduce cells, as the client sees them, and the CPU time
 per cell of the kernel and of the ranks (from ``/proc``: load from other processes does
 not count). The last block against the first is the figure: 1.0 means no growth.
-Run: ``python benchmarks/bench_long_session.py [--cells N] [--blocks B] [--json PATH]``.
+Writes its record (``_record.py``, every all-reduce cell's time) under
+``benchmarks/results/``.
+Run: ``python benchmarks/bench_long_session.py [--cells N] [--blocks B] [--noisy]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 
-from bench_launch import write_json  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 
 TARGET = 1.2  # last block / first block, median all-reduce cell and CPU per cell: at most
 TICKS = os.sysconf("SC_CLK_TCK")
@@ -136,8 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", type=int, default=3000, help="cells in all (default 3000)")
     parser.add_argument("--blocks", type=int, default=6, help="blocks to compare (default 6)")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
+    record = Record.start("long_session", opts)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as cwd:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(cwd) / "runs")  # keep the user's records
@@ -156,16 +160,17 @@ def main() -> None:
     first, last = blocks[0].figures(), blocks[-1].figures()
     ratios = {name: last[name] / first[name] for name in first}
     result = {"cells": opts.cells, "blocks": [b.figures() for b in blocks],
+              "block_walls_s": [b.walls for b in blocks],
               "last_over_first": ratios, "target": TARGET,
               "met": all(value <= TARGET for value in ratios.values()),
               "python": platform.python_version(), "cpus": os.cpu_count(),
               "loadavg_1min": {"start": load, "end": os.getloadavg()[0]}}
     print(f"\nlast block / first block ({opts.cells} cells, 2 CPU ranks; {os.cpu_count()} "
-          f"CPUs, load {load:.2f} -> {os.getloadavg()[0]:.2f}):")
+          f"CPUs, load {load:.2f} -> {os.getloadavg()[0]:.2f}){record.label}:")
     for name, value in ratios.items():
         print(f"  {name:26}{first[name]:8.2f} -> {last[name]:8.2f}   x{value:.2f}")
     print(f"target: each at most x{TARGET}: {'met' if result['met'] else 'MISSED'}")
-    write_json(opts.json, result)
+    record.write(result)
 
 
 if __name__ == "__main__":

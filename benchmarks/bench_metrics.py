@@ -7,7 +7,8 @@ launches, medians), and iterated through ``nbddp.progress`` (whose step clock sp
 rank's step time for the panel) versus a plain ``range`` (paired blocks in one run); (3)
 the latency from a rank-0 ``print`` to the kernel receiving it,
 with the ranks idle and while they train. Everything runs under ``nbddp.launch``.
-Run: ``python benchmarks/bench_metrics.py [--repeats N] [--json PATH]``.
+Writes its record (``_record.py``) under ``benchmarks/results/``.
+Run: ``python benchmarks/bench_metrics.py [--repeats N] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ from typing import Any
 
 import _workloads
 import torch
+from _record import Record, add_options
 
 # Importing bench_launch also puts this folder on the ranks' PYTHONPATH and hides GPUs
 # from the ranks (os.environ), as its own runs have it.
-from bench_launch import NPROCS, TIMEOUT, alternate, run_nbddp, write_json
+from bench_launch import NPROCS, TIMEOUT, alternate, run_nbddp
 
 import nbddp
 from nbddp._wire.history import STALE_SECONDS
@@ -162,12 +164,13 @@ def main() -> None:
     parser.add_argument("--prints", type=int, default=50, help="timestamped prints per phase")
     parser.add_argument("--interval-ms", type=int, default=50,
                         help="mean time between prints (50); each gap is 0.5x to 1.5x this")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
     if min(opts.repeats, opts.steps, opts.calls) < 1 or opts.prints < 2 or \
             min(opts.warmup, opts.interval_ms) < 0:
         parser.error("--repeats, --steps and --calls must be at least 1, --prints at least 2, "
                      "--warmup and --interval-ms at least 0")
+    record = Record.start("metrics", opts)
     load_start = os.getloadavg()[0]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
@@ -189,11 +192,11 @@ def main() -> None:
         "total_s": time.perf_counter() - started,
         "log_call": log_cost, "train_steps_per_s": train, "print_latency": latency,
     }
-    print_table(result)
-    write_json(opts.json, result)
+    print_table(result, record.label)
+    record.write(result)
 
 
-def print_table(r: dict) -> None:
+def print_table(r: dict, label: str = "") -> None:
     """Print the figures next to their targets."""
     log, train, lat = r["log_call"], r["train_steps_per_s"], r["print_latency"]
 
@@ -203,7 +206,7 @@ def print_table(r: dict) -> None:
     print(f"\nnbddp metrics and output: {r['nprocs']} CPU ranks (gloo); torch {r['torch']}, "
           f"{r['cpus']} CPUs, {train['threads_per_rank']:.0f} threads per rank, "
           f"load {r['loadavg_1min']['start']:.2f} -> {r['loadavg_1min']['end']:.2f}, "
-          f"{r['total_s']:.0f} s in all")
+          f"{r['total_s']:.0f} s in all{label}")
     print(f"{'':44}{'value':>10}  target")
     rows = [
         ("nbddp.log call, floats, us", log["float_us"], f"<= {LOG_TARGET_US:g}",

@@ -1,12 +1,17 @@
-"""Benchmark the kernel's side of a session past this machine: 128 and 1,024 simulated
-nodes (issue: many ranks).
+"""Benchmark the kernel's side of a session on 128 and 1,024 simulated nodes.
 
 The kernel's side is real: a session (``nbddp.Session``'s own code), its group, channel
-(TCP, the run's key, every frame sealed and checked), supervisor, records and text panel,
-in this process. The nodes are not: a few processes each hold many nodes, and each node
-is nbddp's real relay (``_rank.relay.NodeRelay``, its own authenticated connection to the
-kernel) in front of simulated ranks, which say hello, answer the roll call, and answer
-each Start at once (``noop``), or first log a metric ``--rate`` times a second for
+(TCP, the run's key, every frame sealed and checked), supervisor, records and panel. By
+default it runs in a real Jupyter kernel (``--where kernel``), as a person meets it: the
+session made in a cell, then ``session.run(noop)`` cells with the text panel
+(``NBDDP_DISPLAY=text``), each timed by the Jupyter client from its execute request to
+the kernel going idle, the kernel's CPU (every thread) read from /proc. ``--where
+python`` runs it in this process instead, output off.
+
+The nodes are not real: a few processes each hold many nodes, and each node is nbddp's
+real relay (``_rank.relay.NodeRelay``, its own authenticated connection to the kernel)
+in front of simulated ranks, which say hello, answer the roll call, and answer each
+Start at once (``noop``), or first log a metric ``--rate`` times a second for
 ``--seconds`` (``metrics``), as a rank's reporter sends them: a batch about ten times a
 second.
 
@@ -16,13 +21,23 @@ head per group of relays, each a real relay, merging its group's batches); ``--l
 flat`` keeps every relay on a link to the kernel, ``--layout tree`` forms a tree at any
 count. A head's work is on its node, in the simulation's processes, not measured.
 
-Measured, in this process: the CPU time (every thread) and wall time per no-op cell (the
-median of ``--cells``), and the CPU share of one core while every rank logs. Targets (the
-issue's): a no-op cell on 1,024 nodes of 8 ranks under 50 ms of kernel CPU; 8,192 ranks'
-metrics at 10 a second under one core.
+Cells come in two kinds, alternated, each reported under its own label:
 
-Run: ``python benchmarks/bench_nodes.py [--nodes 128 1024] [--per-node 8]
-[--layout auto|flat|tree] [--json PATH]``.
+- **typed**: ``--gap`` seconds after the last cell ended (``TYPED_GAP`` by default,
+  ``bench_code.py``'s spacing of typed cells), more than ``HEARD_LATELY``: as for a
+  cell a person types, the session first calls the roll of every rank;
+- **back to back**: at once after the one before, which the ranks' links were heard
+  from a moment ago: no roll call, as for cells run one after another.
+
+Measured: the kernel's CPU time and the wall time per no-op cell of each kind (``--cells``
+of each, after a warm-up), and the kernel's CPU share of one core while every rank logs.
+Targets (the issue's): a no-op cell on 1,024 nodes of 8 ranks under
+``CELL_CPU_TARGET_MS`` of kernel CPU; 8,192 ranks' metrics at ``METRICS_RATE`` a second
+under one core.
+
+Writes its record (``_record.py``, every cell's figures) under ``benchmarks/results/``.
+Run: ``python benchmarks/bench_nodes.py [--nodes 128 1024] [--per-node 8] [--gap S]
+[--layout auto|flat|tree] [--where kernel python] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ from nbddp._rank.relay import placed_relay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
 from nbddp._run.shape import GroupShape  # noqa: E402
-from nbddp._run.waiting import WaitingGroup  # noqa: E402
+from nbddp._run.waiting import HEARD_LATELY, WaitingGroup  # noqa: E402
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key  # noqa: E402
 from nbddp._wire.messages import (  # noqa: E402
     HEADER_SIZE,
@@ -69,7 +84,12 @@ from nbddp._wire.relay_tree import RelayTree, uses_tree  # noqa: E402
 from nbddp._wire.rundir import RunDir  # noqa: E402
 
 CELL_CPU_TARGET_MS = 50.0  # 1,024 nodes of 8 ranks
-METRICS_TARGET = 1.0  # of one core, 8,192 ranks at 10 steps/s
+METRICS_TARGET = 1.0  # of one core, 8,192 ranks at METRICS_RATE
+METRICS_RATE = 10.0  # steps/s per rank
+TYPED_GAP = 1.5
+"""Seconds between one cell's end and the next typed one: ``bench_code.py``'s spacing of
+typed cells, more than ``HEARD_LATELY``, so that the session calls the roll first."""
+HERE = Path(__file__).resolve().parent
 PROCESSES = 8  # that hold the simulated nodes
 REPORTS_PER_SECOND = 10  # a rank's reporter sends its batch about this often
 
@@ -204,8 +224,9 @@ class SimulatedGroup(WaitingGroup):
 class SimulatedBackend(LocalBackend):
     start_timeout = 600.0
 
-    def __init__(self, nodes: int, per_node: int, mode: str, tree: bool) -> None:
-        super().__init__(RunOptions(nprocs=nodes * per_node, output="none").config(
+    def __init__(self, nodes: int, per_node: int, mode: str, tree: bool,
+                 output: str = "none") -> None:
+        super().__init__(RunOptions(nprocs=nodes * per_node, output=output).config(
             nodes * per_node))
         self.nodes, self.per_node, self.mode, self.tree = nodes, per_node, mode, tree
 
@@ -218,13 +239,13 @@ class SimulatedBackend(LocalBackend):
         return FolderPerCell(self.config.nprocs)
 
 
-def simulated_session(nodes: int, per_node: int, mode: str, layout: str = "auto"
-                      ) -> nbddp.Session:
+def simulated_session(nodes: int, per_node: int, mode: str, layout: str = "auto",
+                      output: str = "none") -> nbddp.Session:
     """A session as ``nbddp.Session()`` makes one, on simulated nodes (``layout``: as
-    ``--layout``)."""
+    ``--layout``; ``output``: as ``Session``'s, ``"rank0"`` for its panel)."""
     tree = layout == "tree" or (layout == "auto" and uses_tree(nodes))
     session = nbddp.Session.__new__(nbddp.Session)
-    session._begin(SimulatedBackend(nodes, per_node, mode, tree))
+    session._begin(SimulatedBackend(nodes, per_node, mode, tree, output))
     session._group = session._new_group()
     session._wait_ready()
     return session
@@ -234,23 +255,42 @@ def noop() -> None:
     """The no-op cell."""
 
 
-def cpu_and_wall(fn: Callable[[], Any]) -> tuple[float, float]:
-    cpu, wall = time.process_time(), time.perf_counter()
-    fn()
-    return time.process_time() - cpu, time.perf_counter() - wall
+Cell = Callable[[], tuple[float, float]]
+"""One no-op cell, run and timed: the driving process's CPU seconds and the wall's."""
 
 
-def measure(nodes: int, per_node: int, opts: argparse.Namespace) -> dict[str, float]:
-    figures: dict[str, float] = {}
+def spaced_cells(cell: Cell, cells: int, gap: float) -> dict[str, dict[str, list[float]]]:
+    """``cells`` pairs, after three untimed cells: a cell typed ``gap`` seconds after the
+    last one ended (the session calls the roll first), then one at once (back to back:
+    no roll call). CPU and wall seconds of each."""
+    for _ in range(3):
+        cell()  # warm-up
+    spaced: dict[str, dict[str, list[float]]] = {
+        kind: {"cpu_s": [], "wall_s": []} for kind in ("typed", "back_to_back")}
+    for _ in range(cells):
+        for kind in ("typed", "back_to_back"):
+            if kind == "typed":
+                time.sleep(gap)
+            cpu, wall = cell()
+            spaced[kind]["cpu_s"].append(cpu)
+            spaced[kind]["wall_s"].append(wall)
+    return spaced
+
+
+def in_this_process(nodes: int, per_node: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """The figures of one shape in this process: ``Session.run``, output off."""
+    def cpu_and_wall(fn: Callable[[], Any]) -> tuple[float, float]:
+        cpu, wall = time.process_time(), time.perf_counter()
+        fn()
+        return time.process_time() - cpu, time.perf_counter() - wall
+
+    figures: dict[str, Any] = {}
     began = time.perf_counter()
     session = simulated_session(nodes, per_node, "noop", opts.layout)
     try:
         figures["start_s"] = time.perf_counter() - began
-        for _ in range(3):
-            session.run(noop)  # warm-up
-        cells = [cpu_and_wall(lambda: session.run(noop)) for _ in range(opts.cells)]
-        figures["cell_cpu_ms"] = 1000 * statistics.median(c for c, _ in cells)
-        figures["cell_wall_ms"] = 1000 * statistics.median(w for _, w in cells)
+        figures |= spaced_cells(lambda: cpu_and_wall(lambda: session.run(noop)),
+                                opts.cells, opts.gap)
     finally:
         session.close()
     session = simulated_session(nodes, per_node, f"metrics:{opts.seconds}:{opts.rate}",
@@ -263,40 +303,132 @@ def measure(nodes: int, per_node: int, opts: argparse.Namespace) -> dict[str, fl
     return figures
 
 
+KERNEL_SETUP = """from bench_nodes import simulated_session
+def noop():
+    pass
+"""
+"""The notebook's first cell: its no-op is its own (``__main__``'s, pickled by value)."""
+
+
+def in_a_kernel(nodes: int, per_node: int, opts: argparse.Namespace) -> dict[str, Any]:
+    """The figures of one shape through a real Jupyter kernel, as a person meets them:
+    the session made in a cell, ``session.run(noop)`` cells, the text panel shown (the
+    kernel's CPU read from /proc, every thread; each cell timed by the client from its
+    execute request to the kernel going idle)."""
+    from bench_scale import kernel_cpu
+    from bench_session import run_cell
+    from jupyter_client.manager import start_new_kernel
+
+    env = {**os.environ, "NBDDP_DISPLAY": "text",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE),
+                                                       os.environ.get("PYTHONPATH")]))}
+    make = ("session = simulated_session({nodes}, {per_node}, {mode!r}, {layout!r}, "
+            "output='rank0')")
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as cwd:
+        manager, client = start_new_kernel(kernel_name="python3", cwd=cwd, env=env)
+        pid = manager.provisioner.process.pid
+
+        def cell(code: str = "session.run(noop)", timeout: float = 600) -> tuple[float, float]:
+            cpu, wall = kernel_cpu(pid), time.perf_counter()
+            run_cell(client, code, timeout)
+            return kernel_cpu(pid) - cpu, time.perf_counter() - wall
+
+        try:
+            run_cell(client, KERNEL_SETUP, 120)
+            figures["start_s"] = cell(make.format(nodes=nodes, per_node=per_node,
+                                                  mode="noop", layout=opts.layout))[1]
+            figures |= spaced_cells(cell, opts.cells, opts.gap)
+            run_cell(client, "session.close()", 120)
+            run_cell(client, make.format(nodes=nodes, per_node=per_node, layout=opts.layout,
+                                         mode=f"metrics:{opts.seconds}:{opts.rate}"), 600)
+            cpu, wall = cell()
+            figures["metrics_cpu_share"] = cpu / wall
+            run_cell(client, "session.close()", 120)
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=False)
+    return figures
+
+
+WAYS = {"kernel": ("a real Jupyter kernel, text panel; kernel CPU from /proc, the mean",
+                   in_a_kernel, statistics.mean),
+        "python": ("this process, Session.run, output off; CPU the median",
+                   in_this_process, statistics.median)}
+"""Where the kernel's side runs: what the report says of it, the function that measures
+a shape there, and how its CPU samples are summed up (/proc counts in clock ticks: a
+mean, not a median)."""
+
+
+def report(nodes: int, opts: argparse.Namespace, where: str, figures: dict[str, Any],
+           label: str) -> None:
+    """One shape's figures, back to back and typed each labelled, beside the targets."""
+    _, _, average = WAYS[where]
+    print(f"{nodes} nodes x {opts.per_node} ranks, {where}: start "
+          f"{figures['start_s']:.1f} s{label}")
+    for kind, said in (("back_to_back", "back-to-back cells (no roll call)"),
+                       ("typed", f"typed cells, {opts.gap:g} s apart (roll call paid)")):
+        cpu = 1000 * average(figures[kind]["cpu_s"])
+        wall = 1000 * statistics.median(figures[kind]["wall_s"])
+        verdict = ""
+        if nodes == 1024 and opts.per_node == 8:
+            verdict = (f" (target < {CELL_CPU_TARGET_MS:g} ms: "
+                       f"{'met' if cpu < CELL_CPU_TARGET_MS else 'MISSED'})")
+        print(f"  {said:44} kernel CPU {cpu:8.2f} ms{verdict}, wall {wall:8.2f} ms",
+              flush=True)
+    share = figures["metrics_cpu_share"]
+    verdict = ""
+    if nodes == 1024 and opts.per_node == 8 and opts.rate == METRICS_RATE:
+        verdict = f" (target < 1 core: {'met' if share < METRICS_TARGET else 'MISSED'})"
+    print(f"  {'metrics, ' + f'{opts.rate:g} steps/s per rank':44} kernel CPU "
+          f"{100 * share:.1f}% of a core{verdict}", flush=True)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--serve"]:
         host, port, key_file, first, count, per_node, mode, tree = sys.argv[2:]
         serve(host, int(port), key_file, int(first), int(count), int(per_node), mode,
               tree == "1")
         return
+    from _record import Record, add_options
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--per-node", type=int, default=8)
-    parser.add_argument("--cells", type=int, default=20, help="no-op cells per shape")
+    parser.add_argument("--cells", type=int, default=20,
+                        help="no-op cells per shape, each of back-to-back and typed")
+    parser.add_argument("--gap", type=float, default=TYPED_GAP,
+                        help=f"seconds before a typed cell (default {TYPED_GAP:g}; more than "
+                             f"HEARD_LATELY, {HEARD_LATELY:g}, so that it pays the roll call)")
     parser.add_argument("--seconds", type=float, default=5.0, help="of metrics per shape")
-    parser.add_argument("--rate", type=float, default=10.0, help="metric steps/s per rank")
+    parser.add_argument("--rate", type=float, default=METRICS_RATE,
+                        help="metric steps/s per rank")
     parser.add_argument("--layout", choices=("auto", "flat", "tree"), default="auto",
                         help="the relays: as a session places them, or all on the kernel's "
                              "link, or in a tree at any count")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    parser.add_argument("--where", choices=tuple(WAYS), nargs="+", default=["kernel"],
+                        help="the kernel's side in a real Jupyter kernel (default) and/or "
+                             "in this process")
+    add_options(parser)
     opts = parser.parse_args()
-    results: dict[str, Any] = {"machine": platform.node(), "cpus": os.cpu_count(),
+    if opts.gap <= HEARD_LATELY:
+        parser.error(f"--gap must be more than HEARD_LATELY ({HEARD_LATELY:g} s): a cell "
+                     "sooner goes without the roll call, as a back-to-back one does")
+    record = Record.start("nodes", opts)
+    results: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count(),
                                "per_node": opts.per_node, "rate": opts.rate,
-                               "layout": opts.layout}
+                               "layout": opts.layout, "gap_s": opts.gap}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")  # keep the user's records
-        print(f"{'nodes':>6} {'ranks':>6} {'start s':>8} {'cell CPU ms':>12} "
-              f"{'cell wall ms':>13} {'metrics CPU':>12}")
-        for nodes in opts.nodes:
-            figures = measure(nodes, opts.per_node, opts)
-            results[str(nodes)] = figures
-            print(f"{nodes:>6} {nodes * opts.per_node:>6} {figures['start_s']:>8.1f} "
-                  f"{figures['cell_cpu_ms']:>12.2f} {figures['cell_wall_ms']:>13.2f} "
-                  f"{100 * figures['metrics_cpu_share']:>11.1f}%", flush=True)
-    if opts.json:
-        from bench_launch import write_json
-
-        write_json(opts.json, results)
+        for where in opts.where:
+            said, measure, _ = WAYS[where]
+            print(f"{where}: {said}", flush=True)
+            results[where] = {}
+            for nodes in opts.nodes:
+                figures = measure(nodes, opts.per_node, opts)
+                results[where][str(nodes)] = figures
+                report(nodes, opts, where, figures, record.label)
+    record.write(results)
 
 
 if __name__ == "__main__":

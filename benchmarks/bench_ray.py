@@ -19,8 +19,9 @@ to the kernel going idle (what a person waits for):
    (``NBDDP_SESSION_DATA=channel``), alternated: bytes from the kernel per second
    (target: at least 1 GB/s for 1 GiB), and a 1 GiB tensor as a result.
 
-Needs ``pip install 'nbddp[ray]' 'ray[train]'`` (Ray Train for the peer).
-Run: ``python benchmarks/bench_ray.py [--repeats N] [--json PATH]``.
+Needs ``pip install 'nbddp[ray]' 'ray[train]'`` (Ray Train for the peer). Writes its
+record (``_record.py``) under ``benchmarks/results/``.
+Run: ``python benchmarks/bench_ray.py [--repeats N] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU ma
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
 
-from bench_launch import write_json  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 from bench_session import run_cell, time_cells  # noqa: E402
 
 LAUNCH_RATIO_TARGET = 0.8  # nbddp's launch at most this much of Ray Train's fit()
@@ -152,10 +153,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10, help="launches each (default 10)")
     parser.add_argument("--cells", type=int, default=100, help="session cells (default 100)")
     parser.add_argument("--cpus", type=int, default=1, help="CPUs per Ray node (default 1)")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
     from jupyter_client.manager import start_new_kernel
 
+    record = Record.start("ray", opts)
     load = os.getloadavg()[0]
     result: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count(),
                               "ray_node_cpus": opts.cpus}
@@ -183,8 +185,8 @@ def main() -> None:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
     result["loadavg_1min"] = {"start": load, "end": os.getloadavg()[0]}
-    report(result)
-    write_json(opts.json, result)
+    report(result, record.label)
+    record.write(result)
 
 
 ROUTES = {"object store": "object_store", "channel": "channel"}
@@ -224,14 +226,14 @@ def metric_latencies(client: Any, steps: int) -> list[float]:
     return json.loads(line.split(" ", 1)[1])
 
 
-def report(r: dict) -> None:
+def report(r: dict, label: str = "") -> None:
     med = {name: statistics.median(values) for group in ("launch_s", "cell_s", "data_s")
            for name, values in r.get(group, {}).items()}
     ratio = med["nbddp.launch, ray"] / med["Ray Train fit()"]
     metric = statistics.median(r["metric_latency_s"])
     print(f"\nnbddp on a two-node Ray cluster on this machine ({r['ray_node_cpus']} CPU per "
           f"node), {r['cpus']} CPUs, load {r['loadavg_1min']['start']:.2f} -> "
-          f"{r['loadavg_1min']['end']:.2f}; medians")
+          f"{r['loadavg_1min']['end']:.2f}; medians{label}")
     for name, value in med.items():
         print(f"  {name:34}{value * 1000:10.1f} ms")
     print(f"launch, nbddp / Ray Train: {ratio:.3f} (target <= {LAUNCH_RATIO_TARGET}): "

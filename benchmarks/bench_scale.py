@@ -20,8 +20,9 @@ With ``--monarch PYTHON`` (an interpreter whose environment has ``torchmonarch``
 same rank counts run on Monarch too, in the same run (``peer_monarch.py``), printed beside
 nbddp's session in this process: no-op and all-reduce call, and start.
 
+Writes its record (``_record.py``, every cell's figures) under ``benchmarks/results/``.
 Run: ``python benchmarks/bench_scale.py [--ranks 2 4 8 16 32] [--monarch PYTHON]
-[--json PATH]``.
+[--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 
-from bench_launch import write_json  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 from bench_session import run_cell  # noqa: E402
 
 import nbddp  # noqa: E402
@@ -93,7 +94,9 @@ def measure(session: nbddp.Session, cells: int, seconds: float, rate: float
         session.run(all_reduce)  # warm-up
     reduces = [cpu_and_wall(lambda: session.run(all_reduce))[1] for _ in range(cells)]
     cpu, wall = cpu_and_wall(lambda: session.run(log_for, seconds, rate))
-    return {"cell_cpu_ms": 1000 * statistics.median(c for c, _ in per_cell),
+    return {"cell_cpu_s": [c for c, _ in per_cell], "cell_wall_s": [w for _, w in per_cell],
+            "all_reduce_wall_s": reduces, "metrics_cpu_s": cpu, "metrics_wall_s": wall,
+            "cell_cpu_ms": 1000 * statistics.median(c for c, _ in per_cell),
             "cell_wall_ms": 1000 * statistics.median(w for _, w in per_cell),
             "all_reduce_wall_ms": 1000 * statistics.median(reduces),
             "metrics_cpu_share": cpu / wall}
@@ -151,6 +154,7 @@ def in_a_kernel(ranks: int, nodes: int, address: str | None, opts: argparse.Name
                 run_cell(client, "%%ddp\nNone")
                 cpu.append(kernel_cpu(pid) - c)
                 wall.append(time.perf_counter() - w)
+            figures["cell_cpu_s"], figures["cell_wall_s"] = cpu, wall
             figures["cell_cpu_ms"] = 1000 * statistics.mean(cpu)  # (ticks: mean, not median)
             figures["cell_wall_ms"] = 1000 * statistics.median(wall)
             run_cell(client, "from bench_scale import log_for")
@@ -182,24 +186,24 @@ def main() -> None:
     parser.add_argument("--monarch", metavar="PYTHON",
                         help="also Monarch on this host, in the same run: an interpreter "
                              "whose environment has torchmonarch (peer_monarch.py)")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
+    record = Record.start("scale", opts)
     if opts.ray == "local":
         from bench_ray import LocalRayCluster
 
         with LocalRayCluster(cpus=1, nodes=opts.nodes) as cluster:
             opts.ray = cluster.address
-            run(opts)
+            run(opts, record)
     else:
-        run(opts)
+        run(opts, record)
 
 
-def run(opts: argparse.Namespace) -> None:
+def run(opts: argparse.Namespace, record: Record) -> None:
     shapes = [] if opts.ray and opts.ray_only else [(n, 1, None) for n in opts.ranks]
     if opts.ray:
         shapes += [(n, opts.nodes, opts.ray) for n in opts.ranks if n % opts.nodes == 0]
-    results: dict[str, Any] = {"machine": platform.node(), "cpus": os.cpu_count(),
-                               "load_before": os.getloadavg()[0]}
+    results: dict[str, Any] = {"host": platform.node(), "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")  # keep the user's records
         print(f"{'ranks':>5} {'nodes':>5} {'start s':>8} {'cell CPU ms':>12} "
@@ -224,12 +228,10 @@ def run(opts: argparse.Namespace) -> None:
                       f"{100 * figures['metrics_cpu_share']:>11.1f}%", flush=True)
     if opts.monarch:
         results["monarch"] = beside_monarch(opts, results["python"])
-    results["load_after"] = os.getloadavg()[0]
     for where in [w for w in ("kernel", "python") if w in results]:
-        print(f"targets, {where}:")
+        print(f"targets, {where}{record.label}:")
         report_targets(results[where], opts.rate)
-    if opts.json:
-        write_json(opts.json, results)
+    record.write(results)
 
 
 def beside_monarch(opts: argparse.Namespace, nbddp_figures: dict[str, dict[str, float]]

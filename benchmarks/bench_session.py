@@ -6,9 +6,9 @@ timed by the client from the execute request to the kernel going idle, as a pers
 it, with a plain Python cell's round trip in the same kernel for reference. Both are
 alternated with a trivial all-reduce cell, which adds one collective; and (3) the first
 ``nbddp.launch`` of a fresh kernel, a few seconds after ``import nbddp``, with standby on
-(ranks start as nbddp loads) and off. Medians are printed (``--json`` saves every
-figure).
-Run: ``python benchmarks/bench_session.py [--repeats N] [--json PATH]``.
+(ranks start as nbddp loads) and off. Medians are printed; the record (``_record.py``,
+under ``benchmarks/results/``) keeps every sample.
+Run: ``python benchmarks/bench_session.py [--repeats N] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks with gloo, even on a GPU machine
 os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while timing
 
-from bench_launch import write_json  # noqa: E402
+from _record import Record, add_options  # noqa: E402
 
 import nbddp  # noqa: E402
 
@@ -50,9 +50,9 @@ def allreduce_once() -> float:
 
 IDLE_GAP = 0.010
 """Seconds every process sits idle before a call in the ``noop after idle`` figure: about
-a person's quickest pace, and more than a kernel's gap between two cells (4-6 ms on a
-2-core machine). A machine whose cores went idle takes longer to wake every process a
-call needs; in a kernel, each cell meets that."""
+a person's quickest pace, and more than a kernel's gap between two cells. A machine
+whose cores went idle takes longer to wake every process a call needs; in a kernel, each
+cell meets that."""
 
 
 def python_round_trips(repeats: int) -> dict[str, list[float]]:
@@ -162,8 +162,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=100, help="round trips each")
     parser.add_argument("--first", type=int, default=3,
                         help="fresh kernels per first-launch measurement (default 3)")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
+    record = Record.start("session", opts)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         os.environ["NBDDP_RUNS_DIR"] = str(Path(tmp) / "runs")  # keep the user's records
@@ -183,7 +184,7 @@ def main() -> None:
               "own_target_s": OWN_TARGET,
               "own_met": medians["%%ddp noop - plain cell"] <= OWN_TARGET}
     print(f"\nsession round trips, {NPROCS} CPU ranks (gloo), median of {opts.repeats}; "
-          f"{os.cpu_count()} CPUs, load {load:.2f} -> {os.getloadavg()[0]:.2f}")
+          f"{os.cpu_count()} CPUs, load {load:.2f} -> {os.getloadavg()[0]:.2f}{record.label}")
     for name, value in medians.items():
         print(f"  {name:28}{value * 1000:8.1f} ms")
     print(f"trivial %%ddp cell: {medians['%%ddp noop'] * 1000:.1f} ms, target <= "
@@ -191,7 +192,7 @@ def main() -> None:
     print(f"its own time (less a plain cell's): "
           f"{medians['%%ddp noop - plain cell'] * 1000:.2f} ms, target <= "
           f"{OWN_TARGET * 1000:.0f} ms: {'met' if result['own_met'] else 'MISSED'}")
-    write_json(opts.json, result)
+    record.write(result)
 
 
 if __name__ == "__main__":

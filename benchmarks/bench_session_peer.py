@@ -12,24 +12,23 @@ uses ``torch``, as a notebook's training step does (what a call by value costs g
 with what the function's code reaches: cloudpickle looks for the submodules it uses).
 
 Both sides' ranks stay up for the whole run and are called in alternating blocks, so
-that a machine whose speed drifts (as a shared virtual machine's does, by a factor of
-two within an hour) slows both alike. Every other round runs the blocks in reverse
-order: a block pays for what the one before it left running (a Monarch all-reduce
-block leaves its processes busy for a while), and in one fixed order the same side
-always followed it. Then the same through a real Jupyter kernel, as a person meets it
-(unless ``--calls-only``): ``%%ddp`` session cells and cells that await the Monarch
-endpoints (a no-op, the tensor op, an all-reduce; neither side shows a value), each timed
-from the execute request to the kernel going idle, in a new random order every round
-(a cell's time depends on the one before it: one that kept both cores busy leaves them
-quick to wake), with a plain cell (``x = 1 + 1``: no value shown either) whose time is
-taken off: a cell's own time. Medians of every call and the ratio nbddp / Monarch are
-printed, each ratio of calls and of cells with its 95% interval (a bootstrap over the
-rounds): a side is ahead only where all of the interval is (``--json`` saves every
-figure).
+that a machine whose speed drifts (as a shared virtual machine's does) slows both alike.
+Every other round runs the blocks in reverse order: a block pays for what the one before
+it left running (a Monarch all-reduce block leaves its processes busy for a while), and
+in one fixed order the same side always followed it. Then the same through a real
+Jupyter kernel, as a person meets it (unless ``--calls-only``): ``%%ddp`` session cells
+and cells that await the Monarch endpoints (a no-op, the tensor op, an all-reduce;
+neither side shows a value), each timed from the execute request to the kernel going
+idle, in a new random order every round (a cell's time depends on the one before it: one
+that kept both cores busy leaves them quick to wake), with a plain cell (``x = 1 + 1``:
+no value shown either) whose time is taken off: a cell's own time. Medians of every call
+and the ratio nbddp / Monarch are printed, each ratio of calls and of cells with its 95%
+interval (a bootstrap over the rounds): a side is ahead only where all of the interval
+is. The record (``_record.py``, under ``benchmarks/results/``) keeps every sample.
 
 Needs Monarch (``pip install torchmonarch``, with the same torch); without it, this says
 so and exits 0. Run: ``python benchmarks/bench_session_peer.py [--ranks N ...]
-[--rounds N] [--calls-only] [--json PATH]``.
+[--rounds N] [--calls-only] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -51,9 +50,9 @@ os.environ["NBDDP_STANDBY"] = "0"  # nothing starting in the background while ti
 
 import torch  # noqa: E402
 import torch.nn.functional  # noqa: E402,F401 - (imported in the kernel, as a notebook's)
+from _record import Record, add_options  # noqa: E402
 from _workloads import allreduce_once  # noqa: E402 - (ranks find it: see bench_launch)
 from _workloads import noop as imported_noop  # noqa: E402
-from bench_launch import write_json  # noqa: E402
 from bench_session import run_cell, time_cells  # noqa: E402
 
 import nbddp  # noqa: E402
@@ -186,26 +185,27 @@ def main() -> int:
                         help=f"blocks of {BLOCK} calls per side and call (default 15)")
     parser.add_argument("--calls-only", action="store_true",
                         help="the calls from this process alone, not the kernel's cells")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
     try:
         import monarch.actor  # noqa: F401
     except ImportError:
         print("Monarch is not installed (pip install torchmonarch): nothing to compare")
         return 0
-    figures = {str(nprocs): one_count(nprocs, opts) for nprocs in opts.ranks}
+    record = Record.start("session_peer", opts)
+    figures = {str(nprocs): one_count(nprocs, opts, record.label) for nprocs in opts.ranks}
     if len(figures) > 1:
         for ratio in next(iter(figures.values()))["ratios"]:
             print(f"\n{ratio}, nbddp / Monarch, by ranks: " + ", ".join(
                 f"{n}: {f['ratios'][ratio]:.2f}" + _within(f["intervals_95"].get(ratio))
                 for n, f in figures.items()))
-    write_json(opts.json, {"block": BLOCK, "rounds": opts.rounds,
-                           "python": platform.python_version(), "cpus": os.cpu_count(),
-                           "by_ranks": figures})
+    record.write({"block": BLOCK, "rounds": opts.rounds,
+                  "python": platform.python_version(), "cpus": os.cpu_count(),
+                  "by_ranks": figures})
     return 0
 
 
-def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
+def one_count(nprocs: int, opts: argparse.Namespace, label: str = "") -> dict[str, Any]:
     """Both sides at ``nprocs`` ranks, side by side; the figures printed and returned."""
     load = os.getloadavg()[0]
     times = side_by_side(opts.rounds, nprocs)
@@ -228,7 +228,7 @@ def one_count(nprocs: int, opts: argparse.Namespace) -> dict[str, Any]:
                  for name, (ours, theirs, per_round) in pairs.items()}
     print(f"\nnbddp Session.run vs a Monarch endpoint call, {nprocs} CPU ranks (gloo), "
           f"median of {opts.rounds * BLOCK}; {os.cpu_count()} CPUs, load {load:.2f} -> "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{os.getloadavg()[0]:.2f}{label}")
     for name, value in medians.items():
         print(f"  {name:32}{value * 1000:8.3f} ms")
     for call, ratio in ratios.items():

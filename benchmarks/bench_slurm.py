@@ -6,7 +6,8 @@ plain job as ``sbatch`` of ``srun torchrun ... _plain.py`` (c10d rendezvous), ti
 it has left the queue (polled every 0.1 s, quicker than ``sbatch --wait``) and its result
 file is read. Needs a SLURM cluster (``bash scripts/slurm-up.sh``, then
 ``source /tmp/nbddp-slurm/env``) whose nodes share this filesystem.
-Run: ``python benchmarks/bench_slurm.py [--repeats N] [--nodes N] [--json PATH]``.
+Writes its record (``_record.py``) under ``benchmarks/results/``.
+Run: ``python benchmarks/bench_slurm.py [--repeats N] [--nodes N] [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import _workloads
-from bench_launch import HERE, alternate, summary, write_json
+from _record import Record, add_options
+from bench_launch import HERE, alternate, summary
 
 import nbddp
 from nbddp._run.config import RunConfig
@@ -83,8 +85,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="runs per launcher (default 5)")
     parser.add_argument("--nodes", type=int, default=2, help="nodes per job (default 2)")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
+    record = Record.start("slurm", opts)
     # Job files must be on the filesystem the nodes share: keep them beside this script.
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-slurm-", dir=HERE) as name:
         tmp = Path(name)
@@ -100,12 +103,12 @@ def main() -> None:
         raise RuntimeError(f"all_reduce gave a wrong sum: {nb + plain}")
     wall = summary([t for t, _ in nb], [t for t, _ in plain], WALL_TARGET, False)
     print(f"\nnbddp vs plain sbatch + torchrun, {opts.nodes} nodes x {NPROCS} CPU ranks, "
-          f"median of {opts.repeats}: nbddp {wall['nbddp_median']:.2f} s, plain "
+          f"median of {opts.repeats}{record.label}: nbddp {wall['nbddp_median']:.2f} s, plain "
           f"{wall['torchrun_median']:.2f} s, ratio {wall['ratio']:.3f} (target "
           f"{wall['target']}: {'met' if wall['met'] else 'MISSED'})")
     print("  nbddp [" + " ".join(f"{t:.2f}" for t in wall["nbddp"]) + "]  plain ["
           + " ".join(f"{t:.2f}" for t in wall["torchrun"]) + "]")
-    write_json(opts.json, {"nodes": opts.nodes, "nprocs_per_node": NPROCS,
+    record.write({"nodes": opts.nodes, "nprocs_per_node": NPROCS,
                            "repeats": opts.repeats, "submit_wall_s": wall})
 
 

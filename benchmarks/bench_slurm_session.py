@@ -19,7 +19,9 @@ person meets it:
 
 Needs a SLURM cluster (``bash scripts/slurm-up.sh``, then ``source
 /tmp/nbddp-slurm/env``) whose nodes share this filesystem.
-Run: ``python benchmarks/bench_slurm_session.py [--repeats N] [--nodes N] [--json PATH]``.
+Writes its record (``_record.py``) under ``benchmarks/results/``.
+Run: ``python benchmarks/bench_slurm_session.py [--repeats N] [--nodes N] [--noisy]
+[--json PATH]``.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from bench_launch import HERE, alternate, summary, write_json
+from _record import Record, add_options
+from bench_launch import HERE, alternate, summary
 from bench_session import run_cell, time_cells
 from bench_slurm import NPROCS, plain_sbatch, run_plain
 
@@ -93,8 +96,9 @@ def main() -> None:
     parser.add_argument("--cells", type=int, default=50, help="cell round trips (default 50)")
     parser.add_argument("--nodes", type=int, default=2, help="nodes per job (default 2)")
     parser.add_argument("--gib", type=float, default=1.0, help="the argument's GiB (default 1)")
-    parser.add_argument("--json", type=Path, help="write the numbers to this file")
+    add_options(parser)
     opts = parser.parse_args()
+    record = Record.start("slurm_session", opts)
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-slurm-", dir=HERE) as name:
         tmp = Path(name)
         os.environ["NBDDP_RUNS_DIR"] = str(tmp / "runs")  # on the nodes' shared filesystem
@@ -114,7 +118,7 @@ def main() -> None:
     moved = opts.gib * 2**30 / max(medians["%%ddp large argument"] - medians["%%ddp noop"], 1e-9)
     back = opts.gib * 2**30 / max(medians["%%ddp large result"]
                                   - medians["%%ddp large argument"], 1e-9)
-    print(f"\n{opts.nodes} nodes x {NPROCS} CPU ranks:")
+    print(f"\n{opts.nodes} nodes x {NPROCS} CPU ranks:{record.label}")
     print(f"  session start {start['nbddp_median']:.2f} s vs plain job "
           f"{start['torchrun_median']:.2f} s: ratio {start['ratio']:.3f} (target "
           f"<= {START_TARGET}: {'met' if start['met'] else 'MISSED'})")
@@ -125,7 +129,7 @@ def main() -> None:
     print(f"  {opts.gib:g} GiB argument: {moved / 1e9:.2f} GB/s (target >= "
           f"{ARGUMENT_TARGET / 1e9:g} GB/s: {'met' if moved >= ARGUMENT_TARGET else 'MISSED'})")
     print(f"  {opts.gib:g} GiB result: {back / 1e9:.2f} GB/s")
-    write_json(opts.json, {"nodes": opts.nodes, "nprocs_per_node": NPROCS,
+    record.write({"nodes": opts.nodes, "nprocs_per_node": NPROCS,
                            "start_wall_s": start, "cells_s": cells, "medians_s": medians,
                            "argument_bytes_per_s": moved, "result_bytes_per_s": back})
 
