@@ -6,7 +6,7 @@ to it, then measures, each figure timed by the Jupyter client from the execute r
 to the kernel going idle (what a person waits for):
 
 1. a launch of a trivial all-reduce on two nodes, call to result:
-   ``nbddp.launch(fn, nprocs=1, ray=nbddp.Ray(nodes=2))`` against Ray Train's
+   ``nbddp.launch(fn, nprocs=1, cluster=nbddp.Ray(nodes=2))`` against Ray Train's
    ``TorchTrainer(fn, scaling_config=ScalingConfig(num_workers=2)).fit()``, alternated
    (target: nbddp at most 0.8x Ray Train);
 2. a trivial ``%%ddp`` cell on a two-node Ray session, and a plain cell for reference
@@ -119,7 +119,7 @@ from ray.train import ScalingConfig
 from ray.train.torch import TorchTrainer
 """
 
-NBDDP_LAUNCH = ("nbddp.launch(allreduce_fn, nprocs=1, ray=nbddp.Ray(nodes=2), "
+NBDDP_LAUNCH = ("nbddp.launch(allreduce_fn, nprocs=1, cluster=nbddp.Ray(nodes=2), "
                 "output='none')")
 RAY_TRAIN_FIT = ("TorchTrainer(allreduce_fn, scaling_config=ScalingConfig(num_workers=2))"
                  ".fit()")

@@ -112,7 +112,7 @@ def one_shape(ranks: int, nodes: int, address: str | None, opts: argparse.Namesp
     else:
         os.environ["RAY_ADDRESS"] = address
         session = nbddp.Session(nprocs=ranks // nodes, output="none",
-                                ray=nbddp.Ray(nodes=nodes))
+                                cluster=nbddp.Ray(nodes=nodes))
     try:
         figures = {"start_s": time.perf_counter() - started}
         figures |= measure(session, opts.cells, opts.seconds, opts.rate)

@@ -1,7 +1,7 @@
 """Benchmark submitting to SLURM from nbddp against a plain sbatch + torchrun job.
 
 Both run the same all-reduce on ``--nodes`` nodes with 2 CPU ranks each: nbddp as
-``nbddp.launch(fn, nprocs=2, slurm=Slurm(nodes=N))``, which returns rank 0's value; the
+``nbddp.launch(fn, nprocs=2, cluster=Slurm(nodes=N))``, which returns rank 0's value; the
 plain job as ``sbatch`` of ``srun torchrun ... _plain.py`` (c10d rendezvous), timed until
 it has left the queue (polled every 0.1 s, quicker than ``sbatch --wait``) and its result
 file is read. Needs a SLURM cluster (``bash scripts/slurm-up.sh``, then
@@ -39,7 +39,7 @@ TIMEOUT = 600.0
 def run_nbddp(nodes: int) -> tuple[float, Any]:
     start = time.perf_counter()
     value = nbddp.launch(_workloads.allreduce_once, nprocs=NPROCS, backend="gloo",
-                         slurm=nbddp.Slurm(nodes=nodes), timeout=TIMEOUT)
+                         cluster=nbddp.Slurm(nodes=nodes), timeout=TIMEOUT)
     return time.perf_counter() - start, value
 
 

@@ -3,7 +3,7 @@
 On ``--nodes`` nodes with 2 CPU ranks each (gloo), through a real Jupyter kernel as a
 person meets it:
 
-1. **Start**: ``Session(nprocs=2, slurm=Slurm(nodes=N))`` from the call until every
+1. **Start**: ``Session(nprocs=2, cluster=Slurm(nodes=N))`` from the call until every
    rank is ready, against a bare ``sbatch`` of ``srun torchrun`` that runs one
    all-reduce and is timed until it has left the queue (``bench_slurm``'s plain job),
    alternated. Target: at most ``START_TARGET`` times the plain job.
@@ -53,7 +53,7 @@ def start_session(nodes: int) -> tuple[float, Any]:
     """Seconds from ``Session(...)`` to every rank ready; the world size, checked by one
     all-reduce (outside the timing: the plain job's all-reduce is part of its start)."""
     start = time.perf_counter()
-    with nbddp.Session(NPROCS, slurm=nbddp.Slurm(nodes=nodes), output="none") as session:
+    with nbddp.Session(NPROCS, cluster=nbddp.Slurm(nodes=nodes), output="none") as session:
         elapsed = time.perf_counter() - start
         value = session.run(_world_sum)
     return elapsed, value
