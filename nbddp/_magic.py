@@ -46,7 +46,6 @@ from ._rank.debugger import debug_last_failure
 from ._run.config import RunOptions
 from ._run.devices import GpusNotVisible
 from ._run.flags import argparse_arguments, flag_values
-from ._run.job import Job
 from ._run.rank_choice import parse_ranks
 from ._session import Session
 
@@ -218,12 +217,9 @@ class DDPMagics(Magics):
             return _export_cell(code, args.export, run,
                                 {**_values(Slurm, args), "nodes": args.nodes})
         if session is not None:
-            config = session._config_for(
-                timeout=run["timeout"],  # None: the session's
-                output=None if run["output"] == "rank0" else run["output"],
-                stall_after=run["stall_after"], pdb=run["pdb"], ranks=ranks)
-            result = Job.started_held(lambda: session._submitted(
-                code, (), {}, config, caller_waits=True)).result()
+            result = session.call(code, timeout=run["timeout"],  # None: the session's
+                                  output=None if run["output"] == "rank0" else run["output"],
+                                  stall_after=run["stall_after"], pdb=run["pdb"], ranks=ranks)
         else:
             result = self._launch(code, args, run)
         self._shell.user_ns.update(result.outputs)

@@ -18,6 +18,7 @@ Every run is handed to the ranks the same way.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -155,16 +156,26 @@ class Session:
         their state; the value is the lowest one's; a collective in ``fn`` would wait for
         the others forever). Interrupting the wait interrupts the ranks."""
         __tracebackhide__ = True
-        return Job.started_held(lambda: self._submitted(
-            fn, args, kwargs, self._config_for(ranks=ranks), caller_waits=True)).result()
+        return self.call(fn, args, kwargs, ranks=ranks)
 
     def run_all(self, fn: Callable[..., R], /, *args: Any, ranks: Sequence[int] | None = None,
                 **kwargs: Any) -> list[R]:
         """Like ``run``, with every rank's value (each of ``ranks``'), in rank order."""
         __tracebackhide__ = True
-        return Job.started_held(lambda: self._submitted(
-            fn, args, kwargs, self._config_for(all_ranks=True, ranks=ranks),
-            caller_waits=True)).result()
+        return self.call(fn, args, kwargs, all_ranks=True, ranks=ranks)
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any] = (),
+             kwargs: Mapping[str, Any] | None = None, *, all_ranks: bool = False,
+             timeout: float | None = None,
+             output: Literal["rank0", "all", "none"] | None = None,
+             stall_after: float | None = DEFAULT_STALL_AFTER, pdb: bool = False,
+             ranks: Sequence[int] | None = None) -> Any:
+        """Run ``fn`` on the ranks and wait for its value, with every setting of
+        ``submit``: what ``run``, ``run_all`` and a ``%%ddp`` cell on the session do.
+        Interrupting the wait interrupts the ranks."""
+        __tracebackhide__ = True
+        config = self._config_for(all_ranks, timeout, output, stall_after, pdb, ranks)
+        return self._submitted(fn, args, kwargs, config, caller_waits=True).result()
 
     def submit(self, fn: Callable[..., Any], args: Sequence[Any] = (),
                kwargs: Mapping[str, Any] | None = None, *, all_ranks: bool = False,
@@ -196,14 +207,12 @@ class Session:
     def _submitted(self, fn: Callable[..., Any], args: Sequence[Any],
                    kwargs: Mapping[str, Any] | None, config: RunConfig,
                    stdout: TextIO | None = None, caller_waits: bool = False) -> Job:
-        """Hand one run to the ranks, with Ctrl-C held back; its ``Job``, not yet handed
-        back. ``caller_waits``: the caller (nbddp's own, under ``Job.started_held``) calls
-        its ``result()`` next, and follows the run's start itself (see ``_run.job``)."""
+        """Hand one run to the ranks, with Ctrl-C held back from the payload's pickling to
+        the ranks' start; its ``Job``, not yet handed back. ``caller_waits``: the caller
+        calls its ``result()`` next, and follows the run's start itself (see ``_run.job``)."""
         __tracebackhide__ = True
-        payload = Payload.capture(fn, tuple(args), dict(kwargs or {}))
-        packed = self._packed(payload, config, self._group)
-        return Job.started_held(lambda: self._start(config, payload, packed, stdout,
-                                                    caller_waits))
+        return Job.started_held(functools.partial(self._start, fn, args, kwargs, config,
+                                                  stdout, caller_waits))
 
     def _packed(self, payload: Payload, config: RunConfig, group: WaitingGroup) -> Packed:
         """``payload`` pickled for ``group``'s ranks: the notebook functions they hold
@@ -213,9 +222,12 @@ class Session:
         return payload.dumps(self._where.kernels_copies(), functions, code,
                              look_at_files=config.autoreload)
 
-    def _start(self, config: RunConfig, payload: Payload, packed: Packed,
-               stdout: TextIO | None, caller_waits: bool) -> Job:
-        """Hand the ranks the run, unless they are busy; its ``Job``."""
+    def _start(self, fn: Callable[..., Any], args: Sequence[Any],
+               kwargs: Mapping[str, Any] | None, config: RunConfig, stdout: TextIO | None,
+               caller_waits: bool) -> Job:
+        """Pickle the run and hand it to the ranks, unless they are busy; its ``Job``."""
+        payload = Payload.capture(fn, tuple(args), dict(kwargs or {}))
+        packed = self._packed(payload, config, self._group)
         with self._lock:
             self._check_idle()
             self._busy = True
