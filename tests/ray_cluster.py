@@ -72,13 +72,13 @@ class RayCluster:
 
     def _start_node(self, where: list[str], hidden: Path | None = None,
                     env: dict[str, str] | None = None) -> None:
-        """Start a node; once more if Ray gave up on it (a node's start waits a fixed
+        """Start a node; twice more if Ray gave up on it (a node's start waits a fixed
         time for its GCS, which a machine busy with the other lane can exceed). What a
         failed start left running is stopped at once: unknown to ``stop``, it would
         outlive the cluster, and every later test that looks at this process's
         descendants would see it."""
         index = len(self.nodes)
-        for tries_left in (1, 0):
+        for tries_left in (2, 1, 0):
             before = descendants()
             try:
                 done = subprocess.run(
