@@ -63,6 +63,7 @@ from nbddp._local.backend import LocalBackend  # noqa: E402
 from nbddp._rank.relay import placed_relay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
+from nbddp._run.session_ranks import SessionRanks
 from nbddp._run.shape import GroupShape  # noqa: E402
 from nbddp._run.waiting import HEARD_LATELY, WaitingGroup  # noqa: E402
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key  # noqa: E402
@@ -245,8 +246,7 @@ def simulated_session(nodes: int, per_node: int, mode: str, layout: str = "auto"
     ``--layout``; ``output``: as ``Session``'s, ``"rank0"`` for its panel)."""
     tree = layout == "tree" or (layout == "auto" and uses_tree(nodes))
     session = nbddp.Session.__new__(nbddp.Session)
-    session._begin(SimulatedBackend(nodes, per_node, mode, tree, output))
-    session._group = session._new_group()
+    session._begin(SessionRanks.start_on(SimulatedBackend(nodes, per_node, mode, tree, output)))
     session._wait_ready()
     return session
 

@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import functools
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TextIO, TypeVar
 
 from ._backends import Ray, Slurm, attached_session, chosen_cluster, session_backend
 from ._errors import NbddpError
 from ._notebook.ipython_autoreload import notebook_autoreloads
-from ._run.backend import Backend
 from ._run.config import (
     DEFAULT_STALL_AFTER,
     ClusterOptions,
@@ -35,23 +33,17 @@ from ._run.config import (
     RunConfig,
     RunOptions,
 )
-from ._run.group import RanksGone
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
 from ._run.rank_choice import chosen_ranks
-from ._run.records import FolderPerCell, Records, SessionRecords
-from ._run.session_names import SessionNames
-from ._run.session_run import STATE_LOST, OnSession
-from ._run.session_status import SessionStatus, rss_mib
-from ._run.shape import GroupShape
+from ._run.session_ranks import SessionRanks
+from ._run.session_run import OnSession
+from ._run.session_status import SessionStatus
 from ._run.waiting import WaitingGroup
-from ._wire.dataplane import Packed
 from ._wire.held_functions import Teaching
 from ._wire.payload import Payload
-from ._wire.shipped_code import wanted as code_wanted
 
 R = TypeVar("R")
-G = TypeVar("G", bound=WaitingGroup)
 
 class Session:
     """Ranks that keep their state between runs: variables, models, data loaders, the
@@ -87,10 +79,12 @@ class Session:
         options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
                              timeout=timeout, env=env, output=output)
         chosen = chosen_cluster(cluster, slurm, ray)
-        self._begin(session_backend(options, chosen, grace))
-        self._group, hold = held_while(self._new_group)  # a press: stops them once they exist
+        where = session_backend(options, chosen, grace)
+        # (a press: stops them once they exist)
+        ranks, hold = held_while(functools.partial(SessionRanks.start_on, where))
+        self._begin(ranks)
         self._wait_ready(hold)
-        self._where.started(self._group)
+        where.started(self._group)
 
     @classmethod
     def attach(cls, job_id: str | int | None = None) -> Session:
@@ -101,51 +95,46 @@ class Session:
         is theirs."""
         where, group, names = attached_session(job_id)
         session = cls.__new__(cls)
-        session._begin(where)
-        session._group = _as_sessions(group)
-        session._held = SessionNames(names)
+        session._begin(SessionRanks(where, group, names))
         return session
 
-    def _begin(self, where: Backend) -> None:
-        self.config = where.config
-        self._where = where
-        """The backend: where the ranks run, how they start, and how that is said."""
+    def _begin(self, ranks: SessionRanks) -> None:
+        self._ranks = ranks
+        self.config = ranks.where.config
         self._lock = threading.Lock()
         self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
         self._running: Job | None = None
-        self._records: SessionRecords | FolderPerCell = where.session_records()
         self._closed = False
-        self.runs = 0
-        self.restarts = 0
-        self._held = SessionNames()
         self.auto = False
         """Auto mode (``%ddp_session auto on``): every cell runs on the ranks; the panel
         says so."""
         self.autoreload: bool | None = None
         """Reload the user's edited modules on the ranks before each run: True, False, or
         None, as the notebook's own ``%autoreload 2`` does (see ``reloads``)."""
-        self._started = time.monotonic()
         self._configs = ConfigPerRun()
 
-    def _new_group(self, standby: bool = True) -> WaitingGroup:
-        group = self._where.session_group(standby)
-        self._started = time.monotonic()
-        return _as_sessions(group)
+    @property
+    def _group(self) -> WaitingGroup:  # (the group that holds the ranks now)
+        return self._ranks.group
+
+    @property
+    def runs(self) -> int:
+        """Runs the session has handed its ranks."""
+        return self._ranks.runs
+
+    @property
+    def restarts(self) -> int:
+        """Times the session's ranks were replaced by fresh ones."""
+        return self._ranks.restarts
 
     def _wait_ready(self, hold: InterruptHold | None = None) -> None:
-        """Block until every rank waits for its first run (Ctrl-C stops them, one held
-        by ``hold`` while they started too)."""
-        group = self._group
+        """Block until every rank waits for its first run; stop them if they do not come,
+        or on Ctrl-C (one held by ``hold`` while they started too)."""
         try:
-            if hold is not None:
-                hold.release()
-            ready = self._where.wait_placed(group)
-        except KeyboardInterrupt:
+            self._ranks.wait_ready(hold)
+        except BaseException:
             self.close()
             raise
-        if not ready:
-            self.close()
-            raise self._where.not_ready(group)
 
     # --- runs -----------------------------------------------------------------------
 
@@ -214,41 +203,25 @@ class Session:
         return Job.started_held(functools.partial(self._start, fn, args, kwargs, config,
                                                   stdout, caller_waits))
 
-    def _packed(self, payload: Payload, config: RunConfig, group: WaitingGroup) -> Packed:
-        """``payload`` pickled for ``group``'s ranks: the notebook functions they hold
-        by number, unless the run is on some ranks only (which alone would take it)."""
-        functions = group.functions if config.ranks is None else None
-        code = group.code if self._where.ships_code and code_wanted() else None
-        return payload.dumps(self._where.kernels_copies(), functions, code,
-                             look_at_files=config.autoreload)
-
     def _start(self, fn: Callable[..., Any], args: Sequence[Any],
                kwargs: Mapping[str, Any] | None, config: RunConfig, stdout: TextIO | None,
                caller_waits: bool) -> Job:
         """Pickle the run and hand it to the ranks, unless they are busy; its ``Job``."""
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {}))
-        packed = self._packed(payload, config, self._group)
+        packed = self._ranks.packed(payload, config)
         with self._lock:
             self._check_idle()
             self._busy = True
             try:
-                records, warm, packed = self._hand_over(config, payload, packed)
-                run = OnSession(self._group)
-                teaching = Teaching(packed.functions, packed.teaches,
-                                    packed.code if config.ranks is None else None)
-                job: Job = Job(self._group, config, records, stdout=stdout, warm=warm,
-                               sent=packed.buffer_bytes, staying=run,
-                               after=lambda job: self._after_run(job, run, teaching),
-                               where=_labelled(self._group.where, self.runs + 1, self.auto,
-                                               config.autoreload), caller_waits=caller_waits,
-                               quiet_when_quick=not self.auto)
-                self._group.notice = None  # said once, under this run
+                job = self._ranks.handed(config, payload, packed, self._after_run,
+                                         stdout=stdout, caller_waits=caller_waits,
+                                         auto=self.auto)
             except BaseException:
                 self._busy = False
                 raise
             self._running = job
         try:
-            self._records.prepare()
+            self._ranks.records.prepare()
         except BaseException:
             job._followed_after_all()  # (nobody will wait for the run: it still ends)
             raise
@@ -261,34 +234,6 @@ class Session:
         (``%autoreload 2`` or 3)."""
         return self.autoreload if self.autoreload is not None else notebook_autoreloads()
 
-    def _hand_over(self, config: RunConfig, payload: Payload,
-                   packed: Packed) -> tuple[Records, bool, Packed]:
-        """(Under the lock) Give the ranks the run; if one of their processes died while
-        they were idle, give it to fresh ranks, and say so. The run's records, whether
-        the session's ranks (not fresh ones) took it, and the payload as they took it."""
-        records = self._records.next_cell(self.runs + 1)
-        try:
-            return records, True, self._hand_to(config, payload, packed, records)
-        except RanksGone as gone:
-            self._replace_group(standby=False)
-            records = self._records.redo(records, self.runs + 1)
-            lost = STATE_LOST if self.runs else "this first run starts on fresh ranks"
-            self._group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
-        return records, False, self._hand_to(config, payload, packed, records)
-
-    def _hand_to(self, config: RunConfig, payload: Payload, packed: Packed,
-                 records: Records) -> Packed:
-        """Give the session's ranks the run; the payload they took (pickled again if it
-        named functions other ranks held: the ranks were replaced since)."""
-        group = self._group
-        if (packed.functions is not None and packed.functions is not group.functions) or (
-                packed.code is not None and packed.code.ranks is not group.code):
-            packed = self._packed(payload, config, group)
-        handover, left_out = group.shape.take_up(GroupShape.of(config))
-        self._held.warn_left_out(left_out)
-        group.hand_over(packed, records, config.rank_options, handover)
-        return packed
-
     def _check_idle(self) -> None:
         if self._closed:
             raise NbddpError("this session is closed; start another one")
@@ -297,29 +242,10 @@ class Session:
                              "for it (job.result()) or cancel it first")
 
     def _after_run(self, job: Job, run: OnSession, teaching: Teaching) -> None:
-        """A run ended: keep the ranks' names, or start fresh ranks if they were lost;
-        the functions its payload taught, once every rank returned, are held. The next
-        run's rooms are made as large as this one's data (the next cell likely sends and
-        gets as much again)."""
-        self.runs += 1
-        if self._where.left(self._group):
-            self._closed = True  # the kernel left the job for another: nothing to restart
+        """A run ended: its ranks kept or replaced (``SessionRanks.ended``), and the
+        session free for the next."""
         try:
-            if run.kept:
-                self._group.payload_taken()
-                if run.returned:
-                    teaching.confirm()
-                self._held.kept(run, some_ranks=job.config.ranks is not None)
-            else:
-                self._held.lost()
-                if not self._closed:
-                    self.restarts += 1
-                    self._records.new_ranks()
-                    self._group = self._new_group()
-                    job._note("session: restarted with fresh ranks; what earlier runs "
-                              "defined is gone")
-            if not self._closed:
-                self._group.make_room(*job._data_bytes)
+            self._closed = self._ranks.ended(job, run, teaching, self._closed)
         finally:
             self._busy = False
 
@@ -330,17 +256,8 @@ class Session:
         Ctrl-C meanwhile ends the session instead (no ranks are left running)."""
         with self._lock:
             self._check_idle()
-            _, hold = held_while(self._replace_group)  # a press: stops old and new, not half
+            _, hold = held_while(self._ranks.replace)  # a press: stops old and new, not half
         self._wait_ready(hold)
-
-    def _replace_group(self, standby: bool = True) -> None:
-        """(Under the lock) Stop the ranks and start fresh ones (``standby``: waiting
-        standby ranks may be taken): what the session defined is gone."""
-        self._stop_group()
-        self._held.lost()
-        self.restarts += 1
-        self._group = self._new_group(standby)
-        self._records.new_ranks()
 
     def close(self) -> None:
         """Stop the ranks; nothing of the session is left running or on disk. Ctrl-C
@@ -354,12 +271,8 @@ class Session:
             if running is not None:
                 running.cancel()
             with self._lock:
-                self._stop_group()
-                self._records.close()
-
-    def _stop_group(self) -> None:
-        self._group.stop()
-        self._group.close()
+                self._ranks.stop()
+                self._ranks.records.close()
 
     @property
     def closed(self) -> bool:
@@ -369,21 +282,11 @@ class Session:
     def names(self) -> frozenset[str]:
         """The names the session's code has bound on the ranks (rank 0's): a cell that
         reads one of them gets the ranks' value, not the notebook's."""
-        return self._held.bound
+        return self._ranks.held.bound
 
     def status(self) -> SessionStatus:
         """The ranks, their PIDs and memory, and the session's age."""
-        group = self._group
-        pids = {} if self._closed else group.rank_pids()
-        backend = self.config.backend or ("gloo" if group.shape.prepare else "nccl")
-        place = self._where.place(group)
-        return SessionStatus(not self._closed, self.config.nprocs,
-                             backend if self.config.init else "no process group",
-                             time.monotonic() - self._started, self.runs, self.restarts,
-                             pids, {rank: rss for rank, pid in pids.items()
-                                    if not place and (rss := rss_mib(pid)) is not None},
-                             place, self._where.hosts(group, self._running), self.auto,
-                             self.reloads)
+        return self._ranks.status(not self._closed, self._running, self.auto, self.reloads)
 
     def __repr__(self) -> str:
         return str(self.status())
@@ -393,18 +296,3 @@ class Session:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-def _as_sessions(group: G) -> G:
-    """``group`` as a session's: its ranks stay for the next run, and the panel says so."""
-    group.reusable = True
-    group.where = f"session, {group.where}" if group.where else "session"
-    return group
-
-
-def _labelled(where: str, run: int, auto: bool, autoreload: bool) -> str:
-    """Where the panel says the ``run``-th run of a session group at ``where`` runs:
-    ``session`` (or ``session, SLURM job 12``), then ``run 3``, and auto mode and
-    autoreload when on."""
-    said = [f"run {run}"] + ["auto mode"] * auto + ["autoreload"] * autoreload
-    return f"{where} · {', '.join(said)}"

@@ -1,0 +1,196 @@
+"""A session's ranks over its life: the group that holds them now, and each run handed
+to them.
+
+The group is replaced by fresh ranks when the session restarts, when a rank died while
+they were idle (found as the next run is handed over), and when a run ends without
+every rank back at rest; each time, what the ranks held (their names, the functions
+and modules they were taught) is gone, and the next run carries it again. ``Session``
+(the front door) keeps the lock, the run in flight and the user's settings; this keeps
+the ranks, their records, and the names held on them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TextIO, TypeVar
+
+from .._wire.dataplane import Packed
+from .._wire.held_functions import Teaching
+from .._wire.payload import Payload
+from .._wire.shipped_code import wanted as code_wanted
+from .backend import Backend
+from .config import RunConfig
+from .group import RanksGone
+from .interrupt_hold import InterruptHold
+from .job import Job
+from .records import FolderPerCell, Records, SessionRecords
+from .session_names import SessionNames
+from .session_run import STATE_LOST, OnSession
+from .session_status import SessionStatus, rss_mib
+from .shape import GroupShape
+from .waiting import WaitingGroup
+
+G = TypeVar("G", bound=WaitingGroup)
+
+
+class SessionRanks:
+    """The ranks of one session on ``where``, held by ``group`` now (started, or found
+    again by a kernel that attached: ``names`` are those they hold)."""
+
+    def __init__(self, where: Backend, group: WaitingGroup,
+                 names: frozenset[str] = frozenset()) -> None:
+        self.where = where
+        self.group = as_sessions(group)
+        self.records: SessionRecords | FolderPerCell = where.session_records()
+        self.held = SessionNames(names)
+        self.runs = 0
+        self.restarts = 0
+        self.started = time.monotonic()
+        """When the ranks now holding the session started."""
+
+    @classmethod
+    def start_on(cls, where: Backend) -> SessionRanks:
+        """A new session's ranks, started on ``where`` (standby ranks may be taken)."""
+        return cls(where, where.session_group(standby=True))
+
+    def _start(self, standby: bool = True) -> None:
+        """Fresh ranks for the group (``standby``: waiting standby ranks may be taken)."""
+        self.group = as_sessions(self.where.session_group(standby))
+        self.started = time.monotonic()
+
+    def wait_ready(self, hold: InterruptHold | None = None) -> None:
+        """Block until every rank waits for its first run (``hold``: Ctrl-C held while
+        they started, let go now); the backend's error if they do not come."""
+        if hold is not None:
+            hold.release()
+        if not self.where.wait_placed(self.group):
+            raise self.where.not_ready(self.group)
+
+    def replace(self, standby: bool = True) -> None:
+        """(Under the session's lock) Stop the ranks and start fresh ones: what the
+        session defined is gone."""
+        self.stop()
+        self.held.lost()
+        self.restarts += 1
+        self._start(standby)
+        self.records.new_ranks()
+
+    def stop(self) -> None:
+        self.group.stop()
+        self.group.close()
+
+    # --- a run ------------------------------------------------------------------------
+
+    def packed(self, payload: Payload, config: RunConfig) -> Packed:
+        """``payload`` pickled for the ranks: the notebook functions they hold by number,
+        unless the run is on some ranks only (which alone would take it)."""
+        group = self.group
+        functions = group.functions if config.ranks is None else None
+        code = group.code if self.where.ships_code and code_wanted() else None
+        return payload.dumps(self.where.kernels_copies(), functions, code,
+                             look_at_files=config.autoreload)
+
+    def hand_over(self, config: RunConfig, payload: Payload,
+                  packed: Packed) -> tuple[Records, bool, Packed]:
+        """(Under the session's lock) Give the ranks the run; if one of their processes
+        died while they were idle, give it to fresh ranks, and say so. The run's records,
+        whether the session's ranks (not fresh ones) took it, and the payload as they
+        took it."""
+        records = self.records.next_cell(self.runs + 1)
+        try:
+            return records, True, self._hand_to(config, payload, packed, records)
+        except RanksGone as gone:
+            self.replace(standby=False)
+            records = self.records.redo(records, self.runs + 1)
+            lost = STATE_LOST if self.runs else "this first run starts on fresh ranks"
+            self.group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
+        return records, False, self._hand_to(config, payload, packed, records)
+
+    def handed(self, config: RunConfig, payload: Payload, packed: Packed,
+               after: Callable[[Job, OnSession, Teaching], None], stdout: TextIO | None,
+               caller_waits: bool, auto: bool) -> Job:
+        """(Under the session's lock) The run handed to the ranks (``hand_over``) and
+        followed by its ``Job``; ``after(job, run, teaching)`` once it has ended. The
+        Job's other settings are ``Job``'s; ``auto``: the session is in auto mode."""
+        records, warm, packed = self.hand_over(config, payload, packed)
+        run = OnSession(self.group)
+        teaching = Teaching(packed.functions, packed.teaches,
+                            packed.code if config.ranks is None else None)
+        job: Job = Job(self.group, config, records, stdout=stdout, warm=warm,
+                       sent=packed.buffer_bytes, staying=run,
+                       after=lambda job: after(job, run, teaching),
+                       where=_labelled(self.group.where, self.runs + 1, auto,
+                                       config.autoreload), caller_waits=caller_waits,
+                       quiet_when_quick=not auto)
+        self.group.notice = None  # said once, under this run
+        return job
+
+    def _hand_to(self, config: RunConfig, payload: Payload, packed: Packed,
+                 records: Records) -> Packed:
+        """Give the ranks the run; the payload they took (pickled again if it named
+        functions other ranks held: the ranks were replaced since)."""
+        group = self.group
+        if (packed.functions is not None and packed.functions is not group.functions) or (
+                packed.code is not None and packed.code.ranks is not group.code):
+            packed = self.packed(payload, config)
+        handover, left_out = group.shape.take_up(GroupShape.of(config))
+        self.held.warn_left_out(left_out)
+        group.hand_over(packed, records, config.rank_options, handover)
+        return packed
+
+    def ended(self, job: Job, run: OnSession, teaching: Teaching, closed: bool) -> bool:
+        """A run ended: keep the ranks' names, or (unless the session is ``closed``)
+        start fresh ranks if they were lost; the functions its payload taught, once every
+        rank returned, are held. The next run's rooms are made as large as this one's
+        data (the next cell likely sends and gets as much again). Whether the session is
+        closed now (the kernel left the job for another: nothing to restart)."""
+        self.runs += 1
+        closed = closed or self.where.left(self.group)
+        if run.kept:
+            self.group.payload_taken()
+            if run.returned:
+                teaching.confirm()
+            self.held.kept(run, some_ranks=job.config.ranks is not None)
+        else:
+            self.held.lost()
+            if not closed:
+                self.restarts += 1
+                self.records.new_ranks()
+                self._start()
+                job._note("session: restarted with fresh ranks; what earlier runs "
+                          "defined is gone")
+        if not closed:
+            self.group.make_room(*job._data_bytes)
+        return closed
+
+
+    def status(self, is_open: bool, running: Job | None, auto: bool,
+               reloads: bool) -> SessionStatus:
+        """The ranks, their PIDs and memory, and the session's age (``is_open``: not closed;
+        ``running``: its last run, for where a cluster placed it)."""
+        group, config = self.group, self.where.config
+        pids = group.rank_pids() if is_open else {}
+        backend = config.backend or ("gloo" if group.shape.prepare else "nccl")
+        place = self.where.place(group)
+        return SessionStatus(is_open, config.nprocs,
+                             backend if config.init else "no process group",
+                             time.monotonic() - self.started, self.runs, self.restarts,
+                             pids, {rank: rss for rank, pid in pids.items()
+                                    if not place and (rss := rss_mib(pid)) is not None},
+                             place, self.where.hosts(group, running), auto, reloads)
+
+
+def as_sessions(group: G) -> G:
+    """``group`` as a session's: its ranks stay for the next run, and the panel says so."""
+    group.reusable = True
+    group.where = f"session, {group.where}" if group.where else "session"
+    return group
+
+
+def _labelled(where: str, run: int, auto: bool, autoreload: bool) -> str:
+    """Where the panel says the ``run``-th run of a session group at ``where`` runs:
+    ``session`` (or ``session, SLURM job 12``), then ``run 3``, and auto mode and
+    autoreload when on."""
+    said = [f"run {run}"] + ["auto mode"] * auto + ["autoreload"] * autoreload
+    return f"{where} · {', '.join(said)}"
