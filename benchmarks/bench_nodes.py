@@ -60,7 +60,7 @@ os.environ["NBDDP_DISPLAY"] = "text"
 
 import nbddp  # noqa: E402
 from nbddp._local.backend import LocalBackend  # noqa: E402
-from nbddp._rank.relay import placed_relay  # noqa: E402
+from nbddp._rank.relay_placement import placed_relay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
 from nbddp._run.session_ranks import SessionRanks

@@ -8,8 +8,10 @@ import random
 
 import pytest
 
-from nbddp._panel.display import PanelState, _header_html, text_view
 from nbddp._panel.many_ranks import MANY_RANKS, counts, notable
+from nbddp._panel.panel_html import header_html
+from nbddp._panel.state import PanelState
+from nbddp._panel.text_panel import text_view
 from nbddp._run.attempts import Attempt
 from nbddp._wire.history import History
 from nbddp._wire.messages import Disconnected, Failure, Result
@@ -46,7 +48,7 @@ def many(nprocs: int = 40) -> PanelState:
 
 
 def test_the_header_of_many_ranks_counts_them_and_names_a_few():
-    header = _header_html(many())
+    header = header_html(many())
     assert "40: 1 failed, 39 running" in header
     assert "failed <span" in header and "5 failed (step 3)" in header
     assert "slowest <span" in header and "12 running (step 9, 1.2 steps/s)" in header
@@ -62,7 +64,7 @@ def test_the_text_panel_of_many_ranks_says_counts_and_the_named_ranks():
 def test_a_few_ranks_still_get_a_chip_each():
     state = PanelState(MANY_RANKS, History(MANY_RANKS))
     state.ranks = ["running"] * MANY_RANKS
-    assert _header_html(state).count("&#9679;") == MANY_RANKS
+    assert header_html(state).count("&#9679;") == MANY_RANKS
 
 
 def test_every_rank_s_state_at_once_is_each_rank_s_state():

@@ -187,7 +187,7 @@ def test_a_loop_without_ddp_is_split_into_data_and_compute_only(executed):
 
 CHOOSES = """
 import sys
-from nbddp._panel.display import make_panel
+from nbddp._panel.frontend import make_panel
 
 def chosen():
     return type(make_panel()).__name__

@@ -212,13 +212,14 @@ def test_quiet_counts_from_the_last_step_or_output():
 
 
 def test_the_panel_marks_a_rank_behind():
-    from nbddp._panel.display import PanelState, _header_html
+    from nbddp._panel.panel_html import header_html
+    from nbddp._panel.state import PanelState
     from nbddp._wire.history import History
 
     state = PanelState(2, History(2))
     state.ranks = ["running", "running"]
     state.rank_notes, state.behind = {0: "step 40", 1: "step 3, behind"}, {1}
-    header = _header_html(state)
+    header = header_html(state)
     assert "1 running (step 3, behind)" in header and "#ff7f0e" in header
     assert "0 running (step 40)" in header
 
@@ -226,14 +227,15 @@ def test_the_panel_marks_a_rank_behind():
 def test_the_panels_header_keeps_the_line_breaks_of_a_longer_message_and_escapes_it():
     """A restart's message may span lines (an exception's text): the header shows them as
     lines, not run together as one paragraph, and shows markup as text."""
-    from nbddp._panel.display import PanelState, _header_html
+    from nbddp._panel.panel_html import header_html
+    from nbddp._panel.state import PanelState
     from nbddp._wire.history import History
 
     state = PanelState(2, History(2))
     state.ranks = ["running", "running"]
     state.status = "running"
     state.message = "attempt 2 of 3: rank 1 raised ValueError:\nshard <17> is empty\ntry again"
-    header = _header_html(state)
+    header = header_html(state)
     assert "rank 1 raised ValueError:<br>shard &lt;17&gt; is empty<br>try again" in header
     state.message = "one line"
-    assert "<br>" not in _header_html(state).split("<br><small>")[0]
+    assert "<br>" not in header_html(state).split("<br><small>")[0]

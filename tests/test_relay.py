@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 
 from nbddp._rank import relay as relay_module
-from nbddp._rank.relay import compact, node_relay, reduced
+from nbddp._rank.node_metrics import reduced
+from nbddp._rank.relay_compact import compact
+from nbddp._rank.relay_placement import node_relay
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
 from nbddp._wire.messages import (
     Disconnected,
@@ -126,7 +128,7 @@ def test_a_rank_that_goes_is_disconnected_and_is_reached_no_more(node):
 RELAY_PROCESS = """
 import sys, time
 from pathlib import Path
-from nbddp._rank.relay import node_relay
+from nbddp._rank.relay_placement import node_relay
 folder = Path(sys.argv[1])
 node_relay(folder / "channel.sock", folder / "relay.sock", (folder / "key").read_bytes())
 print("up", flush=True)

@@ -19,7 +19,9 @@ from pathlib import Path
 import pytest
 
 from nbddp._rank import relay as relay_module
-from nbddp._rank.relay import compact, merged, node_relay
+from nbddp._rank.node_metrics import merged
+from nbddp._rank.relay_compact import compact
+from nbddp._rank.relay_placement import node_relay
 from nbddp._wire.channel import MAGIC, ChannelClient, ChannelServer, new_key
 from nbddp._wire.history import History
 from nbddp._wire.messages import (
@@ -256,7 +258,7 @@ def test_a_rank_whose_link_closes_is_not_waited_for(tree, monkeypatch):
 RELAY_PROCESS = """
 import sys, time
 from pathlib import Path
-from nbddp._rank.relay import node_relay
+from nbddp._rank.relay_placement import node_relay
 folder, port = Path(sys.argv[1]), int(sys.argv[2])
 node_relay(("127.0.0.1", port), folder / sys.argv[3], (folder / "key").read_bytes(),
            tree=True)
@@ -351,9 +353,9 @@ def test_a_relay_that_cannot_reach_its_head_stays_on_a_kernel_link_of_its_own(
         tmp_path, monkeypatch, capfd, head_says):
     """Its head said where it listens, and nothing answers there; or its head asked for
     its place and then said nothing (its link open): the relay waits ``_PLACE_WAIT``."""
-    import nbddp._rank.relay
+    import nbddp._rank.relay_placement
 
-    monkeypatch.setattr(nbddp._rank.relay, "_PLACE_WAIT", 1.0)
+    monkeypatch.setattr(nbddp._rank.relay_placement, "_PLACE_WAIT", 1.0)
     folder = private_folder(tmp_path)
     key = new_key()
     kernel = Kernel(key)

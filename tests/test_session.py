@@ -202,12 +202,12 @@ def test_a_quick_cell_shows_what_the_ranks_printed_and_nothing_more(skernel):
     and no line of nbddp's. A cell that logs metrics (or shows progress, or fails)
     says how it ended. (However long a loaded machine takes: the panel's quarter second
     is stretched here.)"""
-    skernel.run("import nbddp._panel.display as _display\n"
-                "_display.SHOW_AFTER, _show_after = 60.0, _display.SHOW_AFTER").assert_ok()
+    skernel.run("import nbddp._panel.state as _panel_state\n"
+                "_panel_state.SHOW_AFTER, _show_after = 60.0, _panel_state.SHOW_AFTER").assert_ok()
     try:
         _quick_cells_quiet(skernel)
     finally:
-        skernel.run("_display.SHOW_AFTER = _show_after").assert_ok()
+        skernel.run("_panel_state.SHOW_AFTER = _show_after").assert_ok()
 
 
 def _quick_cells_quiet(skernel) -> None:

@@ -8,7 +8,9 @@ import io
 
 import pytest
 
-from nbddp._panel.display import SHOW_AFTER, PanelState, TextPanel, WidgetPanel
+from nbddp._panel.state import SHOW_AFTER, PanelState
+from nbddp._panel.text_panel import TextPanel
+from nbddp._panel.widget_panel import WidgetPanel
 from nbddp._wire.history import History
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast

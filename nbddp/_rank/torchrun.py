@@ -60,7 +60,8 @@ from .._wire.rundir import (
 from .._wire.transfer import Inbox
 from .attachable import next_kernel
 from .link import node_inbox
-from .relay import Landing, NodeRelay, Reattach, node_relay
+from .relay import Landing, NodeRelay, Reattach
+from .relay_placement import node_relay
 
 _GRACE_SECONDS = 5.0
 _AGENT_CLEAN_UP_WAIT = 60.0  # after the report: how long the agent may take to clean up

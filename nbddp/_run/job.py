@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Generic, NoReturn, Protocol, TextIO, TypeVar
 
 from .._errors import NbddpError, WorkerError
-from .._panel.display import PanelState
+from .._panel.state import PanelState
 from .._wire.history import read_history
 from .config import RunConfig
 from .debugger import INTERRUPTED

@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any, Literal, TextIO
 
 from .._errors import NbddpError
-from .._panel.display import Panel, PanelState, WidgetPanel, make_panel
+from .._panel.frontend import make_panel
 from .._panel.many_ranks import MANY_RANKS, notable
 from .._panel.output import BoundedOutput, LogTail
+from .._panel.state import Panel, PanelState
+from .._panel.widget_panel import WidgetPanel
 from .._wire.history import History
 from .._wire.messages import (
     DebugDone,

@@ -7,7 +7,7 @@ form groups of about the square root of the nodes: the first relay of a group to
 the kernel heads it, and the group's other relays connect to their head instead of the
 kernel. To the kernel a head is a relay whose ranks are its group's; to the relays of its
 group it is the kernel. What the group's ranks say reaches the kernel in the head's
-batches, merged as a node's relay merges its ranks' (``_rank.relay.compact``: finished
+batches, merged as a node's relay merges its ranks' (``_rank.relay_compact``: finished
 ranks, roll-call answers, metrics reduced to a sum and count per step and name), and the
 kernel sends a cell's Start once per group. At 1,024 nodes the kernel has 32 links, not
 1,024 (``benchmarks/bench_nodes.py``).
