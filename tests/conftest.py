@@ -164,12 +164,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 LANE_SHM: str | None = None
-"""The shared-memory folder this lane made for itself (removed at the end), if any."""
-if LANE and "NBDDP_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm"):
-    # Each lane its own shared-memory folder, so neither counts the other's data files
-    # as its leftovers (kernels and ranks inherit it).
-    LANE_SHM = os.environ["NBDDP_SHM_DIR"] = tempfile.mkdtemp(prefix=f"pytest-nbddp-{LANE}-",
-                                                              dir="/dev/shm")
+"""The shared-memory folder this pytest made for itself (removed at the end), if any."""
+if "NBDDP_SHM_DIR" not in os.environ and os.path.isdir("/dev/shm"):
+    # Each pytest (each lane) its own shared-memory folder, so that none counts another's
+    # data files as its leftovers, and removes them (kernels and ranks inherit it): a
+    # test run while the suite ran once removed a 5 GB result the suite was reading.
+    LANE_SHM = os.environ["NBDDP_SHM_DIR"] = tempfile.mkdtemp(
+        prefix=f"pytest-nbddp-{LANE or 'all'}-", dir="/dev/shm")
 
 SHM = os.environ.get("NBDDP_SHM_DIR") or "/dev/shm"
 """Where data files go (and are checked for leftovers): ``NBDDP_SHM_DIR`` moves both."""
