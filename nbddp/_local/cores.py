@@ -66,8 +66,7 @@ def uses_relay(nprocs: int) -> bool:
     are ranks (``usable_cores``). The relay takes the kernel's work per rank and cell (a
     Start sent, a report read) into a process of its own, which pays where that process
     has a core; where the ranks fill every core it takes CPU from them, and every cell
-    is slower (2 cores: a no-op cell of 16 ranks 2.6-2.9 ms without, 2.9-3.4 ms with; of
-    32 ranks 4.9-6.6 / 6.7-7.5 ms)."""
+    is slower (benchmarks/README.md, bench_scale)."""
     return nprocs >= RELAY_FROM and usable_cores() > nprocs
 
 
@@ -95,8 +94,8 @@ def schedule_as_batch(pid: int) -> None:
     but a thread that wakes up does not preempt the one running). The ranks share the
     kernel's machine: where they fill its cores, the notebook is the interactive
     process, and it, not a rank, runs first when both wake; the ranks, which wake one
-    another at every collective, stop preempting each other too (on 2 cores, a 4-rank
-    all-reduce cell took 11-12% less time). Where the platform has no such policy, or a
+    another at every collective, stop preempting each other too (an all-reduce cell
+    takes less time: benchmarks/README.md, bench_scale). Where the platform has no such policy, or a
     process is gone, nothing changes."""
     with contextlib.suppress(AttributeError, OSError):  # (not Linux; a process gone)
         os.sched_setscheduler(pid, os.SCHED_BATCH, os.sched_param(0))

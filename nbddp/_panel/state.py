@@ -96,8 +96,8 @@ class PanelState:
         session's cell that finished, with no message, before its panel would show.
         Such a cell shows what the ranks printed and nothing else, as a cell that runs
         in the kernel does; its line was the most of a quick cell's cost to the
-        notebook (a message for ipykernel's I/O thread to send and the frontend to take:
-        0.6 ms of a 3.4 ms cell's own time, on two cores). Under ``%ddp_session auto
+        notebook (a message for ipykernel's I/O thread to send and the frontend to
+        take). Under ``%ddp_session auto
         on`` the line stays: it is then the only sign that the cell ran on the ranks."""
         return (self.quiet_when_quick and self.status == "finished" and not self.message
                 and not self.worth_a_panel())

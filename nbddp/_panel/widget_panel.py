@@ -55,7 +55,7 @@ class WidgetPanel:
             self._stream.flush()
         # The kernel's own stream is not flushed: it sends what was written before it
         # says the cell is done (and within its flush interval otherwise). A flush from
-        # this thread waits for its I/O thread, and the caller for this: 0.2 ms a cell.
+        # this thread waits for its I/O thread, and the caller for this, every cell.
 
     def note(self, state: PanelState) -> None:
         """The last line, live: standby ranks starting, ready, stopped."""

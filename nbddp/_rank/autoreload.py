@@ -96,7 +96,7 @@ def _listed(cache: dict[str, Any]) -> tuple[int, str | None]:
     """What tells whether the import system knows new folders: how many it knows, and the
     one it met last. (A dict keeps its keys in the order they came, so any folder added
     since is the last one now; comparing every key, several hundred once torch is
-    imported, cost 30 µs of each run.) Entries the import system drops itself
+    imported, cost a share of each quick run.) Entries the import system drops itself
     (``importlib.invalidate_caches`` drops those of folders that do not exist) can hide
     a new one behind an unchanged count and last key; its finder then still lists the
     folder anew once the folder's time changes, as an installed package's does."""

@@ -12,7 +12,7 @@ backward's computation; the rest is time the step waited on the other ranks (or 
 network). nbddp finds the DDP models through a global forward pre-hook that stays for
 the first few steps of a loop only, asks each model to sample every ``SAMPLE_EVERY``th
 iteration, and reads the samples on the training thread, between steps, every
-``SAMPLE_EVERY``th step (a read costs some 25 µs). A step is taken to hold one
+``SAMPLE_EVERY``th step (a read is not free). A step is taken to hold one
 synchronised iteration per model.
 
 The totals only grow; the reporting thread reads them whole (one tuple, replaced at

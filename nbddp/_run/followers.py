@@ -1,8 +1,8 @@
 """The threads that follow runs, kept waiting for the next run once theirs has ended.
 
 Every run is followed by a thread of its own (``Job`` hands it the supervisor's loop), so
-the caller may go on. Starting a thread waits until the new thread has been scheduled:
-about 0.1 ms, more while a session's ranks hold this machine's cores, on every cell.
+the caller may go on. Starting a thread waits until the new thread has been scheduled,
+longer while a session's ranks hold this machine's cores, on every cell.
 Handing the run to a thread that already waits costs one wake-up. Runs may overlap (a
 ``launch(wait=False)`` beside a session's cell), so a thread is started whenever none
 waits; at most ``KEEP_WAITING`` stay once their runs have ended. They are daemon threads

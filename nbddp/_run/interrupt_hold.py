@@ -14,8 +14,8 @@ installed (a notebook cell, a script): elsewhere there is nothing to hold.
 
 Every run takes and gives back a hold, so it uses the C module ``_signal`` that
 ``signal`` wraps: ``signal``'s functions turn each handler into an enum member, and for
-a Python handler that conversion fails and is caught, which costs about 10 µs a call,
-30 µs of a quick cell's hand-over.
+a Python handler that conversion fails and is caught, a cost paid several times in
+every quick cell's hand-over.
 """
 
 from __future__ import annotations

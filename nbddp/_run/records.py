@@ -180,9 +180,8 @@ class FolderPerCell:
     def prepare(self) -> None:
         """While the ranks run a cell: the oldest runs' records go, and the next cell's
         folder and its ranks' logs are made now (a new file is among a disk's slowest
-        calls, 20 to 90 µs on a virtual machine's, and the kernel has nothing else to do
-        meanwhile; a rank then opens its log as it is). Past ``MAKE_LOGS_UP_TO`` ranks,
-        each rank makes its own."""
+        calls, and the kernel has nothing else to do meanwhile; a rank then opens its
+        log as it is). Past ``MAKE_LOGS_UP_TO`` ranks, each rank makes its own."""
         forget_old_runs()
         ahead = Records.create(forget_old=False)
         if self._make_logs:

@@ -4,11 +4,11 @@ Every call in ``os`` and ``socket`` lets the lock go while the kernel works, so 
 threads run meanwhile. In a Jupyter kernel, as a cell begins, other threads are waiting
 for it: IPython's history thread saves the cell, ipykernel's I/O thread sends its
 messages. Each call that lets the lock go hands them the interpreter, and the cell's
-thread gets it back only when they block again: 50 to 250 µs for a ``pread`` or a
-``send`` that takes the system 2, measured in a real kernel. A session's cell makes a
+thread gets it back only when they block again: many times what the ``pread`` or
+``send`` itself takes (benchmarks/README.md says by how much). A session's cell makes a
 handful before its ranks have it (a look at each rank's process, the working directory,
-a Start to each rank), so half a millisecond went to other threads' work, which could
-as well run while the ranks run the cell.
+a Start to each rank), so a real share of a quick cell went to other threads' work,
+which could as well run while the ranks run the cell.
 
 The same goes for the kernel's thread that reads the ranks' reports as a cell ends:
 each ``recv`` that lets the lock go hands it to those threads (whose turn came while
