@@ -51,20 +51,19 @@ from nbddp._run.records import FolderPerCell  # noqa: E402
 from nbddp._run.shape import GroupShape  # noqa: E402
 from nbddp._run.waiting import WaitingGroup  # noqa: E402
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key  # noqa: E402
+from nbddp._wire.frames import HEADER_SIZE, decode  # noqa: E402
 from nbddp._wire.messages import (  # noqa: E402
-    HEADER_SIZE,
     Hello,
     Metrics,
     Present,
-    RankStats,
     Ready,
     Result,
     RollCall,
     Sequenced,
     Start,
-    decode,
 )
 from nbddp._wire.payload import dumps_value  # noqa: E402
+from nbddp._wire.rank_stats import RankStats  # noqa: E402
 from nbddp._wire.relay_tree import RelayTree, uses_tree  # noqa: E402
 from nbddp._wire.rundir import RunDir  # noqa: E402
 

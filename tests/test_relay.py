@@ -22,19 +22,16 @@ from nbddp._wire.messages import (
     Disconnected,
     Failure,
     Metrics,
-    NodeMetrics,
     Present,
-    RanksFinished,
-    RanksPresent,
-    RankStats,
     Ready,
     Requeueing,
     Result,
     RollCall,
     Sequenced,
     Start,
-    StatsColumns,
 )
+from nbddp._wire.rank_stats import RankStats, StatsColumns
+from nbddp._wire.relay_messages import NodeMetrics, RanksFinished, RanksPresent
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 

@@ -24,20 +24,21 @@ from nbddp._wire.channel import MAGIC, ChannelClient, ChannelServer, new_key
 from nbddp._wire.history import History
 from nbddp._wire.messages import (
     Disconnected,
-    HeadListens,
-    JoinTree,
     Metrics,
-    NodeMetrics,
     Present,
-    RanksFinished,
-    RanksPresent,
-    RankStats,
     Ready,
     Result,
     RollCall,
     Sequenced,
     Start,
-    StatsColumns,
+)
+from nbddp._wire.rank_stats import RankStats, StatsColumns
+from nbddp._wire.relay_messages import (
+    HeadListens,
+    JoinTree,
+    NodeMetrics,
+    RanksFinished,
+    RanksPresent,
     TreePlace,
 )
 from nbddp._wire.relay_tree import RelayTree, group_size, uses_tree

@@ -27,7 +27,8 @@ from nbddp._wire.channel import (
     ChannelServer,
     new_key,
 )
-from nbddp._wire.messages import DebugInput, Disconnected, Hello, Ready, encode
+from nbddp._wire.frames import encode
+from nbddp._wire.messages import DebugInput, Disconnected, Hello, Ready
 
 from .conftest import SHM, local_run_dirs, wait_until
 

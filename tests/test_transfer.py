@@ -15,7 +15,8 @@ import torch
 
 from nbddp._wire import dataplane
 from nbddp._wire.channel import MAC_BYTES, MAGIC, NONCE_BYTES, ChannelClient
-from nbddp._wire.messages import Disconnected, Hello, KeepPayload, Result, Sequenced, encode
+from nbddp._wire.frames import encode
+from nbddp._wire.messages import Disconnected, Hello, KeepPayload, Result, Sequenced
 from nbddp._wire.transfer import PIECE, Outgoing, place_in
 
 from .test_security import Relay, Server, hung_up, read_available

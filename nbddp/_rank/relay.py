@@ -33,23 +33,20 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from .._wire.channel import Address, ChannelClient, ChannelServer
-from .._wire.messages import (
+from .._wire.frames import encode
+from .._wire.messages import Metrics, Present, Result, Sequenced
+from .._wire.rank_stats import StatsColumns
+from .._wire.relay_messages import (
     ForRank,
     FromRank,
     FromRanks,
     HeadListens,
     JoinTree,
-    Metrics,
     NodeMetrics,
-    Present,
     RanksFinished,
     RanksPresent,
-    Result,
-    Sequenced,
-    StatsColumns,
     ToRanks,
     TreePlace,
-    encode,
 )
 from .._wire.transfer import Inbox, Outgoing, place_in
 from .group_answers import WHOLE_WAIT, GroupAnswers

@@ -48,20 +48,9 @@ from pathlib import Path
 from typing import Any
 
 from . import held_calls
-from .messages import (
-    HEADER_SIZE,
-    Disconnected,
-    ForRank,
-    FromRank,
-    FromRanks,
-    HeadListens,
-    JoinTree,
-    ToRanks,
-    TreePlace,
-    body_size,
-    decode,
-    encode,
-)
+from .frames import HEADER_SIZE, body_size, decode, encode
+from .messages import Disconnected
+from .relay_messages import ForRank, FromRank, FromRanks, HeadListens, JoinTree, ToRanks, TreePlace
 from .relay_tree import RelayTree
 from .transfer import FileFollows, Inbox, Incoming, Outgoing
 
