@@ -50,8 +50,9 @@ from nbddp._run.config import RunOptions  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
 from nbddp._run.shape import GroupShape  # noqa: E402
 from nbddp._run.waiting import WaitingGroup  # noqa: E402
-from nbddp._wire.channel import ChannelClient, ChannelServer, new_key  # noqa: E402
+from nbddp._wire.channel import ChannelClient, ChannelServer  # noqa: E402
 from nbddp._wire.frames import HEADER_SIZE, decode  # noqa: E402
+from nbddp._wire.handshake import new_key  # noqa: E402
 from nbddp._wire.messages import (  # noqa: E402
     Hello,
     Metrics,

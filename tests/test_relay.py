@@ -17,7 +17,8 @@ import pytest
 
 from nbddp._rank import relay as relay_module
 from nbddp._rank.relay import compact, node_relay, reduced
-from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
+from nbddp._wire.channel import ChannelClient, ChannelServer
+from nbddp._wire.handshake import new_key
 from nbddp._wire.messages import (
     Disconnected,
     Failure,

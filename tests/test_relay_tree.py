@@ -20,7 +20,8 @@ import pytest
 
 from nbddp._rank import relay as relay_module
 from nbddp._rank.relay import compact, merged, node_relay
-from nbddp._wire.channel import MAGIC, ChannelClient, ChannelServer, new_key
+from nbddp._wire.channel import ChannelClient, ChannelServer
+from nbddp._wire.handshake import MAGIC, new_key
 from nbddp._wire.history import History
 from nbddp._wire.messages import (
     Disconnected,
