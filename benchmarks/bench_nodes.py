@@ -63,24 +63,24 @@ from nbddp._local.backend import LocalBackend  # noqa: E402
 from nbddp._rank.relay_placement import placed_relay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
-from nbddp._run.session_ranks import SessionRanks
+from nbddp._run.session_ranks import SessionRanks  # noqa: E402
 from nbddp._run.shape import GroupShape  # noqa: E402
 from nbddp._run.waiting import HEARD_LATELY, WaitingGroup  # noqa: E402
-from nbddp._wire.channel import ChannelClient, ChannelServer, new_key  # noqa: E402
+from nbddp._wire.channel import ChannelClient, ChannelServer  # noqa: E402
+from nbddp._wire.frames import HEADER_SIZE, decode  # noqa: E402
+from nbddp._wire.handshake import new_key  # noqa: E402
 from nbddp._wire.messages import (  # noqa: E402
-    HEADER_SIZE,
     Hello,
     Metrics,
     Present,
-    RankStats,
     Ready,
     Result,
     RollCall,
     Sequenced,
     Start,
-    decode,
 )
 from nbddp._wire.payload import dumps_value  # noqa: E402
+from nbddp._wire.rank_stats import RankStats  # noqa: E402
 from nbddp._wire.relay_tree import RelayTree, uses_tree  # noqa: E402
 from nbddp._wire.rundir import RunDir  # noqa: E402
 

@@ -74,7 +74,7 @@ def test_a_quick_cell_s_report_is_a_plain_pickle_and_others_are_cloudpickle_s(mo
     assert [dataplane.plain(value) for value in plain] == [True] * len(plain)
     assert [dataplane.plain(value) for value in other] == [False] * len(other)
     with monkeypatch.context() as patched:  # (the plain ones never meet nbddp's pickler)
-        patched.setattr(dataplane, "_Pickler", None)
+        patched.setattr(dataplane, "TensorPickler", None)
         for value in plain:
             packed = dataplane.pack(value, to_cpu=True)
             assert packed.data == pickle.dumps(value, protocol=5) and not packed.buffers
@@ -113,7 +113,7 @@ def test_a_cell_with_plain_notebook_names_is_sent_as_a_plain_pickle_and_runs_ali
     assert [dataplane.plain((cell, (), {})) for cell in other] == [False] * len(other)
     functions = RanksFunctions()
     with monkeypatch.context() as patched:
-        patched.setattr(dataplane, "_Pickler", None)
+        patched.setattr(dataplane, "TensorPickler", None)
         for cell in plain:
             packed = Payload.capture(cell, (), {}).dumps(functions=functions)
             assert packed.functions is functions and not packed.buffers
@@ -167,7 +167,7 @@ def test_a_plain_payload_with_kept_copies_and_held_functions_skips_the_pickler(m
     """As a session packs a cell: its kept copies still see the send (they sweep what is
     outdated), and the ranks' held functions go along with the packed payload."""
     kept, functions = _CountedSends(), RanksFunctions()
-    monkeypatch.setattr(dataplane, "_Pickler", None)
+    monkeypatch.setattr(dataplane, "TensorPickler", None)
     packed = dataplane.pack((Cell("\nNone\n", "cell-quick"), (), {}), kept=kept,
                             functions=functions)
     assert kept.sends == 1 and packed.functions is functions and not packed.teaches

@@ -1,4 +1,4 @@
-"""The kernel's one thread that reads every rank connection (``_wire.channel._ReadLoop``),
+"""The kernel's one thread that reads every rank connection (``_wire.read_loop.ReadLoop``),
 over real sockets with the run's key: every connection's messages arrive whole and in
 order, and one connection's trouble (a message the kernel cannot take, a frame cut into
 pieces, the channel closed from inside a delivery) leaves every other one heard."""
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from nbddp._wire import held_calls
-from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
+from nbddp._wire.channel import ChannelClient, ChannelServer
+from nbddp._wire.handshake import new_key
 from nbddp._wire.messages import Disconnected, Ready, Sequenced
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast

@@ -24,7 +24,8 @@ import torch
 
 import nbddp
 from nbddp._wire import dataplane as dataplane
-from nbddp._wire.messages import HEADER_SIZE, Hello, body_size, encode
+from nbddp._wire.frames import HEADER_SIZE, body_size, encode
+from nbddp._wire.messages import Hello
 from nbddp._wire.payload import Payload
 
 from .conftest import SHM, wait_until

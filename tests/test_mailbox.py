@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 
 from nbddp._wire import mailbox as _mailbox
+from nbddp._wire.frames import decode
 from nbddp._wire.mailbox import MailboxReader, MailboxWriter, frame, mailbox_path, split
 from nbddp._wire.messages import (
     Failure,
     Hello,
     Metrics,
-    RankStats,
     Requeueing,
     Result,
     Sequenced,
     StopRequested,
-    decode,
 )
+from nbddp._wire.rank_stats import RankStats
 
 from .conftest import wait_until
 

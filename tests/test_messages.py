@@ -4,16 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nbddp._wire.messages import (
-    Failure,
-    Hello,
-    RankOptions,
-    Sequenced,
-    Start,
-    decode,
-    encode,
-    split_frames,
-)
+from nbddp._wire.frames import decode, encode, split_frames
+from nbddp._wire.messages import Failure, Hello, RankOptions, Sequenced, Start
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 

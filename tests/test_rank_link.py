@@ -20,7 +20,8 @@ import pytest
 
 from nbddp._rank.link import KernelLink
 from nbddp._rank.loop import Interrupts
-from nbddp._wire.channel import ChannelServer, new_key
+from nbddp._wire.channel import ChannelServer
+from nbddp._wire.handshake import new_key
 from nbddp._wire.messages import Hello, Interrupt, RankOptions, Start
 from nbddp._wire.rundir import RunDir
 

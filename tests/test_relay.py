@@ -19,24 +19,22 @@ from nbddp._rank import relay as relay_module
 from nbddp._rank.node_metrics import reduced
 from nbddp._rank.relay_compact import compact
 from nbddp._rank.relay_placement import node_relay
-from nbddp._wire.channel import ChannelClient, ChannelServer, new_key
+from nbddp._wire.channel import ChannelClient, ChannelServer
+from nbddp._wire.handshake import new_key
 from nbddp._wire.messages import (
     Disconnected,
     Failure,
     Metrics,
-    NodeMetrics,
     Present,
-    RanksFinished,
-    RanksPresent,
-    RankStats,
     Ready,
     Requeueing,
     Result,
     RollCall,
     Sequenced,
     Start,
-    StatsColumns,
 )
+from nbddp._wire.rank_stats import RankStats, StatsColumns
+from nbddp._wire.relay_messages import NodeMetrics, RanksFinished, RanksPresent
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 

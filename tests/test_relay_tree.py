@@ -22,24 +22,26 @@ from nbddp._rank import relay as relay_module
 from nbddp._rank.node_metrics import merged
 from nbddp._rank.relay_compact import compact
 from nbddp._rank.relay_placement import node_relay
-from nbddp._wire.channel import MAGIC, ChannelClient, ChannelServer, new_key
+from nbddp._wire.channel import ChannelClient, ChannelServer
+from nbddp._wire.handshake import MAGIC, new_key
 from nbddp._wire.history import History
 from nbddp._wire.messages import (
     Disconnected,
-    HeadListens,
-    JoinTree,
     Metrics,
-    NodeMetrics,
     Present,
-    RanksFinished,
-    RanksPresent,
-    RankStats,
     Ready,
     Result,
     RollCall,
     Sequenced,
     Start,
-    StatsColumns,
+)
+from nbddp._wire.rank_stats import RankStats, StatsColumns
+from nbddp._wire.relay_messages import (
+    HeadListens,
+    JoinTree,
+    NodeMetrics,
+    RanksFinished,
+    RanksPresent,
     TreePlace,
 )
 from nbddp._wire.relay_tree import RelayTree, group_size, uses_tree

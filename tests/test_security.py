@@ -19,15 +19,11 @@ import nbddp
 from nbddp._run.config import RunConfig
 from nbddp._run.waiting import INLINE_PAYLOAD
 from nbddp._slurm.options import SlurmOptions
-from nbddp._wire.channel import (
-    MAC_BYTES,
-    MAGIC,
-    NONCE_BYTES,
-    ChannelClient,
-    ChannelServer,
-    new_key,
-)
-from nbddp._wire.messages import DebugInput, Disconnected, Hello, Ready, encode
+from nbddp._wire.channel import ChannelClient, ChannelServer
+from nbddp._wire.frames import encode
+from nbddp._wire.handshake import MAGIC, NONCE_BYTES, new_key
+from nbddp._wire.messages import DebugInput, Disconnected, Hello, Ready
+from nbddp._wire.sealed_link import MAC_BYTES
 
 from .conftest import SHM, local_run_dirs, wait_until
 

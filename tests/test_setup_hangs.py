@@ -14,7 +14,7 @@ import pytest
 
 import nbddp
 from nbddp._run.setup_report import setup_report
-from nbddp._wire.messages import Collectives, SetupLook
+from nbddp._wire.hang_messages import Collectives, SetupLook
 
 from .conftest import wait_until
 

@@ -24,7 +24,7 @@ import pytest
 import nbddp
 from nbddp._run.hang_report import HEADER, hang_report
 from nbddp._run.stack_view import render, where
-from nbddp._wire.messages import Collectives, GroupProgress
+from nbddp._wire.hang_messages import Collectives, GroupProgress
 from nbddp._wire.stacks import read_dump
 
 from .conftest import wait_until

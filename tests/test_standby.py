@@ -436,7 +436,8 @@ def test_a_warm_launch_names_a_version_mismatch(standby_on, monkeypatch):
 
 
 def test_a_stranger_on_the_standby_channel_changes_nothing(standby_on):
-    from nbddp._wire.channel import ChannelClient, new_key
+    from nbddp._wire.channel import ChannelClient
+    from nbddp._wire.handshake import new_key
 
     before = local_run_dirs()
     nbddp.launch(world_size, 2)

@@ -13,7 +13,7 @@ import pytest
 from nbddp._rank.reporter import Reporter
 from nbddp._rank.step_clock import SAMPLE_EVERY, StepClock
 from nbddp._run.time_split import WINDOW, TimeSplit, holder, split_lines
-from nbddp._wire.messages import StepTimes
+from nbddp._wire.rank_stats import StepTimes
 
 pytestmark = pytest.mark.fast
 
@@ -68,7 +68,7 @@ import torch
 import torch.distributed as dist
 from nbddp._rank.reporter import Reporter
 from nbddp._rank.step_clock import SAMPLE_EVERY
-from nbddp._wire.messages import StepTimes
+from nbddp._wire.rank_stats import StepTimes
 
 dist.init_process_group("gloo", init_method=f"file://{tempfile.mkdtemp()}/store", rank=0,
                         world_size=1)

@@ -14,8 +14,11 @@ import pytest
 import torch
 
 from nbddp._wire import dataplane
-from nbddp._wire.channel import MAC_BYTES, MAGIC, NONCE_BYTES, ChannelClient
-from nbddp._wire.messages import Disconnected, Hello, KeepPayload, Result, Sequenced, encode
+from nbddp._wire.channel import ChannelClient
+from nbddp._wire.frames import encode
+from nbddp._wire.handshake import MAGIC, NONCE_BYTES
+from nbddp._wire.messages import Disconnected, Hello, KeepPayload, Result, Sequenced
+from nbddp._wire.sealed_link import MAC_BYTES
 from nbddp._wire.transfer import PIECE, Outgoing, place_in
 
 from .test_security import Relay, Server, hung_up, read_available

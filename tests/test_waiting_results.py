@@ -12,15 +12,9 @@ from nbddp._run.records import Records
 from nbddp._run.shape import GroupShape, Handover
 from nbddp._run.waiting import WaitingGroup
 from nbddp._wire.dataplane import Packed
-from nbddp._wire.messages import (
-    Disconnected,
-    Failure,
-    RankOptions,
-    RanksFinished,
-    Result,
-    Sequenced,
-    StatsColumns,
-)
+from nbddp._wire.messages import Disconnected, Failure, RankOptions, Result, Sequenced
+from nbddp._wire.rank_stats import StatsColumns
+from nbddp._wire.relay_messages import RanksFinished
 from nbddp._wire.rundir import RunDir
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast

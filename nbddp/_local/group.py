@@ -12,8 +12,9 @@ from .._run.shape import GroupShape
 from .._run.stack_view import render
 from .._run.waiting import WaitingGroup
 from .._wire import dataplane
-from .._wire.channel import ChannelServer, new_key
+from .._wire.channel import ChannelServer
 from .._wire.dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room
+from .._wire.handshake import new_key
 from .._wire.messages import Hello, Interrupt
 from .._wire.rundir import RunDir
 from .._wire.stacks import (

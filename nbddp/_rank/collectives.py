@@ -25,7 +25,7 @@ import threading
 from types import FrameType
 from typing import Any
 
-from .._wire.messages import GroupProgress
+from .._wire.hang_messages import GroupProgress
 
 _RECORDERS = {"_dump_fr_trace": "gloo", "_dump_nccl_trace": "nccl"}
 """torch's dump functions, and the backend whose groups each records."""

@@ -18,17 +18,9 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from .._wire.messages import (
-    HEADER_SIZE,
-    Disconnected,
-    Present,
-    RanksPresent,
-    RollCall,
-    Sequenced,
-    Start,
-    decode,
-    run_ended_for,
-)
+from .._wire.frames import HEADER_SIZE, decode
+from .._wire.messages import Disconnected, Present, RollCall, Sequenced, Start, run_ended_for
+from .._wire.relay_messages import RanksPresent
 
 WHOLE_WAIT = 0.25
 """Seconds a relay holds its ranks' ends while some of them have not said theirs: the

@@ -27,9 +27,10 @@ from typing import Any
 
 from .._wire.channel import ChannelClient
 from .._wire.dataplane import Packed
+from .._wire.frames import decode, split_frames
+from .._wire.hang_messages import Collectives, ShowCollectives, ShowStacks, Stacks
 from .._wire.mailbox import MailboxWriter, mailbox_path
 from .._wire.messages import (
-    Collectives,
     DebugInput,
     DebugPrompt,
     Interrupt,
@@ -38,12 +39,7 @@ from .._wire.messages import (
     Present,
     RollCall,
     Sequenced,
-    ShowCollectives,
-    ShowStacks,
-    Stacks,
     Start,
-    decode,
-    split_frames,
 )
 from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV, RELAY_ENV, RunDir, parse_address
 from .._wire.stacks import dump_now, main_thread_id

@@ -26,16 +26,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._version import __version__
 from .._wire import dataplane
-from .._wire.messages import (
-    Assigned,
-    Failure,
-    RankOptions,
-    RankStats,
-    Requeueing,
-    Result,
-    Start,
-)
+from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
 from .._wire.payload import Payload, dumps_value
+from .._wire.rank_stats import RankStats
 from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV
 from . import debugger, setup_check
 from .autoreload import Reloader, forget_listings, ready_to_reload

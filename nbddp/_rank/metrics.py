@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from .._wire.messages import RankStats
+from .._wire.rank_stats import RankStats
 from .reporter import Reporter
 
 T = TypeVar("T")

@@ -10,7 +10,8 @@ messages, apart from the relay's threads, so that the arithmetic is tested alone
 
 from __future__ import annotations
 
-from .._wire.messages import Metrics, NodeMetrics
+from .._wire.messages import Metrics
+from .._wire.relay_messages import NodeMetrics
 
 
 def reduced(batches: list[Metrics], attempt: int = 0, requeue: int = 0) -> NodeMetrics:

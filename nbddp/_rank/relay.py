@@ -37,7 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from .._wire.channel import ChannelClient
-from .._wire.messages import ForRank, FromRank, FromRanks, Sequenced, ToRanks, encode
+from .._wire.frames import encode
+from .._wire.messages import Sequenced
+from .._wire.relay_messages import (
+    ForRank,
+    FromRank,
+    FromRanks,
+    ToRanks,
+)
 from .._wire.transfer import Outgoing, place_in
 from .group_answers import WHOLE_WAIT, GroupAnswers
 from .relay_compact import compact, is_metrics, merges

@@ -11,16 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._wire.messages import (
-    Metrics,
-    NodeMetrics,
-    Present,
-    RanksFinished,
-    RanksPresent,
-    Result,
-    Sequenced,
-    StatsColumns,
-)
+from .._wire.messages import Metrics, Present, Result, Sequenced
+from .._wire.rank_stats import StatsColumns
+from .._wire.relay_messages import NodeMetrics, RanksFinished, RanksPresent
 from .node_metrics import merged, reduced
 
 

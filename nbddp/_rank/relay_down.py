@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Protocol
 
 from .._wire.channel import ChannelServer
-from .._wire.messages import ForRank, encode
+from .._wire.frames import encode
+from .._wire.relay_messages import ForRank
 from .._wire.transfer import Outgoing
 
 

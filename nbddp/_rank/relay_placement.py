@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._wire.channel import Address, ChannelClient, ChannelServer
-from .._wire.messages import HeadListens, JoinTree, TreePlace
+from .._wire.relay_messages import HeadListens, JoinTree, TreePlace
 from .._wire.transfer import Inbox
 from .relay import Landing, NodeRelay, Reattach
 from .relay_down import HeadDown, Ranks

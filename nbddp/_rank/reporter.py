@@ -23,7 +23,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from .._wire.messages import Metrics, RankStats, StepTimes
+from .._wire.messages import Metrics
+from .._wire.rank_stats import RankStats, StepTimes
 from .stats import sample
 from .step_clock import StepClock, StepTotals
 

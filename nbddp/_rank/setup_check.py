@@ -28,7 +28,7 @@ from pathlib import Path
 from types import FrameType
 from urllib.parse import urlsplit
 
-from .._wire.messages import AGENT_STORE_ENV, SetupLook
+from .._wire.hang_messages import AGENT_STORE_ENV, SetupLook
 from .._wire.processes import descendants
 
 _WORLD = ("RANK", "WORLD_SIZE")

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 
-from .._wire.messages import RankStats
+from .._wire.rank_stats import RankStats
 from .._wire.rundir import NODE_NAME_ENV
 
 _MB = 2**20

@@ -32,8 +32,8 @@ from .._run.config import Output, relay_option
 from .._run.records import Records, folders, records_root
 from .._run.remote_session import PayloadDelivery, RemoteSessionGroup
 from .._run.shape import GroupShape
-from .._wire.channel import new_key
 from .._wire.dataplane import Packed
+from .._wire.handshake import new_key
 from .._wire.rundir import RunDir, read_own_key
 from .cluster import connect, kernel_address
 from .object_store import OBJECT_STORE, ObjectStoreDelivery

@@ -31,15 +31,8 @@ from .. import _version
 from .._errors import NbddpError
 from .._wire.channel import ChannelServer
 from .._wire.dataplane import Packed
-from .._wire.messages import (
-    Collectives,
-    RankOptions,
-    Sequenced,
-    ShowCollectives,
-    ShowStacks,
-    Stacks,
-    Start,
-)
+from .._wire.hang_messages import Collectives, ShowCollectives, ShowStacks, Stacks
+from .._wire.messages import RankOptions, Sequenced, Start
 from .._wire.rundir import RunDir
 from .._wire.stacks import STACKS_WAIT
 from .asking import Question

@@ -14,7 +14,7 @@ import time
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
-from .._wire.messages import Collectives, GroupProgress
+from .._wire.hang_messages import Collectives, GroupProgress
 from .setup_report import setup_report
 
 if TYPE_CHECKING:

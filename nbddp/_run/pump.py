@@ -20,7 +20,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.messages import Disconnected, NodeMetrics, RanksFinished, Sequenced
+from .._wire.messages import Disconnected, Sequenced
+from .._wire.relay_messages import NodeMetrics, RanksFinished
 
 INTERVAL = 0.05
 """How long one turn waits for an event."""

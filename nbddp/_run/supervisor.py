@@ -31,13 +31,11 @@ from .._wire.messages import (
     Failure,
     Hello,
     Metrics,
-    NodeMetrics,
-    RanksFinished,
-    RankStats,
     Requeueing,
     Result,
-    StepTimes,
 )
+from .._wire.rank_stats import RankStats, StepTimes
+from .._wire.relay_messages import NodeMetrics, RanksFinished
 from .attempts import Attempt
 from .config import RunConfig
 from .debugger import Debugger

@@ -36,7 +36,6 @@ from .._wire.messages import (
     Hello,
     Present,
     RankOptions,
-    RanksPresent,
     Ready,
     Result,
     RollCall,
@@ -44,6 +43,7 @@ from .._wire.messages import (
     Start,
     run_ended_for,
 )
+from .._wire.relay_messages import RanksPresent
 from .._wire.rundir import RunDir
 from .._wire.shipped_code import RanksCode
 from .._wire.versions import skew

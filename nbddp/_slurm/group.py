@@ -10,14 +10,12 @@ from .._run.group import GroupHooks, RankGroup
 from .._run.records import Records
 from .._run.shape import Handover
 from .._wire import dataplane
-from .._wire.channel import ChannelServer, new_key, tcp_address
+from .._wire.channel import ChannelServer, tcp_address
 from .._wire.dataplane import Packed
+from .._wire.frames import encode
+from .._wire.handshake import new_key
 from .._wire.mailbox import MailboxReader
-from .._wire.messages import (
-    Disconnected,
-    RankOptions,
-    encode,
-)
+from .._wire.messages import Disconnected, RankOptions
 from .._wire.rundir import RunDir, address_text
 from .follow import RequeueCount, SlurmHooks
 from .launcher import SlurmLauncher, kernel_host, read_shape, submit

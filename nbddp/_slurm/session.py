@@ -31,7 +31,7 @@ from .._run.group import GroupHooks
 from .._run.records import Records, folders, records_root
 from .._run.remote_session import RemoteSessionGroup
 from .._run.shape import GroupShape
-from .._wire.channel import new_key
+from .._wire.handshake import new_key
 from .._wire.rundir import RunDir, read_own_key
 from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch

@@ -4,7 +4,7 @@ cloudpickle 3.1.3 and later pickle every code object as if written in
 ``<dynamic-code>`` (a payload that does not depend on where it was defined). A rank's
 traceback then cannot show the user's lines, though the payload carries the cells'
 sources for exactly that, and stacks cannot say which cell a rank is in. The pickler
-(``dataplane``) reduces code objects with ``reduce_code``: cloudpickle's reduction,
+(``tensor_pickler``) reduces code objects with ``reduce_code``: cloudpickle's reduction,
 rebuilt on the rank under its real file name.
 """
 

@@ -49,8 +49,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .dataplane import storage_from_buffer, write_at
+from .dataplane import write_at
 from .memory_files import MemoryFiles
+from .tensor_pickler import storage_from_buffer
 
 KEEP_MIN = 4 * 2**20
 """Smaller storages travel in the payload file: copying them costs less than a file."""

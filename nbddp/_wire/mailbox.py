@@ -29,7 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .messages import Failure, Requeueing, Result, Sequenced, decode, pickled
+from .frames import decode, pickled
+from .messages import Failure, Requeueing, Result, Sequenced
 from .rundir import mailbox_name
 
 logger = logging.getLogger(__name__)

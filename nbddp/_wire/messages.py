@@ -1,41 +1,33 @@
-"""What the kernel and the ranks tell each other, and the one way it is framed.
+"""What the kernel and the ranks tell each other in a run.
 
-Every message is a small frozen dataclass. A frame is an 8-byte length and the pickled
-message; the channel's sockets and the start file carry these frames (a mailbox file
-marks and checksums each message instead: ``_wire.mailbox``). Frames are only decoded from
-authenticated peers or from private (0600) files.
+Every message is a small frozen dataclass, framed one way (``_wire.frames``) for the
+channel's sockets and the start file (a mailbox file marks and checksums each message
+instead: ``_wire.mailbox``). Messages are only decoded from authenticated peers or from
+private (0600) files.
 Tensor and array bytes do not travel in messages: they are in data files (``_wire.dataplane``)
 that a message names; to and from another machine, the file goes along with the message
 (``_wire.transfer``).
 
-    rank -> kernel   Hello, Ready, Present, Metrics, RankStats, StepTimes, StopRequested,
-                     DebugPrompt, DebugDone, Assigned, Stacks, Collectives, PayloadKept,
-                     OutputBytes, and a report:
+    rank -> kernel   Hello, Ready, Present, Metrics, StopRequested, DebugPrompt, DebugDone,
+                     Assigned, PayloadKept, OutputBytes, and a report:
                      Result, Failure or Requeueing (each Sequenced)
-    kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt, ShowStacks,
-                     ShowCollectives
+    kernel -> rank   RollCall, KeepPayload, Start, DebugInput, Interrupt
     kernel only      Disconnected (a rank's connection closed)
-    relay <-> kernel ToRanks and ForRank (down), FromRanks and FromRank (up): a node's
-                     ranks' messages, batched by the node's relay (``_rank.relay``),
-                     with RanksPresent, RanksFinished and NodeMetrics for what many of
-                     them said alike; past many nodes the same between a group's head
-                     and its group's relays (a head merges its group's batches), and
-                     JoinTree, HeadListens (up) and TreePlace (down) to form the tree
-                     (``_wire.relay_tree``)
+
+Beside these, each in a module of its own: what a running rank says about itself about
+once a second (``_wire.rank_stats``), what the kernel asks a rank that may be stuck and
+its answers (``_wire.hang_messages``), and what a node's relay wraps its ranks' messages
+in (``_wire.relay_messages``).
 """
 
 from __future__ import annotations
 
-import pickle
-import struct
 import time
-from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import chain
-from typing import Any, NamedTuple
+from typing import Any
 
-_HEADER = struct.Struct("!Q")  # any length
-HEADER_SIZE = _HEADER.size
+from .rank_stats import RankStats
+from .relay_messages import RanksFinished
 
 
 @dataclass(frozen=True)
@@ -158,77 +150,6 @@ class Failure:
     assigned: tuple[str, ...] | None = None
     """A session's answering rank: the names its code has bound (as a ``Result``'s)."""
 
-
-class RankStats(NamedTuple):
-    """A running rank about once a second: where it runs, its last step (logged, or its
-    progress), its memory, and how much output it has written (for stall detection).
-    (A named tuple: each rank's comes back with every cell's end, a node's in one batch,
-    and unpickles in half the time of a dataclass.)"""
-
-    rank: int
-    host: str
-    pid: int
-    step: int | None
-    rss_mb: float | None
-    gpu_mem_mb: float | None
-    output_bytes: int
-
-
-class StatsColumns(NamedTuple):
-    """Many ranks' ``RankStats``, a tuple per field: a node's (or a group's) as their run
-    ended. It crosses and unpickles as a few tuples, not an object per rank (thousands,
-    each cell, which the kernel's garbage collector would go through); ``rows()`` makes
-    the ranks' own where they are looked at."""
-
-    rank: tuple[int, ...]
-    host: tuple[str, ...]
-    pid: tuple[int, ...]
-    step: tuple[int | None, ...]
-    rss_mb: tuple[float | None, ...]
-    gpu_mem_mb: tuple[float | None, ...]
-    output_bytes: tuple[int, ...]
-
-    @classmethod
-    def of(cls, stats: Iterable[RankStats | None]) -> StatsColumns:
-        """The columns of ``stats`` (those that are None left out). A node's ranks' host
-        is one string, pickled once."""
-        rows = [each for each in stats if each is not None]
-        if not rows:
-            return cls((), (), (), (), (), (), ())
-        columns = cls(*zip(*rows, strict=True))
-        hosts: dict[str, str] = {}
-        return columns._replace(host=tuple(hosts.setdefault(host, host)
-                                           for host in columns.host))
-
-    @classmethod
-    def joined(cls, parts: list[StatsColumns]) -> StatsColumns:
-        """``parts`` as one, in their order."""
-        if len(parts) == 1:
-            return parts[0]
-        return cls(*(tuple(chain.from_iterable(column))
-                     for column in zip(*parts, strict=True))) if parts else cls.of(())
-
-    def rows(self) -> Iterator[RankStats]:
-        return map(RankStats._make, zip(*self, strict=True))
-
-
-@dataclass(frozen=True)
-class StepTimes:
-    """A running rank about once a second, once it has steps: where their time went
-    since the run began (``_rank.step_clock``: these only grow)."""
-
-    rank: int
-    steps: int
-    data_s: float
-    """Waiting for the next batch."""
-    step_s: float
-    """In the steps."""
-    comm_s: float
-    """Of the steps' time, waiting in DDP's gradient all-reduce (sampled steps only)."""
-    comm_samples: int
-    """How many steps ``comm_s`` was measured over (0: no DDP model measured it)."""
-
-
 @dataclass(frozen=True)
 class DebugPrompt:
     """A rank's pdb wants a line: what it printed since its last one, ending in its prompt."""
@@ -242,81 +163,6 @@ class DebugDone:
     """A rank's pdb let the code go on (``c`` or ``q``): the next rank may be served."""
 
     rank: int
-
-
-@dataclass(frozen=True)
-class Stacks:
-    """A rank's answer to ``ShowStacks``: faulthandler's dump of its threads (None if it
-    did not come), and which thread is the rank's main one."""
-
-    rank: int
-    call: int
-    dump: str | None
-    main: str | None
-
-
-@dataclass(frozen=True)
-class GroupProgress:
-    """Where a rank is in one process group's collectives, as torch's flight recorder
-    counts them (sequence numbers from 1, per process group)."""
-
-    group: str
-    """The process group's name (``"0"`` is the default group)."""
-    label: str
-    """Its description (``default_pg``, or what ``new_group(group_desc=...)`` said)."""
-    completed: int
-    """The last collective this rank completed (0: none yet)."""
-    entered: int
-    """The last collective this rank entered (enqueued)."""
-    completed_op: str = ""
-    """The last completed one's operation (``all_reduce``), if the recorder still has it."""
-    waiting_op: str = ""
-    """The first one entered and not completed, if any."""
-    waiting_since: float | None = None
-    """When the rank entered that one (seconds since the epoch)."""
-
-
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
-"""torchrun's word to its ranks: set up process groups on its own store, as clients."""
-
-
-@dataclass(frozen=True)
-class SetupLook:
-    """What a rank can tell about its process-group set-up (``_rank.setup_check``)."""
-
-    in_init: bool
-    """Its main thread is inside ``init_process_group``."""
-    rank: int | None = None
-    """The ``rank`` that call was given (None: left to the environment)."""
-    world_size: int | None = None
-    init_method: str | None = None
-    """The ``init_method`` it was given, where it was given one beside torchrun's agent
-    store (no rank hosts a store at that address)."""
-    torchrun_rank: int | None = None
-    """The rank and world size torchrun gave it."""
-    torchrun_world_size: int | None = None
-    changed: tuple[tuple[str, str | None, str | None], ...] = ()
-    """``(name, torchrun's value, the value now)`` for MASTER_ADDR/PORT it changed."""
-    agent_store_children: tuple[tuple[int, str], ...] = ()
-    """``(pid, command)`` of processes it started that would use torchrun's agent store."""
-    agent_store: bool = False
-    """torchrun told it to use its agent store (``TORCHELASTIC_USE_AGENT_STORE=True``)."""
-
-
-@dataclass(frozen=True)
-class Collectives:
-    """A rank's answer to ``ShowCollectives``: its progress in each process group, or
-    why it cannot say (``unavailable``: no process group, no flight recorder), and what
-    it can tell about its process-group set-up (``setup``)."""
-
-    rank: int
-    call: int
-    groups: tuple[GroupProgress, ...] = ()
-    unavailable: str = ""
-    counted: str = ""
-    """Why ``groups`` are the process groups' own counts, not the recorder's (its entries'
-    operations and times then unknown; the one it waits in read from its stack)."""
-    setup: SetupLook | None = None
 
 
 @dataclass(frozen=True)
@@ -419,23 +265,6 @@ class KeepPayload:
 
 
 @dataclass(frozen=True)
-class ShowStacks:
-    """Send back every thread's stack (``Stacks``): how the kernel asks a rank on
-    another machine, which it cannot signal."""
-
-    call: int
-    """Which request: an answer to an earlier one does not count."""
-
-
-@dataclass(frozen=True)
-class ShowCollectives:
-    """Send back where this rank is in its collectives (``Collectives``)."""
-
-    call: int
-    """Which request: an answer to an earlier one does not count."""
-
-
-@dataclass(frozen=True)
 class Interrupt:
     """Raise ``KeyboardInterrupt`` in the user's code, as SIGINT would: how the kernel
     interrupts a session's rank (a signal could overtake the run's Start, and a rank on
@@ -449,112 +278,6 @@ class DebugInput:
 
     line: str | None
     reason: str = ""
-
-
-# --- through a node's relay -----------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToRanks:
-    """To a node's relay: hand the message in ``frame`` (``encode``d once for every node
-    it goes to) to each of ``ranks`` on the node. The kernel sends a run's Start once per
-    node this way."""
-
-    ranks: tuple[int, ...]
-    frame: bytes
-
-
-@dataclass(frozen=True)
-class ForRank:
-    """To a node's relay: hand ``message`` to ``rank``. It came with a data file, which
-    landed on the node (``message.file`` says where): the node's copy of a payload, for
-    the rank to keep."""
-
-    rank: int
-    message: Any
-
-
-@dataclass(frozen=True)
-class FromRank:
-    """From a node's relay: one rank's message that came with a data file, sent on with
-    its file (``message.file``, set where it landed on the kernel's machine)."""
-
-    message: Any
-
-
-@dataclass(frozen=True)
-class FromRanks:
-    """From a node's relay (or a group's head, for its group): what the node's ranks sent
-    since its last batch, each rank's in the order it sent them (``Disconnected`` where a
-    rank's connection to the relay closed), what many ranks said alike said once
-    (``RanksPresent``, ``RanksFinished``). One frame, one check and one wake-up of the
-    kernel for the whole node."""
-
-    messages: list[Any]
-
-
-@dataclass(frozen=True)
-class RanksPresent:
-    """From a node's relay: each of ``ranks`` answered roll call ``call`` (``Present``)."""
-
-    ranks: tuple[int, ...]
-    call: int
-
-
-@dataclass(frozen=True)
-class RanksFinished:
-    """From a node's relay (or a group's head, merged for its group): each of ``ranks``
-    finished its run with nothing to send back
-    (no value, no names): their ``Result``s, at once, and their stats (of those that
-    sent some)."""
-
-    ranks: tuple[int, ...]
-    stats: StatsColumns
-    attempt: int = 0
-    requeue: int = 0
-
-
-@dataclass(frozen=True)
-class NodeMetrics:
-    """From a node's relay (or a group's head, merged for its group): its ranks' ``Metrics``
-    since its last batch, reduced. Per step,
-    the ranks heard and per metric the sum and count of their values (a rank's last value
-    of a step and metric, if it sent several); each rank's latest progress position; and
-    the records that speak for every rank, as each rank sent them."""
-
-    partials: list[tuple[int, tuple[int, ...], dict[str, tuple[float, int]]]]
-    positions: dict[int, tuple[int, int | None, str | None]]
-    for_all: list[tuple[int, list[tuple[int, dict[str, float]]]]]
-    attempt: int = 0
-    requeue: int = 0
-
-
-# --- a tree of relays (many nodes: ``_wire.relay_tree``) -------------------------------
-
-
-@dataclass(frozen=True)
-class JoinTree:
-    """From a node's relay, its first word where the kernel arranges the relays as a tree:
-    where is its place? The kernel answers ``TreePlace``."""
-
-
-@dataclass(frozen=True)
-class TreePlace:
-    """To a relay that asked (``JoinTree``). ``listen``: it heads a group, stays on the
-    kernel's link, and listens for the group's other relays (and says where:
-    ``HeadListens``); ``parent``: it speaks to the kernel through that relay, its group's
-    head; neither: it stays on the kernel's link alone."""
-
-    listen: bool = False
-    parent: tuple[str, int] | None = None
-
-
-@dataclass(frozen=True)
-class HeadListens:
-    """From a group's head relay: the relays of its group connect to ``address`` (None:
-    it cannot listen; they stay on the kernel's link)."""
-
-    address: tuple[str, int] | None
 
 
 # --- kernel-side events ---------------------------------------------------------------
@@ -582,40 +305,3 @@ def run_ended_for(message: Any) -> tuple[int, ...]:
     if isinstance(inner, (Result, Failure, Requeueing, Disconnected)):
         return (inner.rank,)
     return ()
-
-
-# --- frames ---------------------------------------------------------------------------
-
-
-def encode(message: Any) -> bytes:
-    """One frame: the length, then the pickled message."""
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
-
-
-def body_size(header: bytes) -> int:
-    """The length a frame's header announces."""
-    return _HEADER.unpack(header)[0]
-
-
-def decode(body: bytes | memoryview) -> Any:
-    """The message in a frame's body."""
-    return pickle.loads(body)
-
-
-def split_frames(data: bytes) -> tuple[list[bytes], int]:
-    """The bodies of the complete frames at the start of ``data``, and the bytes they use."""
-    bodies, used = [], 0
-    while len(data) - used >= HEADER_SIZE:
-        end = used + HEADER_SIZE + body_size(data[used:used + HEADER_SIZE])
-        if end > len(data):
-            break  # the rest of this frame is still being written
-        bodies.append(data[used + HEADER_SIZE:end])
-        used = end
-    return bodies, used
-
-
-def pickled(message: Any) -> bytes:
-    """A message's bytes without a frame's length: what a mailbox frame carries, behind
-    a marker and a checksum of its own (``_wire.mailbox``)."""
-    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)

@@ -23,9 +23,10 @@ import cloudpickle
 
 from .._errors import PayloadError
 from . import held_calls
-from .dataplane import Kept, Packed, pack
+from .dataplane import Packed, pack
 from .held_functions import RanksFunctions
 from .shipped_code import CodeSent, RanksCode, install
+from .tensor_pickler import Kept
 
 #: A payload whose pickle (tensor and array bytes aside, which travel out of band) is
 #: larger than this still ships, with a warning naming what made it large.

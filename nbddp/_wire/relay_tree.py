@@ -35,7 +35,7 @@ import os
 import threading
 from typing import Any, Protocol
 
-from .messages import HeadListens, JoinTree, TreePlace
+from .relay_messages import HeadListens, JoinTree, TreePlace
 
 TREE_FROM = 64
 """A session of this many nodes or more has its relays form a tree (measured with
