@@ -242,8 +242,7 @@ class Session:
                              "for it (job.result()) or cancel it first")
 
     def _after_run(self, job: Job, run: OnSession, teaching: Teaching) -> None:
-        """A run ended: its ranks kept or replaced (``SessionRanks.ended``), and the
-        session free for the next."""
+        """A run ended: its ranks kept or replaced, the session free for the next."""
         try:
             self._closed = self._ranks.ended(job, run, teaching, self._closed)
         finally:
