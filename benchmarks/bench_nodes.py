@@ -63,8 +63,9 @@ from nbddp._local.backend import LocalBackend  # noqa: E402
 from nbddp._rank.relay import placed_relay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
+from nbddp._run.roll_calls import HEARD_LATELY  # noqa: E402
 from nbddp._run.shape import GroupShape  # noqa: E402
-from nbddp._run.waiting import HEARD_LATELY, WaitingGroup  # noqa: E402
+from nbddp._run.waiting import WaitingGroup  # noqa: E402
 from nbddp._wire.channel import ChannelClient, ChannelServer, new_key  # noqa: E402
 from nbddp._wire.messages import (  # noqa: E402
     HEADER_SIZE,
