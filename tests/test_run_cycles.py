@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 import nbddp
-from nbddp._run import supervisor
+from nbddp._run import run_panel
 
 pytestmark = pytest.mark.slow  # a session's ranks start
 
@@ -57,7 +57,7 @@ def test_a_runs_objects_go_with_its_job(output, many_ranks, how, collector_off, 
                                         monkeypatch):
     monkeypatch.setenv("NBDDP_DISPLAY", "text")
     if many_ranks:  # (the panel of many ranks keeps a way to every rank's note)
-        monkeypatch.setattr(supervisor, "MANY_RANKS", 1)
+        monkeypatch.setattr(run_panel, "MANY_RANKS", 1)
     with nbddp.Session(nprocs=2, output=output) as session:
         session.run(noop)  # (the first run joins the process group)
         gc.collect()  # (what starting the session left)

@@ -73,6 +73,16 @@ class Attempt:
         """Every rank returned."""
         return len(self.results) == self.nprocs
 
+    @property
+    def running(self) -> set[int]:
+        """The ranks that have not reported an end of this attempt (all, while it runs)."""
+        return set(range(self.nprocs)) - self.reported
+
+    @property
+    def starting(self) -> set[int]:
+        """The ranks of this attempt that have not said hello yet."""
+        return set(range(self.nprocs)) - self.started
+
     def state(self, rank: int, ended: bool = False) -> str:
         """``rank``'s state, for the panel and ``Job.ranks``; a rank still running when
         the run ``ended`` was ``stopped``."""

@@ -77,6 +77,8 @@ class RankGroup:
     ended: true where the kernel owns the processes (and sees them off regardless)."""
     reusable = False
     """A session's group: its ranks go back to rest after each run, for the next."""
+    launcher_name = "torchrun"
+    """What started the ranks, as the notebook names it when it stops."""
     hears_link_ends = True
     """A rank whose link to the kernel closes is said to be gone (``Disconnected``)."""
 
@@ -169,6 +171,14 @@ class RankGroup:
 
     def stopped_from_outside(self) -> str | None:
         return self.launcher.stopped_from_outside() if self.launcher else None
+
+    def launcher_tail(self, lines: int = 30) -> str:
+        """The end of the launcher's output (why a group broke)."""
+        try:
+            text = self.run_dir.launcher_log.read_text(errors="replace")
+        except OSError:
+            return "(nothing)"
+        return "\n".join(text.splitlines()[-lines:])
 
     def stop(self, clean: bool = False) -> None:
         """Stop every process of the group (and wait until they are gone)."""

@@ -41,6 +41,7 @@ from .._wire.messages import (
 from .._wire.rundir import RunDir, address_text, read_own_key
 from .._wire.transfer import Outgoing, place_in
 from .config import relay_tree
+from .payload_place import with_payload_inside
 from .records import Records
 from .shape import GroupShape, Handover
 from .waiting import WaitingGroup
@@ -116,7 +117,7 @@ class RemoteSessionGroup(WaitingGroup):
         self._forget_received()
         with self._lock:
             self._started = set()
-        inline = self._with_payload_inside(start, payload)
+        inline = with_payload_inside(start, payload)
         if inline is not None:
             self._delivery = None
             return dataclasses.replace(inline, remote=not self.shares_filesystem)

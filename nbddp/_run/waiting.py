@@ -16,13 +16,15 @@ rank stopped by SIGSTOP is not caught there: its run stalls, and the stall note 
 timeout says where each rank is.) Nor is a cluster group whose every rank's link was
 heard in the last ``HEARD_LATELY`` seconds (the end of the cell before, at once): a
 roll call would say no more, and costs a round trip to every node.
+
+The group's parts of one idea each live beside it: the roll calls (``_run.roll_calls``),
+the Results held back to wake the kernel once (``_run.held_results``), and where the
+payload goes (``_run.payload_place``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,37 +32,16 @@ from typing import Any
 from .._wire import dataplane
 from .._wire.dataplane import Packed
 from .._wire.held_functions import RanksFunctions
-from .._wire.messages import (
-    Disconnected,
-    Failure,
-    Hello,
-    Present,
-    RankOptions,
-    Ready,
-    Result,
-    RollCall,
-    Sequenced,
-    Start,
-    run_ended_for,
-)
-from .._wire.relay_messages import RanksPresent
+from .._wire.messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start
 from .._wire.rundir import RunDir
 from .._wire.shipped_code import RanksCode
 from .._wire.versions import skew
 from .group import Launcher, LauncherExited, RankGroup, RanksGone
+from .held_results import HeldResults
+from .payload_place import PayloadPlace
 from .records import Records
+from .roll_calls import RollCalls, heard_lately
 from .shape import GroupShape, Handover
-
-INLINE_PAYLOAD = 256 * 2**10
-"""A payload this small without data buffers travels inside its Start."""
-ROLL_CALL_WAIT = 3.0
-"""How long a waiting rank may take to answer its roll call. An idle rank answers within
-a millisecond (a few on another node); one that has not answered by then is taken for
-stuck, and its group for unfit to run."""
-HEARD_LATELY = 1.0
-"""Seconds: a cluster group whose every rank's link brought a message this recently is
-not called before its next run (cells that follow each other at once go without the
-round trip; one typed by hand, seconds later, is called)."""
 
 
 class WaitingGroup(RankGroup):
@@ -87,13 +68,10 @@ class WaitingGroup(RankGroup):
         self._settled = threading.Event()  # every rank is ready, or the group broke
         self._gone: str | None = None
         """Why the group can no longer run anything: a rank or the launcher stopped."""
-        self._calls = 0  # roll calls so far: the number of the latest
-        self._present: set[int] = set()  # who answered the latest
-        self._answered = threading.Condition(self._lock)
-        self._payload_file: Path | None = None
-        self._payload: Packed | None = None
-        """The latest run's payload: the kept copies of tensors it names stay open
-        (``_wire.kept_storages``) until the ranks have mapped them."""
+        self._roll = RollCalls(self._lock)
+        """The ranks' roll calls before a run (see ``hand_over``)."""
+        self._payload = PayloadPlace()
+        """The latest run's payload, inside its Start or in a file (``_run.payload_place``)."""
         self.functions = RanksFunctions()
         """The notebook functions these ranks hold (a session's next payloads name them
         by number: ``_wire.held_functions``)."""
@@ -101,11 +79,8 @@ class WaitingGroup(RankGroup):
         """The user's module files these ranks hold, where their nodes may not see the
         notebook's (``_wire.shipped_code``)."""
         self._stopped = False
-        self._reports_due: set[int] | None = None  # ranks yet to report (see ``_holds``)
-        self._held: list[Any] = []  # Results held back, to go on the events together
-
-    launcher_name = "torchrun"
-    """What started the ranks, as the notebook names it when it stops."""
+        self._held = HeldResults(self.events)
+        """A run's Results, held back until the other ranks report (``_run.held_results``)."""
 
     @property
     def is_ready(self) -> bool:
@@ -127,14 +102,6 @@ class WaitingGroup(RankGroup):
         self._settled.wait(timeout)
         return self.is_ready
 
-    def launcher_tail(self, lines: int = 30) -> str:
-        """The end of the launcher's output (why a group broke)."""
-        try:
-            text = self.run_dir.launcher_log.read_text(errors="replace")
-        except OSError:
-            return "(nothing)"
-        return "\n".join(text.splitlines()[-lines:])
-
     def rank_pids(self) -> dict[int, int]:
         """Each rank's process id (once it has said hello)."""
         with self._lock:
@@ -149,15 +116,10 @@ class WaitingGroup(RankGroup):
         """Keep track of the ranks (the channel's threads call this), then queue it."""
         inner = message.message if isinstance(message, Sequenced) else message
         with self._lock:
-            if isinstance(inner, (Present, RanksPresent)):  # the hand-over's business
-                if inner.call == self._calls:
-                    self._present.update(inner.ranks if isinstance(inner, RanksPresent)
-                                         else (inner.rank,))
-                    self._answered.notify_all()
+            if RollCalls.is_answer(inner):  # the hand-over's business
+                self._roll.heard(inner)
                 return
-            if self._took(inner):
-                return
-            if self._holds(message, inner):
+            if self._took(inner) or self._held.holds(message, inner):
                 return
             if isinstance(inner, Disconnected):
                 self._lose(f"rank {inner.rank} had stopped")
@@ -167,45 +129,18 @@ class WaitingGroup(RankGroup):
             elif isinstance(inner, (Failure, Disconnected)) and self._start is None:
                 self.broken = True
             if not refused:  # (a refused rank's hello is said by its Failure)
-                self._put_now(message)
+                self._held.put(message)
         self._changed()
 
-    def _holds(self, message: Any, inner: Any) -> bool:
-        """(Under the lock) Hold a rank's ``Result`` back while other ranks have yet to
-        report on the run (a ``Result``, a ``Failure``, a node's ``RanksFinished``, a
-        requeue, or the rank's link's end): the kernel's thread that follows the run then
-        wakes once for all of them, not once per rank (each wake-up is a turn of the
-        interpreter lock between it and the channel's thread, as the next report is
-        read). The last report takes every held one on with it; so does any other
-        message, a failure at once, or a quiet turn (``release_held``)."""
-        if self._reports_due is None:
-            return False
-        self._reports_due.difference_update(run_ended_for(message))
-        if not self._reports_due:
-            self._reports_due = None  # (every rank reported: none is held from now on)
-            return False
-        if isinstance(inner, Result):
-            self._held.append(message)
-            return True
-        return False
-
     def release_held(self) -> None:
-        """Put the Results held back (see ``_holds``) on the events: nothing else came
-        for a while, or the run is being wound up."""
+        """Put the Results held back (``_run.held_results``) on the events: nothing else
+        came for a while, or the run is being wound up."""
         self._put(None)
 
     def _put(self, message: Any) -> None:
         """Put ``message`` on the events (None: nothing), after the Results held back."""
-        with self._lock:
-            self._put_now(message)
-
-    def _put_now(self, message: Any) -> None:
-        """(Under the lock, so that no thread's message goes between) ``_put``."""
-        held, self._held = self._held, []
-        for each in held:
-            self.events.put(each)
-        if message is not None:
-            self.events.put(message)
+        with self._lock:  # (so that no thread's message goes between)
+            self._held.put(message)
 
     def _took(self, message: Any) -> bool:
         """(Under the lock) True if ``message`` is the backend's own business (an answer
@@ -232,7 +167,7 @@ class WaitingGroup(RankGroup):
         self.refusal = self.refusal or why
         self.broken = True
         self._lose(why)
-        self._put_now(Failure(rank, "VersionMismatch", "nbddp", why, ""))
+        self._held.put(Failure(rank, "VersionMismatch", "nbddp", why, ""))
 
     def _wait_launcher(self, launcher: Launcher) -> None:
         code = launcher.wait()
@@ -245,7 +180,7 @@ class WaitingGroup(RankGroup):
     def _lose(self, why: str) -> None:
         """(Under the lock) The group lost a process: it can take no run from now on."""
         self._gone = self._gone or why
-        self._answered.notify_all()
+        self._roll.wake()
 
     def _changed(self) -> None:
         if self.is_ready or self.broken:
@@ -261,28 +196,23 @@ class WaitingGroup(RankGroup):
         gets it when it does). Raises ``RanksGone``, and sends no Start, if the waiting
         ranks are not all there. A session's group is handed one run after another: each
         replaces the last one's payload."""
+        # (a session's group, for its next run: seen to be there without a roll call)
         seen = self._start is not None and len(self._hellos) == self.nprocs and (
-            self.sees_processes or self._heard_lately())  # (a session's, for its next run)
+            self.sees_processes or heard_lately(self._server, list(self._hellos)))
         called = set(self._hellos) if seen else self._roll_call()
         start = self._prepare_start(payload, records, options, handover)
         with self._lock:
             if seen:
                 self._check_still_present(called)
             else:
-                self._await_answers(called)
+                self._roll.wait(called, lambda: self._gone, self._check_present)
             self.records = records
             self._start = start
-            self._reports_due = set(range(self.nprocs))
+            self._held.expect(self.nprocs)
             self._send_starts(list(self._hellos))
 
     sees_processes = False
     """The kernel sees whether the ranks' processes live (they run on this machine)."""
-
-    def _heard_lately(self) -> bool:
-        """Every rank's link (its own, or its node relay's) brought a message in the last
-        ``HEARD_LATELY`` seconds: its process answers, as a roll call would show."""
-        return self._server is not None and not self._server.quiet(
-            list(self._hellos), time.monotonic() - HEARD_LATELY)
 
     def _check_still_present(self, ranks: set[int]) -> None:
         """(Under the lock) Raise ``RanksGone`` if a process has stopped, as far as the
@@ -295,25 +225,9 @@ class WaitingGroup(RankGroup):
                        handover: Handover) -> Start:
         """The run's Start, its payload placed where the ranks read it: inside the Start
         if it is small and holds no tensor or array data (no file to write and map: a
-        session's quick cells), else in a data file."""
-        if self._payload_file is not None:
-            self._payload_file.unlink(missing_ok=True)
-            self._payload_file = None
-        self._payload = payload
+        session's quick cells), else in a data file (``_place_payload``)."""
         start = self._start_message(self.run_dir.payload, records, options, handover)
-        inline = self._with_payload_inside(start, payload)
-        if inline is not None:
-            return inline
-        self._payload_file = self._place_payload(payload)
-        return dataclasses.replace(start, payload=str(self._payload_file))
-
-    @staticmethod
-    def _with_payload_inside(start: Start, payload: Packed) -> Start | None:
-        """``start`` carrying ``payload`` itself, if it is small and holds no tensor or
-        array data; else None (it goes in a data file)."""
-        if payload.buffers or len(payload.data) > INLINE_PAYLOAD:
-            return None
-        return dataclasses.replace(start, packed=payload.data)
+        return self._payload.start_for(start, payload, self._place_payload)
 
     def _send_start(self, rank: int) -> None:
         """(Under the lock, once the run is known) Send ``rank`` its Start."""
@@ -330,7 +244,7 @@ class WaitingGroup(RankGroup):
     def payload_taken(self) -> None:
         """Every rank has taken the latest run's payload (they are back at rest): the
         kept copies of tensors it names need not stay open for them."""
-        self._payload = None
+        self._payload.taken()
 
     def make_room(self, payload: int, result: int = 0) -> None:
         """Get ready for a next payload and result of about these sizes (where the backend
@@ -351,29 +265,13 @@ class WaitingGroup(RankGroup):
         run's to tell, with the launcher's output)."""
         with self._lock:
             called = {rank for rank in self.ready if rank in self._hellos}
-            self._calls += 1
-            self._present = set()
             assert self._server is not None
-            missed = self._server.send_to_each(sorted(called), RollCall(self._calls))
+            missed = self._roll.call(self._server, called)
             if missed:
                 self._lose(f"rank {min(missed)} had stopped")
             if self._hellos and self._gone is not None:
                 raise RanksGone(self._gone)
         return called
-
-    def _await_answers(self, called: set[int]) -> None:
-        """(Under the lock) Wait until every rank ``called`` has answered; RanksGone if
-        the group lost a process, or a rank stays silent for ``ROLL_CALL_WAIT`` s."""
-        if not called:
-            return
-        every = self._answered.wait_for(
-            lambda: self._gone is not None or called <= self._present, ROLL_CALL_WAIT)
-        if self._gone is not None:
-            raise RanksGone(self._gone)
-        if not every:
-            silent = ", ".join(str(rank) for rank in sorted(called - self._present))
-            raise RanksGone(f"rank {silent} did not answer within {ROLL_CALL_WAIT:g} s")
-        self._check_present(called)
 
     def stop(self, clean: bool = False) -> None:
         self.on_change = None
@@ -383,7 +281,7 @@ class WaitingGroup(RankGroup):
 
     def close(self) -> None:
         super().close()
-        self._payload = None
+        self._payload.taken()
         self._forget_if_done()
 
     def _forget_if_done(self) -> None:
