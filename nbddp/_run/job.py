@@ -5,13 +5,10 @@ for the run at once (``Session.run``, a session's cell) follows it itself for it
 ``CALLER_FOLLOWS`` seconds, and a quick run that returns meanwhile ends there: handing
 a run to a thread and back costs two wake-ups of a quick cell's few. A longer run, and
 any other ending, goes on in a follower thread, as every run does otherwise, so that
-the caller serves pdb's prompts and takes Ctrl-C while it waits. Then the job ends
-the run, in one place (``_end``). A run whose ranks all returned has its value at once,
+the caller serves pdb's prompts and takes Ctrl-C while it waits. Then the run ends,
+in one place (``_run.run_end``). A run whose ranks all returned has its value at once,
 and its processes (already exiting) are seen off in the background: ``result()``
-returns, and ``done()`` turns true once they are gone. A session's ranks stay for the
-next run if they come back to rest (its ``Staying`` says). Any other ending stops every
-process, closes the channel and removes the run dir before anyone is told; a rank's
-failure becomes one ``WorkerError`` that names the root cause.
+returns, and ``done()`` turns true once they are gone.
 """
 
 from __future__ import annotations
@@ -24,23 +21,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Generic, NoReturn, Protocol, TextIO, TypeVar
+from typing import Generic, NoReturn, TextIO, TypeVar
 
-from .._errors import NbddpError, WorkerError
-from .._panel.state import PanelState
-from .._wire.history import read_history
+from .._errors import NbddpError
 from .config import RunConfig
 from .debugger import INTERRUPTED
-from .diagnosis import describe, diagnose
 from .followers import follow
 from .group import RankGroup
-from .hang_report import ask_for_report
 from .interrupt_hold import InterruptHold, held_while
 from .records import Records
-from .results import run_value
+from .run_end import Outcome, RunEnd, Staying
+from .run_readings import RunReadings
 from .supervisor import Ending, Supervisor
 
 logger = logging.getLogger(__name__)
@@ -51,33 +42,7 @@ CALLER_FOLLOWS = 0.1
 Ctrl-C is noted (it ends this and stops the run) and pdb's prompts wait."""
 
 
-class Staying(Protocol):
-    """The side of a run whose ranks may outlive it (a session's: ``_session``)."""
-
-    def watch(self, supervisor: Supervisor) -> None:
-        """Register, with ``supervisor.pump``, handlers for what only such ranks send."""
-
-    def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
-        """The run ended: True if its ranks stay, back at rest with their state (brought
-        back if it ended early); False if they are to be stopped."""
-
-    def told(self, error: BaseException) -> BaseException:
-        """The error the caller gets: ``error``, saying what became of the ranks' state."""
-
-    def abandoned(self) -> bool:
-        """The run could not end cleanly and its ranks were stopped: True if its end had
-        not decided about them yet (then they are lost)."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a run ended for its caller: a value, or the error to raise."""
-
-    value: Any = None
-    error: BaseException | None = None
-
-
-class Job(Generic[R]):
+class Job(RunReadings, Generic[R]):
     """A launched run. ``result()`` waits for it; ``cancel()`` stops it; ``done()`` asks."""
 
     slurm_job_id: str | None = None
@@ -105,7 +70,7 @@ class Job(Generic[R]):
         self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
         self._group, self._records, self._after = group, records, after
         self._staying = staying
-        self._sent, self._received = sent, 0
+        self._sent = sent
         self._cancel_reason: str | None = None
         self._hold: InterruptHold | None = None  # Ctrl-C held while the run started
         self._outcome: Outcome | None = None
@@ -118,6 +83,8 @@ class Job(Generic[R]):
                                       quiet_when_quick=quiet_when_quick)
         if staying is not None:
             staying.watch(self._supervisor)
+        self._ending = RunEnd(group, config, records, self._supervisor, staying,
+                              self._call_after, self._publish, lambda: self.logs)
         Job._latest = self
         self._caller_follows = caller_waits
         if not caller_waits:
@@ -242,83 +209,10 @@ class Job(Generic[R]):
         raise interrupt
 
     @property
-    def state(self) -> PanelState:
-        """What the live panel shows now: status, each rank's state, progress, metrics."""
-        return self._supervisor.shown_state
-
-    @property
-    def logs(self) -> dict[int, str]:
-        """Every rank's output so far, by rank, read from the run's records folder."""
-        return self._records.read_logs(self.config.nprocs)
-
-    @property
-    def records(self) -> Path:
-        """The folder that keeps this run's full per-rank logs and metrics history."""
-        return self._records.path
-
-    @property
-    def history(self) -> list[dict[str, Any]]:
-        """Every step's rank-averaged metrics so far: dicts with ``step``, ``ranks`` and
-        each metric (read from the run's records, so complete however long the run)."""
-        return read_history(self._records.metrics)
-
-    def stacks(self, full: bool = False) -> dict[int, str]:
-        """``{rank: text}``: every running rank's Python stacks, taken while the run goes
-        on, e.g. to see where a run hangs. Each reads like a traceback: a summary line
-        (``rank 0: waiting in barrier (Cell In[3], line 9)``), then the main thread, most
-        recent call last, with source lines, then the user's other threads. torch's
-        internals are folded and nbddp's frames and threads left out, unless ``full``.
-        A SLURM job's ranks answer over the channel, where they reach the kernel. Empty
-        once the ranks are gone."""
-        return self._group.stacks(full=full)
-
-    def hang_report(self) -> str:
-        """Where each running rank is in its collectives, from torch's flight recorder:
-        the last one it completed and the one it waits in, numbered per process group,
-        and which ranks a waiting collective still waits for (``rank 0 waits in
-        all_reduce #12`` / ``rank 1 has completed #11 and is not in a collective``).
-        With ``stacks()``, what to read when a run hangs."""
-        if self.done():
-            return "the run has ended: no rank is in a collective"
-        if not self._group.can_ask:
-            return ("the kernel cannot ask these ranks: they have no channel to it (they "
-                    "report through files)")
-        return ask_for_report(self._group, self._supervisor.running, self._supervisor.starting)
-
-    @property
-    def restarts(self) -> int:
-        """How many times torchrun has restarted every rank in this run (``max_restarts``)."""
-        return self._supervisor.attempt.number
-
-    @property
-    def ranks(self) -> dict[int, dict[str, Any]]:
-        """``{rank: {...}}``, live and after the run: ``state``, ``step`` (its last step
-        logged, or its progress), ``steps_per_s``, ``rss_mb``, ``gpu_mem_mb`` (None without
-        CUDA), ``pid``, ``host``, ``behind`` (its step trails the others'), and
-        ``step_split``: the shares of its step time spent waiting for ``data``,
-        ``compute``-ing and waiting in ``collectives``, with its ``seconds`` per step,
-        over its last ten seconds (None before its steps are timed)."""
-        supervisor = self._supervisor
-        ranks = supervisor.view.ranks(supervisor.rank_states())
-        splits = supervisor.split.splits()
-        for rank, info in ranks.items():
-            split = splits.get(rank)
-            info["step_split"] = None if split is None else {
-                "data": split.data, "compute": split.compute,
-                "collectives": split.collectives if split.collectives_measured else None,
-                "seconds": split.seconds}
-        return ranks
-
-    @property
-    def requeues(self) -> int:
-        """How many times SLURM has requeued this run's job (each runs it again)."""
-        return self._supervisor.attempt.requeue
-
-    @property
     def _data_bytes(self) -> tuple[int, int]:
         """The bytes of tensor and array data the run sent (its payload) and got back
         (rank 0's result; 0 until read): the next run's rooms are made that large."""
-        return self._sent, self._received
+        return self._sent, self._ending.received
 
     # --- ending ---------------------------------------------------------------------
 
@@ -328,7 +222,7 @@ class Job(Generic[R]):
             ending = ending or self._watch()
             assert ending is not None
             self.ended_by = ending.kind
-            self._end(ending)
+            self._ending.end(ending)
         except BaseException as exc:  # a bug here must not leave the run going
             self._end_broken(exc)
         finally:
@@ -347,7 +241,7 @@ class Job(Generic[R]):
             self._group.stop()
             self._group.close()
         if self._staying is not None and self._staying.abandoned():
-            self._call_after()  # the session starts fresh ranks
+            self._ending.call_after()  # the session starts fresh ranks
         self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
 
     def _watch(self, seconds: float | None = None, pause: Callable[[], bool] = lambda: False
@@ -361,64 +255,9 @@ class Job(Generic[R]):
             logger.exception("nbddp supervisor failed")
             return Ending("stopped", NbddpError(f"nbddp supervisor failed: {exc!r}"))
 
-    def _end(self, ending: Ending) -> None:
-        """The run's end, one decision for every run and ending. A session's ranks stay
-        if they are back at rest; others that did not all return are stopped (every
-        process, before anyone is told), and the channel and run dir closed. Then the
-        value or the error, ``after`` (unless the kernel stopped a run of its own), the
-        panel's last word, and the caller. Ranks that all returned and do not stay are
-        seen off last: a local run gives its value first, as its processes are ending by
-        themselves and nothing of them can outlive the kernel."""
-        sup, group = self._supervisor, self._group
-        returned = ending.kind == "returned"
-        stays = self._staying is not None and self._staying.settle(sup, ending)
-        stopping = not stays and not returned
-        try:
-            if stopping:
-                group.stop()
-            sup.pump.drain()
-            outcome = self._value() if returned else Outcome(error=self._error(ending))
-        finally:
-            if stopping:
-                group.close()
-        if ending.kind != "stopped" or self._staying is not None:
-            self._call_after()
-        self._end_panel(outcome)
-        if returned and not stays:
-            if group.ends_after_result:
-                self._publish(outcome)
-            group.retire()
-        self._publish(outcome)
-
-    def _value(self) -> Outcome:
-        """Every rank returned: the value the caller gets (an error if it cannot be read)."""
-        try:
-            return Outcome(run_value(self._supervisor.attempt.results, self.config.all_ranks,
-                                     self.config.running_ranks, self._got))
-        except NbddpError as exc:
-            return Outcome(error=exc)
-
-    def _got(self, data_bytes: int) -> None:
-        self._received = data_bytes
-
-    def _error(self, ending: Ending) -> BaseException:
-        """Why the run ended: the ending's own error, or one built from every report."""
-        sup = self._supervisor
-        error = ending.error
-        if error is None:
-            error = diagnose(sup.attempt.failures, sup.attempt.results, self._group.run_dir,
-                             self._records, self.config.nprocs, self.logs)
-            if isinstance(error, WorkerError) and sup.attempt.number:
-                error.attempts = sup.attempt.number + 1
-                error.earlier = [describe(cause) for cause in sup.causes]
-        return error if self._staying is None else self._staying.told(error)
-
     def _call_after(self) -> None:
         if self._after is not None:
-            try:
-                self._after(self)
-            except Exception:  # e.g. standby ranks that could not start: not this run's
-                logger.exception("nbddp: after-run hook failed")
+            self._after(self)
 
     def _publish(self, outcome: Outcome) -> None:
         """Tell ``result()`` (once: the first outcome stands)."""
@@ -426,25 +265,7 @@ class Job(Generic[R]):
             self._outcome = outcome
             self._ended.set()
 
-    def _end_panel(self, outcome: Outcome) -> None:
-        self._supervisor.close(*_describe(outcome))
-
     def _note(self, line: str) -> None:
         """Show ``line`` as the panel's last line (standby ranks' state), even after the
         run: it goes under the cell that launched the run."""
         self._context.copy().run(self._supervisor.note, line)
-
-
-def _describe(outcome: Outcome) -> tuple[str, str]:
-    """The panel's status word and one line for how the run ended (the panel's header
-    and the summary line say it; the error IPython shows has the whole report)."""
-    error = outcome.error
-    if error is None:
-        return "finished", ""
-    if isinstance(error, KeyboardInterrupt):
-        return "interrupted", "every rank was stopped"
-    if isinstance(error, CancelledError):
-        return "cancelled", "every rank was stopped"
-    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
-    # (one line: the whole report, stacks and all, is the exception's, shown once)
-    return ("timed out" if isinstance(error, TimeoutError) else "failed"), first_line

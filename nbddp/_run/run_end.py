@@ -1,0 +1,140 @@
+"""How a run ends for its caller: one decision for every run and every ending.
+
+A session's ranks stay if they are back at rest (its ``Staying`` says); others that did
+not all return are stopped (every process, before anyone is told), and the channel and
+run dir closed. Then the value or the error, the caller's ``after``, the panel's last
+word, and the caller. Ranks that all returned and do not stay are seen off last: a
+local run gives its value first, as its processes are ending by themselves and nothing
+of them can outlive the kernel. A rank's failure becomes one ``WorkerError`` that names
+the root cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._errors import NbddpError, WorkerError
+from .config import RunConfig
+from .diagnosis import describe, diagnose
+from .group import RankGroup
+from .records import Records
+from .results import run_value
+from .supervisor import Ending, Supervisor
+
+logger = logging.getLogger(__name__)
+
+
+class Staying(Protocol):
+    """The side of a run whose ranks may outlive it (a session's: ``_session``)."""
+
+    def watch(self, supervisor: Supervisor) -> None:
+        """Register, with ``supervisor.pump``, handlers for what only such ranks send."""
+
+    def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
+        """The run ended: True if its ranks stay, back at rest with their state (brought
+        back if it ended early); False if they are to be stopped."""
+
+    def told(self, error: BaseException) -> BaseException:
+        """The error the caller gets: ``error``, saying what became of the ranks' state."""
+
+    def abandoned(self) -> bool:
+        """The run could not end cleanly and its ranks were stopped: True if its end had
+        not decided about them yet (then they are lost)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a run ended for its caller: a value, or the error to raise."""
+
+    value: Any = None
+    error: BaseException | None = None
+
+
+@dataclass
+class RunEnd:
+    """The end of one run on ``group``: what its caller is told, and when."""
+
+    group: RankGroup
+    config: RunConfig
+    records: Records
+    supervisor: Supervisor
+    staying: Staying | None
+    after: Callable[[], None]
+    """The caller's hook once the ranks ended the run themselves (or a session's run,
+    however it ended)."""
+    publish: Callable[[Outcome], None]
+    """Tells ``result()`` (the first outcome stands)."""
+    logs: Callable[[], dict[int, str]]
+    received: int = 0
+    """The bytes of tensor and array data rank 0's result held (0 until read)."""
+
+    def end(self, ending: Ending) -> None:
+        """The run's end (see the module)."""
+        sup, group = self.supervisor, self.group
+        returned = ending.kind == "returned"
+        stays = self.staying is not None and self.staying.settle(sup, ending)
+        stopping = not stays and not returned
+        try:
+            if stopping:
+                group.stop()
+            sup.pump.drain()
+            outcome = self._value() if returned else Outcome(error=self._error(ending))
+        finally:
+            if stopping:
+                group.close()
+        if ending.kind != "stopped" or self.staying is not None:
+            self.call_after()
+        sup.close(*_describe(outcome))
+        if returned and not stays:
+            if group.ends_after_result:
+                self.publish(outcome)
+            group.retire()
+        self.publish(outcome)
+
+    def call_after(self) -> None:
+        try:
+            self.after()
+        except Exception:  # e.g. standby ranks that could not start: not this run's
+            logger.exception("nbddp: after-run hook failed")
+
+    def _value(self) -> Outcome:
+        """Every rank returned: the value the caller gets (an error if it cannot be read)."""
+        try:
+            return Outcome(run_value(self.supervisor.attempt.results, self.config.all_ranks,
+                                     self.config.running_ranks, self._got))
+        except NbddpError as exc:
+            return Outcome(error=exc)
+
+    def _got(self, data_bytes: int) -> None:
+        self.received = data_bytes
+
+    def _error(self, ending: Ending) -> BaseException:
+        """Why the run ended: the ending's own error, or one built from every report."""
+        sup = self.supervisor
+        error = ending.error
+        if error is None:
+            error = diagnose(sup.attempt.failures, sup.attempt.results, self.group.run_dir,
+                             self.records, self.config.nprocs, self.logs())
+            if isinstance(error, WorkerError) and sup.attempt.number:
+                error.attempts = sup.attempt.number + 1
+                error.earlier = [describe(cause) for cause in sup.causes]
+        return error if self.staying is None else self.staying.told(error)
+
+
+def _describe(outcome: Outcome) -> tuple[str, str]:
+    """The panel's status word and one line for how the run ended (the panel's header
+    and the summary line say it; the error IPython shows has the whole report)."""
+    error = outcome.error
+    if error is None:
+        return "finished", ""
+    if isinstance(error, KeyboardInterrupt):
+        return "interrupted", "every rank was stopped"
+    if isinstance(error, CancelledError):
+        return "cancelled", "every rank was stopped"
+    first_line = str(error).splitlines()[0] if str(error) else type(error).__name__
+    # (one line: the whole report, stacks and all, is the exception's, shown once)
+    return ("timed out" if isinstance(error, TimeoutError) else "failed"), first_line
