@@ -39,7 +39,7 @@ from _record import Record, add_options  # noqa: E402
 
 import nbddp  # noqa: E402
 from nbddp._run.config import RunConfig  # noqa: E402
-from nbddp._run.shape import rank_environment  # noqa: E402
+from nbddp._run.groups.shape import rank_environment  # noqa: E402
 
 TIMEOUT = 300.0
 GIB = 2**30

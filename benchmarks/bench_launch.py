@@ -35,7 +35,7 @@ from _record import Record, add_options  # noqa: E402
 
 import nbddp  # noqa: E402
 from nbddp._run.config import RunConfig  # noqa: E402
-from nbddp._run.shape import rank_environment  # noqa: E402
+from nbddp._run.groups.shape import rank_environment  # noqa: E402
 
 NPROCS = 2
 TIMEOUT = 600.0

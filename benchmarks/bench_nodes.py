@@ -62,11 +62,11 @@ import nbddp  # noqa: E402
 from nbddp._local.backend import LocalBackend  # noqa: E402
 from nbddp._rank.relay_placement import placed_relay  # noqa: E402
 from nbddp._run.config import RunOptions  # noqa: E402
+from nbddp._run.groups.roll_calls import HEARD_LATELY  # noqa: E402
+from nbddp._run.groups.shape import GroupShape  # noqa: E402
+from nbddp._run.groups.waiting import WaitingGroup  # noqa: E402
 from nbddp._run.records import FolderPerCell  # noqa: E402
-from nbddp._run.roll_calls import HEARD_LATELY  # noqa: E402
-from nbddp._run.session_ranks import SessionRanks  # noqa: E402
-from nbddp._run.shape import GroupShape  # noqa: E402
-from nbddp._run.waiting import WaitingGroup  # noqa: E402
+from nbddp._run.session.ranks import SessionRanks  # noqa: E402
 from nbddp._wire.channel import ChannelClient, ChannelServer  # noqa: E402
 from nbddp._wire.frames import HEADER_SIZE, decode  # noqa: E402
 from nbddp._wire.handshake import new_key  # noqa: E402

@@ -29,7 +29,7 @@ from bench_launch import HERE, alternate, summary
 
 import nbddp
 from nbddp._run.config import RunConfig
-from nbddp._run.shape import rank_environment
+from nbddp._run.groups.shape import rank_environment
 
 NPROCS = 2
 WALL_TARGET = 1.10  # nbddp/plain wall time: at most

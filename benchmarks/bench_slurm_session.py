@@ -42,7 +42,7 @@ from bench_slurm import NPROCS, plain_sbatch, run_plain
 
 import nbddp
 from nbddp._run.config import RunConfig
-from nbddp._run.shape import rank_environment
+from nbddp._run.groups.shape import rank_environment
 
 START_TARGET = 1.2
 ROUND_TRIP_TARGET = 0.020

@@ -46,7 +46,7 @@ from ._rank.debugger import debug_last_failure
 from ._run.config import RunOptions
 from ._run.devices import GpusNotVisible
 from ._run.flags import argparse_arguments, flag_values
-from ._run.rank_choice import parse_ranks
+from ._run.session.rank_choice import parse_ranks
 from ._session import Session
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"

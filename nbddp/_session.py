@@ -8,7 +8,7 @@ interrupt, a timeout) keeps the ranks if every one comes back to rest; otherwise
 when a rank dies, the ranks are stopped, fresh ones start, and the error says that the
 state is gone. An idle session waits as long as it is open; if one of its processes dies
 meanwhile, the next run finds out before it starts (the ranks' roll call, see
-``_run.waiting``), and runs on fresh ranks, saying that the state is gone.
+``_run.groups.waiting``), and runs on fresh ranks, saying that the state is gone.
 
 Where the ranks run is the backend's (``_run.backend``, chosen in ``_backends``): on this
 machine (started by torchrun here, or taken from standby), or on a cluster's nodes (one
@@ -33,13 +33,13 @@ from ._run.config import (
     RunConfig,
     RunOptions,
 )
+from ._run.groups.waiting import WaitingGroup
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
-from ._run.rank_choice import chosen_ranks
-from ._run.session_ranks import SessionRanks
-from ._run.session_run import OnSession
-from ._run.session_status import SessionStatus
-from ._run.waiting import WaitingGroup
+from ._run.session.on_session import OnSession
+from ._run.session.rank_choice import chosen_ranks
+from ._run.session.ranks import SessionRanks
+from ._run.session.status import SessionStatus
 from ._wire.held_functions import Teaching
 from ._wire.payload import Payload
 

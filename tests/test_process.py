@@ -13,7 +13,7 @@ from nbddp._errors import NbddpError
 from nbddp._local import cores
 from nbddp._local.cores import cpu_quota, usable_cores
 from nbddp._local.launcher import LocalLauncher, ProcessWatch
-from nbddp._run.shape import GroupShape
+from nbddp._run.groups.shape import GroupShape
 from nbddp._wire.rundir import RunDir
 
 from .conftest import wait_until

@@ -12,7 +12,7 @@ import pytest
 
 from nbddp._run.attempts import Attempt
 from nbddp._run.config import RunConfig
-from nbddp._run.group import LauncherExited, RankGroup
+from nbddp._run.groups.group import LauncherExited, RankGroup
 from nbddp._run.pump import Pump
 from nbddp._run.records import Records
 from nbddp._run.supervisor import Supervisor

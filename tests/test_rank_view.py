@@ -17,7 +17,7 @@ import pytest
 
 import nbddp
 from nbddp._rank import stats as _rank_stats
-from nbddp._run.rank_view import RankView
+from nbddp._run.diagnosis.rank_view import RankView
 from nbddp._wire.rank_stats import RankStats
 
 from .conftest import wait_until

@@ -17,10 +17,10 @@ import pytest
 import nbddp
 from nbddp._local.launcher import torchrun_command
 from nbddp._run.config import RunConfig
-from nbddp._run.diagnosis import describe, first_cause
-from nbddp._run.group import LauncherExited, RankGroup
+from nbddp._run.diagnosis.root_cause import describe, first_cause
+from nbddp._run.groups.group import LauncherExited, RankGroup
+from nbddp._run.groups.shape import GroupShape, without_allocation
 from nbddp._run.records import Records
-from nbddp._run.shape import GroupShape, without_allocation
 from nbddp._run.supervisor import Supervisor
 from nbddp._slurm.options import Slurm
 from nbddp._slurm.sbatch import submission_sbatch_text
@@ -217,5 +217,6 @@ def test_a_session_cell_refuses_max_restarts():
 
     cell = {"nprocs": None, "gpus": None, "backend": None, "init": True, "max_restarts": 1}
     session = SimpleNamespace(config=RunConfig(nprocs=2))
-    assert _session_conflicts(cell, False, session) == ["--max-restarts"]
-    assert _session_conflicts({**cell, "max_restarts": 0}, False, session) == []
+    assert _session_conflicts(cell, [], session) == ["--max-restarts"]
+    assert _session_conflicts(cell, ["--slurm"], session) == ["--max-restarts", "--slurm"]
+    assert _session_conflicts({**cell, "max_restarts": 0}, [], session) == []

@@ -17,7 +17,7 @@ import pytest
 
 import nbddp
 from nbddp._run.config import RunConfig
-from nbddp._run.payload_place import INLINE_PAYLOAD
+from nbddp._run.groups.payload_place import INLINE_PAYLOAD
 from nbddp._slurm.options import SlurmOptions
 from nbddp._wire.channel import ChannelClient, ChannelServer
 from nbddp._wire.frames import encode

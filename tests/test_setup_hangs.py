@@ -13,7 +13,7 @@ import re
 import pytest
 
 import nbddp
-from nbddp._run.setup_report import setup_report
+from nbddp._run.diagnosis.setup_report import setup_report
 from nbddp._wire.hang_messages import Collectives, SetupLook
 
 from .conftest import wait_until

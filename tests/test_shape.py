@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from nbddp._run.shape import GroupShape, Handover, read_at_start
+from nbddp._run.groups.shape import GroupShape, Handover, read_at_start
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 import nbddp
-from nbddp._run.hang_report import HEADER, hang_report
-from nbddp._run.stack_view import render, where
+from nbddp._run.diagnosis.hang_report import HEADER, hang_report
+from nbddp._run.diagnosis.stack_view import render, where
 from nbddp._wire.hang_messages import Collectives, GroupProgress
 from nbddp._wire.stacks import read_dump
 

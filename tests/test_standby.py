@@ -462,7 +462,7 @@ def every_thread_stopped(pid: int) -> bool:
 
 
 def test_a_standby_rank_that_does_not_answer_is_replaced(standby_on, monkeypatch, capsys):
-    monkeypatch.setattr(nbddp._run.roll_calls, "ROLL_CALL_WAIT", 0.5)
+    monkeypatch.setattr(nbddp._run.groups.roll_calls, "ROLL_CALL_WAIT", 0.5)
     nbddp.launch(world_size, 2)
     pids = wait_ready_here().pids  # torchrun, then the ranks
     waiting = _snapshot(pids)

@@ -12,7 +12,7 @@ import pytest
 
 from nbddp._rank.reporter import Reporter
 from nbddp._rank.step_clock import SAMPLE_EVERY, StepClock
-from nbddp._run.time_split import WINDOW, TimeSplit, holder, split_lines
+from nbddp._run.diagnosis.time_split import WINDOW, TimeSplit, holder, split_lines
 from nbddp._wire.rank_stats import StepTimes
 
 pytestmark = pytest.mark.fast

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
+from nbddp._run.groups.shape import GroupShape, Handover
+from nbddp._run.groups.waiting import WaitingGroup
 from nbddp._run.pump import Pump
 from nbddp._run.records import Records
-from nbddp._run.shape import GroupShape, Handover
-from nbddp._run.waiting import WaitingGroup
 from nbddp._wire.dataplane import Packed
 from nbddp._wire.messages import Disconnected, Failure, RankOptions, Result, Sequenced
 from nbddp._wire.rank_stats import StatsColumns

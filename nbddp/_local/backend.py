@@ -12,11 +12,11 @@ import logging
 
 from .._run.backend import Backend, follow
 from .._run.config import RunConfig, RunOptions
-from .._run.group import RanksGone
+from .._run.groups.group import RanksGone
+from .._run.groups.shape import GroupShape
+from .._run.groups.waiting import WaitingGroup
 from .._run.job import Job
 from .._run.records import Records, SessionRecords
-from .._run.shape import GroupShape
-from .._run.waiting import WaitingGroup
 from .._wire.dataplane import Packed
 from .._wire.kept_storages import KeptStorages, kernels_copies
 from .group import LocalGroup

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (a type only: this module reads the machine, nothing of nbddp's)
-    from .._run.shape import GroupShape
+    from .._run.groups.shape import GroupShape
 
 CGROUP = Path("/sys/fs/cgroup")
 

@@ -7,10 +7,10 @@ import threading
 from pathlib import Path
 
 from .._errors import NbddpError
-from .._run.group import RanksGone
-from .._run.shape import GroupShape
-from .._run.stack_view import render
-from .._run.waiting import WaitingGroup
+from .._run.diagnosis.stack_view import render
+from .._run.groups.group import RanksGone
+from .._run.groups.shape import GroupShape
+from .._run.groups.waiting import WaitingGroup
 from .._wire import dataplane
 from .._wire.channel import ChannelServer
 from .._wire.dataplane import PAYLOAD_ROOM, RESULT_ROOM, Packed, Room

@@ -19,7 +19,7 @@ from collections.abc import Hashable, Iterable
 
 from .._errors import NbddpError
 from .._run.config import torchrun_environment
-from .._run.shape import GroupShape
+from .._run.groups.shape import GroupShape
 from .._wire import held_calls
 from .._wire.rundir import LIFELINE_ABANDON, LIFELINE_GO, RunDir
 from .cores import runs_as_batch, schedule_as_batch, uses_relay

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .._run.groups.shape import GroupShape, Handover
 from .._run.interrupt_hold import pressed_now
-from .._run.shape import GroupShape, Handover
 from .group import LocalGroup
 
 logger = logging.getLogger(__name__)

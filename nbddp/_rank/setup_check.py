@@ -16,7 +16,7 @@ can often see:
 
 ``remember_launch`` notes torchrun's world as a run begins; ``look`` reads the rest when
 the kernel asks where the rank is (from the channel's thread, while the main thread
-waits). The kernel lines the ranks' looks up (``_run.setup_report``).
+waits). The kernel lines the ranks' looks up (``_run.diagnosis.setup_report``).
 """
 
 from __future__ import annotations

@@ -18,10 +18,10 @@ from .._run.backend import Backend, follow
 from .._run.cluster_kind import Attached, ClusterKind, ClusterShape
 from .._run.config import RunConfig, RunOptions
 from .._run.flags import flag_values
+from .._run.groups.shape import GroupShape
+from .._run.groups.waiting import WaitingGroup
 from .._run.job import Job
 from .._run.records import FolderPerCell
-from .._run.shape import GroupShape
-from .._run.waiting import WaitingGroup
 from .._wire.dataplane import Packed
 from .options import Ray, ray_run
 from .session import RaySessionGroup, kept_ray_sessions, no_ray_session, still_placed

@@ -27,7 +27,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from .._run.remote_session import PayloadDelivery
+from .._run.session.remote import PayloadDelivery
 from .._wire import dataplane
 from .._wire.channel import ChannelServer
 from .._wire.dataplane import Packed

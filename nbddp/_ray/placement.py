@@ -5,7 +5,7 @@ Ray places and supervises; nbddp asks it for one placement group of ``nodes`` bu
 starts one ``NodeAgent`` in each bundle, which starts the node's torchrun. The first
 agent's node hosts the c10d rendezvous, on a port free there.
 
-``RayPlacement`` is the group's launcher (``_run.group.Launcher``): ``wait`` returns once
+``RayPlacement`` is the group's launcher (``_run.groups.group.Launcher``): ``wait`` returns once
 every node's torchrun has ended, or at once when one failed, an agent died (killed, its
 node lost) or the placement group was removed; ``stopped_from_outside`` then says which
 node and why. ``stop`` has each agent stop its torchrun and clean its node, then removes

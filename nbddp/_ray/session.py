@@ -6,7 +6,7 @@ placement group; in the background it then waits until Ray placed it, starts an 
 on each node, and has each start its torchrun, handing it the key and the kernel's
 address (see ``_ray.agent``). A session that replaces lost ranks starts one the same
 way, and its next cell's ranks get their Start when they say hello. From there the
-ranks are a remote session's (``_run.remote_session``): cells, payloads once per node
+ranks are a remote session's (``_run.session.remote``): cells, payloads once per node
 (through Ray's object store, ``_ray.object_store``: the nodes share no filesystem with
 the kernel), results over the channel, interrupts and stacks by message.
 
@@ -29,9 +29,9 @@ from typing import Any
 
 from .._errors import NbddpError
 from .._run.config import Output, relay_option
+from .._run.groups.shape import GroupShape
 from .._run.records import Records, folders, records_root
-from .._run.remote_session import PayloadDelivery, RemoteSessionGroup
-from .._run.shape import GroupShape
+from .._run.session.remote import PayloadDelivery, RemoteSessionGroup
 from .._wire.dataplane import Packed
 from .._wire.handshake import new_key
 from .._wire.rundir import RunDir, read_own_key

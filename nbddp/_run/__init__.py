@@ -1,7 +1,9 @@
-"""The kernel-side core of a run: the job and how it ends, the pump over the ranks'
-messages and the supervisor's handlers, attempts, results, the backend-neutral rank
-group, its hooks and its launcher protocol, run options and shape, diagnosis, the
-debugger's kernel half, records, and the per-rank view.
+"""The kernel-side core of a run: the job and how it ends (``job``, ``run_end``,
+``run_course``, ``supervisor`` and its parts, ``pump``, ``attempts``, ``results``),
+run options and the backend interface (``config``, ``flags``, ``backend``,
+``cluster_kind``), and records. Three rooms inside: ``groups`` (the ranks of a run and
+those that wait for theirs), ``session`` (a session's side), ``diagnosis`` (what went
+wrong, and where the ranks are).
 
 Imports ``_panel`` and ``_wire``; never a backend.
 """

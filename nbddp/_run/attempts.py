@@ -14,7 +14,7 @@ show it.
 from __future__ import annotations
 
 from .._wire.messages import Disconnected, Failure, Result
-from .diagnosis import first_cause, secondary
+from .diagnosis.root_cause import first_cause, secondary
 from .records import Records
 
 NOTHING_BACK = Result(-1)

@@ -32,11 +32,11 @@ from .._errors import NbddpError
 from .._wire.dataplane import Packed
 from .._wire.kept_storages import KeptStorages
 from .config import RunConfig
-from .group import RankGroup, RanksGone
+from .groups.group import RankGroup, RanksGone
+from .groups.shape import Handover
+from .groups.waiting import WaitingGroup
 from .job import Job
 from .records import FolderPerCell, Records, SessionRecords
-from .shape import Handover
-from .waiting import WaitingGroup
 
 
 class Backend(ABC):

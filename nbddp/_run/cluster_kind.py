@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 from .backend import Backend
 from .config import ClusterOptions, RunOptions
 from .flags import argparse_arguments, flag_values
+from .groups.waiting import WaitingGroup
 from .job import Job
-from .waiting import WaitingGroup
 
 Attached = tuple[Backend, WaitingGroup, frozenset[str]]
 """A session reconnected to a new kernel: its backend, its ranks, the names kept on them."""

@@ -25,9 +25,9 @@ from typing import Generic, NoReturn, TextIO, TypeVar
 
 from .._errors import NbddpError
 from .config import RunConfig
-from .debugger import INTERRUPTED
+from .diagnosis.debugger import INTERRUPTED
 from .followers import follow
-from .group import RankGroup
+from .groups.group import RankGroup
 from .interrupt_hold import InterruptHold, held_while
 from .records import Records
 from .run_end import Outcome, RunEnd, Staying

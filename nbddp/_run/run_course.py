@@ -23,12 +23,12 @@ from .._errors import NbddpError
 from .._wire.messages import Disconnected, Failure
 from .attempts import Attempt
 from .config import RunConfig
-from .diagnosis import describe, first_cause, peer_lost
-from .group import GroupHooks, LauncherExited, RankGroup
+from .diagnosis.root_cause import describe, first_cause, peer_lost
+from .diagnosis.stall_watch import StallWatch
+from .groups.group import GroupHooks, LauncherExited, RankGroup
 from .pump import Numbered, Pump
 from .records import Records
 from .run_panel import RunPanel
-from .stall_watch import StallWatch
 
 _DEATH_REPORT_WAIT = 2.0  # how long torchrun may take to report a rank that died
 _RESTART_GATHER = 1.0  # how long a failed attempt's other reports may take to come in

@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 from .._errors import NbddpError, WorkerError
 from .config import RunConfig
-from .diagnosis import describe, diagnose
-from .group import RankGroup
+from .diagnosis.root_cause import describe, diagnose
+from .groups.group import RankGroup
 from .records import Records
 from .results import run_value
 from .supervisor import Ending, Supervisor

@@ -20,10 +20,10 @@ from .._panel.state import Panel, PanelState
 from .._wire.history import History
 from .attempts import Attempt
 from .config import RunConfig
-from .rank_view import RankView
+from .diagnosis.rank_view import RankView
+from .diagnosis.stall_watch import StallWatch
+from .diagnosis.time_split import TimeSplit, split_lines
 from .run_output import RunOutput
-from .stall_watch import StallWatch
-from .time_split import TimeSplit, split_lines
 
 _REFRESH_INTERVAL = 0.1  # the panel redraws at most ten times a second
 _OUTPUT_INTERVAL = 0.05  # the ranks' logs are read at most twenty times a second

@@ -11,8 +11,8 @@ from typing import Any
 from .._panel.state import PanelState
 from .._wire.history import read_history
 from .config import RunConfig
-from .group import RankGroup
-from .hang_report import ask_for_report
+from .diagnosis.hang_report import ask_for_report
+from .groups.group import RankGroup
 from .records import Records
 from .supervisor import Supervisor
 

@@ -33,17 +33,17 @@ from .._wire.rank_stats import RankStats, StepTimes
 from .._wire.relay_messages import NodeMetrics, RanksFinished
 from .attempts import Attempt
 from .config import RunConfig
-from .debugger import Debugger
-from .diagnosis import secondary
-from .group import GroupHooks, LauncherExited, RankGroup
+from .diagnosis.debugger import Debugger
+from .diagnosis.rank_view import RankView
+from .diagnosis.root_cause import secondary
+from .diagnosis.stall_watch import StallWatch
+from .diagnosis.time_split import TimeSplit
+from .groups.group import GroupHooks, LauncherExited, RankGroup
 from .pump import Pump
-from .rank_view import RankView
 from .records import Records
 from .run_course import Ending, RunCourse
 from .run_output import RunOutput
 from .run_panel import RunPanel
-from .stall_watch import StallWatch
-from .time_split import TimeSplit
 
 __all__ = ["Ending", "Supervisor", "Wake"]  # (``Ending``: what ``watch`` says)
 

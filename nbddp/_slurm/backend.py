@@ -19,10 +19,10 @@ from .._run.backend import Backend, follow
 from .._run.cluster_kind import Attached, ClusterKind, ClusterShape, flags_say
 from .._run.config import RunConfig, RunOptions
 from .._run.flags import flag_values
+from .._run.groups.shape import GroupShape
+from .._run.groups.waiting import WaitingGroup
 from .._run.job import Job
 from .._run.records import records_root
-from .._run.shape import GroupShape
-from .._run.waiting import WaitingGroup
 from .._wire.dataplane import Packed
 from .._wire.rundir import RunDir
 from .group import SlurmGroup

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import NbddpError
 from .._run.attempts import Attempt
-from .._run.group import GroupHooks
+from .._run.groups.group import GroupHooks
 from .._wire.messages import Requeueing, StopRequested
 from .launcher import JobStatus, job_status
 

@@ -6,9 +6,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .._run.config import RunConfig
-from .._run.group import GroupHooks, RankGroup
+from .._run.groups.group import GroupHooks, RankGroup
+from .._run.groups.shape import Handover
 from .._run.records import Records
-from .._run.shape import Handover
 from .._wire import dataplane
 from .._wire.channel import ChannelServer, tcp_address
 from .._wire.dataplane import Packed

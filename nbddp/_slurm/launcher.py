@@ -26,8 +26,8 @@ from typing import Any
 
 from .._errors import NbddpError
 from .._run.config import RunConfig
+from .._run.groups.shape import rank_environment
 from .._run.records import folders, records_root
-from .._run.shape import rank_environment
 from .._wire.rundir import RunDir
 from .options import SlurmOptions
 from .sbatch import submission_sbatch_text

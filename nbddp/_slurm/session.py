@@ -1,7 +1,7 @@
 """A session's ranks as one SLURM job: nodes held once, a cell run on them in milliseconds.
 
 The job runs torchrun on every node (c10d rendezvous on the first one); its ranks reach
-the kernel's TCP channel (``_run.remote_session``), named in the session's run folder on
+the kernel's TCP channel (``_run.session.remote``), named in the session's run folder on
 the shared filesystem with the key beside it (both 0600, the folder 0700: only the user
 who started the session can reach it). The kernel stops them all by cancelling the job
 (or its job step). Closing the channel
@@ -27,10 +27,10 @@ from typing import Any
 
 from .._errors import NbddpError
 from .._run.config import Output
-from .._run.group import GroupHooks
+from .._run.groups.group import GroupHooks
+from .._run.groups.shape import GroupShape
 from .._run.records import Records, folders, records_root
-from .._run.remote_session import RemoteSessionGroup
-from .._run.shape import GroupShape
+from .._run.session.remote import RemoteSessionGroup
 from .._wire.handshake import new_key
 from .._wire.rundir import RunDir, read_own_key
 from .follow import show_job_state

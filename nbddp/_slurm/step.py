@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from .._errors import NbddpError
-from .._run.shape import GroupShape
+from .._run.groups.shape import GroupShape
 from .._wire.rundir import RunDir
 from .launcher import scancel, stopped_by_slurm
 from .options import PORT_BASE, PORT_SPAN, SlurmOptions

@@ -5,7 +5,7 @@
                      process group, ``GroupProgress``, and what it can tell about its
                      process-group set-up, ``SetupLook``)
 
-A run that seems hung is looked at through these (``_run.hang_report``). They are apart
+A run that seems hung is looked at through these (``_run.diagnosis.hang_report``). They are apart
 from the run's own conversation (``_wire.messages``), which never needs them.
 """
 

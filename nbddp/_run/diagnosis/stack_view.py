@@ -27,7 +27,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from .._errors import cell_name, name_cells
+from ..._errors import cell_name, name_cells
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-f]+)", re.MULTILINE)
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+|\?\?\?) in (?P<function>.*)$')

@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .._wire.channel import ChannelServer
-from .._wire.messages import Present, RollCall
-from .._wire.relay_messages import RanksPresent
+from ..._wire.channel import ChannelServer
+from ..._wire.messages import Present, RollCall
+from ..._wire.relay_messages import RanksPresent
 from .group import RanksGone
 
 ROLL_CALL_WAIT = 3.0

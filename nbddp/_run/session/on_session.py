@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import time
 
-from .._errors import WorkerError
-from .._wire.messages import Assigned, Failure, Result
-from .supervisor import Ending, Supervisor
-from .waiting import WaitingGroup
+from ..._errors import WorkerError
+from ..._wire.messages import Assigned, Failure, Result
+from ..groups.waiting import WaitingGroup
+from ..supervisor import Ending, Supervisor
 
 SETTLE_SECONDS = 10.0
 """How long a session's ranks may take to come back to rest after a failure, an

@@ -18,9 +18,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._wire import held_calls
-from .config import RunConfig
-from .devices import visible_gpu_count
+from ..._wire import held_calls
+from ..config import RunConfig
+from ..devices import visible_gpu_count
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 

@@ -15,21 +15,21 @@ import time
 from collections.abc import Callable
 from typing import TextIO, TypeVar
 
-from .._wire.dataplane import Packed
-from .._wire.held_functions import Teaching
-from .._wire.payload import Payload
-from .._wire.shipped_code import wanted as code_wanted
-from .backend import Backend
-from .config import RunConfig
-from .group import RanksGone
-from .interrupt_hold import InterruptHold
-from .job import Job
-from .records import FolderPerCell, Records, SessionRecords
-from .session_names import SessionNames
-from .session_run import STATE_LOST, OnSession
-from .session_status import SessionStatus, rss_mib
-from .shape import GroupShape
-from .waiting import WaitingGroup
+from ..._wire.dataplane import Packed
+from ..._wire.held_functions import Teaching
+from ..._wire.payload import Payload
+from ..._wire.shipped_code import wanted as code_wanted
+from ..backend import Backend
+from ..config import RunConfig
+from ..groups.group import RanksGone
+from ..groups.shape import GroupShape
+from ..groups.waiting import WaitingGroup
+from ..interrupt_hold import InterruptHold
+from ..job import Job
+from ..records import FolderPerCell, Records, SessionRecords
+from .names import SessionNames
+from .on_session import STATE_LOST, OnSession
+from .status import SessionStatus, rss_mib
 
 G = TypeVar("G", bound=WaitingGroup)
 

@@ -14,7 +14,7 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
 
-from .._wire.rank_stats import RankStats, StatsColumns
+from ..._wire.rank_stats import RankStats, StatsColumns
 
 _RATE_WINDOW = 10.0  # seconds of step samples a speed is measured over
 _BEHIND_SECONDS = 2.0  # behind: the leader is this many seconds (at the median speed) ahead

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from typing import NamedTuple
 
-from .._wire.rank_stats import StepTimes
+from ..._wire.rank_stats import StepTimes
 
 WINDOW = 10.0
 """Seconds of a rank's reports its split is measured over."""

@@ -12,11 +12,11 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 
-from .._errors import NbddpError, WorkerError
-from .._wire.messages import Disconnected, Failure, Result
-from .._wire.payload import loads_value
-from .._wire.rundir import RunDir
-from .records import Records
+from ..._errors import NbddpError, WorkerError
+from ..._wire.messages import Disconnected, Failure, Result
+from ..._wire.payload import loads_value
+from ..._wire.rundir import RunDir
+from ..records import Records
 
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
               "DistNetworkError", "NCCL communicator was aborted", "Connection refused")

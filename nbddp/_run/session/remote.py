@@ -23,11 +23,11 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .._errors import NbddpError
-from .._wire import dataplane
-from .._wire.channel import ChannelServer, tcp_address
-from .._wire.dataplane import Packed, shm_root
-from .._wire.messages import (
+from ..._errors import NbddpError
+from ..._wire import dataplane
+from ..._wire.channel import ChannelServer, tcp_address
+from ..._wire.dataplane import Packed, shm_root
+from ..._wire.messages import (
     Assigned,
     Failure,
     Interrupt,
@@ -38,13 +38,13 @@ from .._wire.messages import (
     Result,
     Start,
 )
-from .._wire.rundir import RunDir, address_text, read_own_key
-from .._wire.transfer import Outgoing, place_in
-from .config import relay_tree
-from .payload_place import with_payload_inside
-from .records import Records
-from .shape import GroupShape, Handover
-from .waiting import WaitingGroup
+from ..._wire.rundir import RunDir, address_text, read_own_key
+from ..._wire.transfer import Outgoing, place_in
+from ..config import relay_tree
+from ..groups.payload_place import with_payload_inside
+from ..groups.shape import GroupShape, Handover
+from ..groups.waiting import WaitingGroup
+from ..records import Records
 
 _OPEN: set[RemoteSessionGroup] = set()
 _OPEN_LOCK = threading.Lock()

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .._errors import name_cells
-from .._wire.messages import DebugInput, DebugPrompt
+from ..._errors import name_cells
+from ..._wire.messages import DebugInput, DebugPrompt
 
 NOBODY_WAITS = ("no cell waits for this run (wait=False), so nothing can take pdb's "
                 "input; call job.result() before the ranks reach a breakpoint")

@@ -14,11 +14,11 @@ import time
 from collections.abc import Collection, Iterable
 from typing import TYPE_CHECKING
 
-from .._wire.hang_messages import Collectives, GroupProgress
+from ..._wire.hang_messages import Collectives, GroupProgress
 from .setup_report import setup_report
 
 if TYPE_CHECKING:
-    from .group import RankGroup
+    from ..groups.group import RankGroup
 
 HEADER = "collectives (torch's flight recorder; #N counts each process group's collectives):"
 

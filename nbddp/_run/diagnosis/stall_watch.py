@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .._panel.state import PanelState
-from .attempts import Attempt
-from .config import RunConfig
-from .group import RankGroup
+from ..._panel.state import PanelState
+from ..attempts import Attempt
+from ..config import RunConfig
+from ..groups.group import RankGroup
+from ..records import Records
 from .hang_report import look_at
-from .records import Records
 from .stack_view import summary_of, where
 
 

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
-from .._wire.dataplane import Packed
-from .._wire.messages import Start
+from ..._wire.dataplane import Packed
+from ..._wire.messages import Start
 
 INLINE_PAYLOAD = 256 * 2**10
 """A payload this small without data buffers travels inside its Start."""

@@ -17,9 +17,9 @@ timeout says where each rank is.) Nor is a cluster group whose every rank's link
 heard in the last ``HEARD_LATELY`` seconds (the end of the cell before, at once): a
 roll call would say no more, and costs a round trip to every node.
 
-The group's parts of one idea each live beside it: the roll calls (``_run.roll_calls``),
-the Results held back to wake the kernel once (``_run.held_results``), and where the
-payload goes (``_run.payload_place``).
+The group's parts of one idea each live beside it: the roll calls (``_run.groups.roll_calls``),
+the Results held back to wake the kernel once (``_run.groups.held_results``), and where the
+payload goes (``_run.groups.payload_place``).
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .._wire import dataplane
-from .._wire.dataplane import Packed
-from .._wire.held_functions import RanksFunctions
-from .._wire.messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start
-from .._wire.rundir import RunDir
-from .._wire.shipped_code import RanksCode
-from .._wire.versions import skew
+from ..._wire import dataplane
+from ..._wire.dataplane import Packed
+from ..._wire.held_functions import RanksFunctions
+from ..._wire.messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start
+from ..._wire.rundir import RunDir
+from ..._wire.shipped_code import RanksCode
+from ..._wire.versions import skew
+from ..records import Records
 from .group import Launcher, LauncherExited, RankGroup, RanksGone
 from .held_results import HeldResults
 from .payload_place import PayloadPlace
-from .records import Records
 from .roll_calls import RollCalls, heard_lately
 from .shape import GroupShape, Handover
 
@@ -71,7 +71,7 @@ class WaitingGroup(RankGroup):
         self._roll = RollCalls(self._lock)
         """The ranks' roll calls before a run (see ``hand_over``)."""
         self._payload = PayloadPlace()
-        """The latest run's payload, inside its Start or in a file (``_run.payload_place``)."""
+        """The latest run's payload, inside its Start or in a file (``payload_place``)."""
         self.functions = RanksFunctions()
         """The notebook functions these ranks hold (a session's next payloads name them
         by number: ``_wire.held_functions``)."""
@@ -80,7 +80,7 @@ class WaitingGroup(RankGroup):
         notebook's (``_wire.shipped_code``)."""
         self._stopped = False
         self._held = HeldResults(self.events)
-        """A run's Results, held back until the other ranks report (``_run.held_results``)."""
+        """A run's Results, held back until the other ranks report (``held_results``)."""
 
     @property
     def is_ready(self) -> bool:
@@ -133,7 +133,7 @@ class WaitingGroup(RankGroup):
         self._changed()
 
     def release_held(self) -> None:
-        """Put the Results held back (``_run.held_results``) on the events: nothing else
+        """Put the Results held back (``_run.groups.held_results``) on the events: nothing else
         came for a while, or the run is being wound up."""
         self._put(None)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from .._wire.hang_messages import AGENT_STORE_ENV, Collectives, SetupLook
+from ..._wire.hang_messages import AGENT_STORE_ENV, Collectives, SetupLook
 
 HEADER = "process-group set-up (init_process_group):"
 _COMMAND_WIDTH = 70

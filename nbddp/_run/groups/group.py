@@ -27,18 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from .. import _version
-from .._errors import NbddpError
-from .._wire.channel import ChannelServer
-from .._wire.dataplane import Packed
-from .._wire.hang_messages import Collectives, ShowCollectives, ShowStacks, Stacks
-from .._wire.messages import RankOptions, Sequenced, Start
-from .._wire.rundir import RunDir
-from .._wire.stacks import STACKS_WAIT
-from .asking import Question
-from .records import Records
+from ... import _version
+from ..._errors import NbddpError
+from ..._wire.channel import ChannelServer
+from ..._wire.dataplane import Packed
+from ..._wire.hang_messages import Collectives, ShowCollectives, ShowStacks, Stacks
+from ..._wire.messages import RankOptions, Sequenced, Start
+from ..._wire.rundir import RunDir
+from ..._wire.stacks import STACKS_WAIT
+from ..diagnosis.asking import Question
+from ..diagnosis.stack_view import render
+from ..records import Records
 from .shape import Handover
-from .stack_view import render
 
 
 class Launcher(Protocol):

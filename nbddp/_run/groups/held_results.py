@@ -18,7 +18,7 @@ from __future__ import annotations
 import queue
 from typing import Any
 
-from .._wire.messages import Result, run_ended_for
+from ..._wire.messages import Result, run_ended_for
 
 
 class HeldResults:

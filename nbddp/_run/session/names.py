@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import warnings
 
-from .session_run import OnSession
+from .on_session import OnSession
 
 
 class SessionNames:
