@@ -112,10 +112,12 @@ def missing(need: str, reason: str) -> NoReturn:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A test marked with a required cluster or tool that skipped anyway (a ``skipif``, a
-    skip of its own) is reported failed, with the reason it gave."""
+    skip of its own) is reported failed, with the reason it gave; unless it is a GPU test
+    (a Ray test on GPUs skips where there are none, as every GPU test does)."""
     report = (yield).get_result()
     needs = sorted(name for name in REQUIRED if item.get_closest_marker(name))
-    if report.skipped and needs and not hasattr(report, "wasxfail"):
+    gpu = item.get_closest_marker("gpu") is not None  # (skips without a GPU, always)
+    if report.skipped and needs and not gpu and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = (f"this run requires {', '.join(needs)} (NBDDP_REQUIRE), "
