@@ -30,7 +30,7 @@ from .followers import follow
 from .groups.group import RankGroup
 from .interrupt_hold import InterruptHold, held_while
 from .records import Records
-from .run_end import Outcome, RunEnd, Staying
+from .run_end import Outcome, RunEnd, Staying, call_after
 from .run_readings import RunReadings
 from .supervisor import Ending, Supervisor
 
@@ -83,8 +83,7 @@ class Job(RunReadings, Generic[R]):
                                       quiet_when_quick=quiet_when_quick)
         if staying is not None:
             staying.watch(self._supervisor)
-        self._ending = RunEnd(group, config, records, self._supervisor, staying,
-                              self._call_after, self._publish, lambda: self.logs)
+        self._ending = RunEnd(group, config, records, self._supervisor, staying)
         Job._latest = self
         self._caller_follows = caller_waits
         if not caller_waits:
@@ -222,7 +221,7 @@ class Job(RunReadings, Generic[R]):
             ending = ending or self._watch()
             assert ending is not None
             self.ended_by = ending.kind
-            self._ending.end(ending)
+            self._ending.end(ending, self._call_after, self._publish, lambda: self.logs)
         except BaseException as exc:  # a bug here must not leave the run going
             self._end_broken(exc)
         finally:
@@ -241,7 +240,7 @@ class Job(RunReadings, Generic[R]):
             self._group.stop()
             self._group.close()
         if self._staying is not None and self._staying.abandoned():
-            self._ending.call_after()  # the session starts fresh ranks
+            call_after(self._call_after)  # the session starts fresh ranks
         self._publish(Outcome(error=NbddpError(f"nbddp failed to end the run: {exc!r}")))
 
     def _watch(self, seconds: float | None = None, pause: Callable[[], bool] = lambda: False

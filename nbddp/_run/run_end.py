@@ -63,17 +63,16 @@ class RunEnd:
     records: Records
     supervisor: Supervisor
     staying: Staying | None
-    after: Callable[[], None]
-    """The caller's hook once the ranks ended the run themselves (or a session's run,
-    however it ended)."""
-    publish: Callable[[Outcome], None]
-    """Tells ``result()`` (the first outcome stands)."""
-    logs: Callable[[], dict[int, str]]
     received: int = 0
     """The bytes of tensor and array data rank 0's result held (0 until read)."""
 
-    def end(self, ending: Ending) -> None:
-        """The run's end (see the module)."""
+    def end(self, ending: Ending, after: Callable[[], None],
+            publish: Callable[[Outcome], None], logs: Callable[[], dict[int, str]]) -> None:
+        """The run's end (see the module): ``after`` is the caller's hook once the ranks
+        ended the run themselves (or a session's run, however it ended); ``publish``
+        tells ``result()`` (the first outcome stands); ``logs`` reads every rank's. (They
+        are the Job's, and not kept: nothing here refers back to it, so a run's objects
+        go by reference counting alone.)"""
         sup, group = self.supervisor, self.group
         returned = ending.kind == "returned"
         stays = self.staying is not None and self.staying.settle(sup, ending)
@@ -82,24 +81,18 @@ class RunEnd:
             if stopping:
                 group.stop()
             sup.pump.drain()
-            outcome = self._value() if returned else Outcome(error=self._error(ending))
+            outcome = self._value() if returned else Outcome(error=self._error(ending, logs))
         finally:
             if stopping:
                 group.close()
         if ending.kind != "stopped" or self.staying is not None:
-            self.call_after()
+            call_after(after)
         sup.close(*_describe(outcome))
         if returned and not stays:
             if group.ends_after_result:
-                self.publish(outcome)
+                publish(outcome)
             group.retire()
-        self.publish(outcome)
-
-    def call_after(self) -> None:
-        try:
-            self.after()
-        except Exception:  # e.g. standby ranks that could not start: not this run's
-            logger.exception("nbddp: after-run hook failed")
+        publish(outcome)
 
     def _value(self) -> Outcome:
         """Every rank returned: the value the caller gets (an error if it cannot be read)."""
@@ -112,17 +105,25 @@ class RunEnd:
     def _got(self, data_bytes: int) -> None:
         self.received = data_bytes
 
-    def _error(self, ending: Ending) -> BaseException:
+    def _error(self, ending: Ending, logs: Callable[[], dict[int, str]]) -> BaseException:
         """Why the run ended: the ending's own error, or one built from every report."""
         sup = self.supervisor
         error = ending.error
         if error is None:
             error = diagnose(sup.attempt.failures, sup.attempt.results, self.group.run_dir,
-                             self.records, self.config.nprocs, self.logs())
+                             self.records, self.config.nprocs, logs())
             if isinstance(error, WorkerError) and sup.attempt.number:
                 error.attempts = sup.attempt.number + 1
                 error.earlier = [describe(cause) for cause in sup.causes]
         return error if self.staying is None else self.staying.told(error)
+
+
+def call_after(after: Callable[[], None]) -> None:
+    """The caller's after-run hook; its failure is logged, never the run's."""
+    try:
+        after()
+    except Exception:  # e.g. standby ranks that could not start: not this run's
+        logger.exception("nbddp: after-run hook failed")
 
 
 def _describe(outcome: Outcome) -> tuple[str, str]:
