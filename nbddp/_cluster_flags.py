@@ -96,10 +96,12 @@ def check_cluster_flags(parsed: Any, exporting: bool = False, session: bool = Fa
     if exporting:
         raise UsageError(f"--export writes the job's files and --{chosen.name} runs the cell: "
                          "choose one")
+    its_own = {option for option, _ in chosen.flags()}
     for kind in KINDS:
-        others = [flag for flag in _own_flags_given(kind, parsed)
-                  if flag not in _options_of(chosen)]
-        if kind is not chosen and others:
+        if kind is chosen:
+            continue
+        others = [flag for flag in _own_flags_given(kind, parsed) if flag not in its_own]
+        if others:
             raise UsageError(f"{flags_say(others, 'describe')} a {kind.title} {kind.job_word}; "
                              f"with --{chosen.name}, the flags of {chosen.title} say where "
                              f"the ranks run (%ddp -h lists them)")
@@ -137,11 +139,7 @@ def _check_unchosen(parsed: Any, exporting: bool, session: bool) -> None:
 def _own_flags_given(kind: ClusterKind, parsed: Any) -> list[str]:
     """``kind``'s flags (not its word) whose value the line changed from the default."""
     return [option for option, keywords in kind.flags()
-            if getattr(parsed, keywords["dest"], None) != _default(keywords)]
-
-
-def _options_of(kind: ClusterKind) -> set[str]:
-    return {option for option, _ in kind.flags()}
+            if getattr(parsed, keywords["dest"], None) != keywords["default"]]
 
 
 def _shape_flags_given(parsed: Any, session: bool) -> list[str]:
@@ -149,10 +147,3 @@ def _shape_flags_given(parsed: Any, session: bool) -> list[str]:
     if session and getattr(parsed, "grace", None) is not None:
         given.append("--grace")
     return given
-
-
-def _default(keywords: dict[str, Any]) -> Any:
-    default = keywords.get("default")
-    if default is None and keywords.get("action") == "store_true":
-        return False
-    return default

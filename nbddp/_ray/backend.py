@@ -157,7 +157,7 @@ class RayKind(ClusterKind):
 
     def session_backend(self, options: RunOptions, chosen: Any,
                         grace: float | None) -> Backend:
-        return ray_backend(options, _with_grace(self.chosen(chosen), grace))
+        return ray_backend(options, _with_grace(chosen, grace))
 
     def attaches(self, job_id: str | int | None) -> bool:
         if job_id is None:

@@ -99,11 +99,14 @@ class ClusterKind(ABC):
 
     # --- the magics' flags -----------------------------------------------------------
 
-    def flags(self) -> list[tuple[str, dict[str, Any]]]:
+    def flags(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """``add_argument``'s arguments for each flag of the option type (``%%ddp``'s and
         ``%ddp_session start``'s alike; a flag that several kinds declare is one flag of
-        the magics)."""
-        return argparse_arguments(self.options)
+        the magics). Made once per option type: a session's every cell asks."""
+        flags = _FLAGS.get(self.options)
+        if flags is None:
+            flags = _FLAGS[self.options] = tuple(argparse_arguments(self.options))
+        return flags
 
     def from_flags(self, parsed: Any, shape: ClusterShape) -> Any:
         """The option object that a parsed magic line asks for, with the ``shape`` that
@@ -120,6 +123,10 @@ class ClusterKind(ABC):
         """What is wrong with this kind's flags once ``--<name>`` was given (None: nothing
         the option type would not say itself)."""
         return None
+
+
+_FLAGS: dict[type, tuple[tuple[str, dict[str, Any]], ...]] = {}
+"""Each option type's flags, made once (an option type's fields do not change)."""
 
 
 def flags_say(flags: list[str], verb: str) -> str:
