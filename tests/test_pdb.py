@@ -135,7 +135,7 @@ def test_pdb_set_trace_outside_a_notebook_cell_is_skipped_not_bdbquit():
 def test_a_slurm_rank_skips_its_breakpoint_and_says_why(slurm_env, jobs, monkeypatch):
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
     job = nbddp.launch(stops_here, nprocs=1, cluster=nbddp.Slurm(), wait=False)
-    jobs.append(job.slurm_job_id)
+    jobs.append(job.cluster_job_id)
     assert job.result(timeout=120) == "went on"
     assert "cannot take input from the notebook" in job.logs[0]
 

@@ -211,12 +211,14 @@ def test_the_python_api_places_attaches_and_closes(ray_cluster, tmp_path):
     with dying_kernel(ray_cluster, tmp_path / "first") as first:
         first.run("s = nbddp.Session(nprocs=1, cluster=nbddp.Ray(nodes=2, grace=120))\n"
                   "s.run(lambda: globals().update(kept=41))", timeout=180).assert_ok()
+        session_id = eval(first.run("nbddp.last_job().cluster_job_id").result())  # noqa: S307
+        assert session_id.startswith("ray-"), session_id
         placed = first.run(PLACEMENT, timeout=60).assert_ok().result()
         assert eval(placed) == [("STRICT_SPREAD", {0: {"CPU": 1.0}, 1: {"CPU": 1.0}})]  # noqa: S307
     (tmp_path / "second").mkdir()
     try:
         with ray_kernel(ray_cluster, tmp_path / "second", start=None) as (second, _):
-            run = second.run("s = nbddp.Session.attach()\n"
+            run = second.run(f"s = nbddp.Session.attach({session_id!r})\n"
                              "s.run(lambda: kept + 1)", timeout=120).assert_ok()
             assert run.result() == "42"
             second.run("s.close()", timeout=120).assert_ok()

@@ -63,10 +63,10 @@ def test_a_requeued_job_is_followed_to_its_result(slurm_env, jobs, monkeypatch, 
     flag = tmp_path / "go-on"
     job = nbddp.launch(waits_to_be_requeued, nprocs=2, args=(str(flag),), wait=False,
                        cluster=nbddp.Slurm(time="00:05:00", requeue=True))
-    assert job.slurm_job_id is not None
-    jobs.append(job.slurm_job_id)
+    assert job.cluster_job_id is not None
+    jobs.append(job.cluster_job_id)
     wait_until(lambda: "run 0 waiting" in job.logs[0], timeout=120, interval=0.2)
-    slurm(slurm_env, "scontrol", "requeue", job.slurm_job_id)
+    slurm(slurm_env, "scontrol", "requeue", job.cluster_job_id)
     wait_until(lambda: "run 1 waiting" in job.logs[0], timeout=120, interval=0.2)
     assert not job.done()  # the first run's end was not the run's end
     flag.touch()
@@ -75,9 +75,9 @@ def test_a_requeued_job_is_followed_to_its_result(slurm_env, jobs, monkeypatch, 
     assert "run 0 waiting" in job.logs[0]  # both runs' output is kept
     assert "run 0 stopped by SLURM" in job.logs[1]  # it raised: not taken for the run's end
     assert [row["step"] for row in job.history] == [0, 1, 10, 11]
-    assert f"SLURM job {job.slurm_job_id} was requeued (requeue 1)" in capfd.readouterr().out
-    assert job_ended(slurm_env, job.slurm_job_id)
-    assert job_info(slurm_env, job.slurm_job_id)["JobState"] == "COMPLETED"
+    assert f"SLURM job {job.cluster_job_id} was requeued (requeue 1)" in capfd.readouterr().out
+    assert job_ended(slurm_env, job.cluster_job_id)
+    assert job_info(slurm_env, job.cluster_job_id)["JobState"] == "COMPLETED"
 
 
 RUN_AND_WAIT = """

@@ -184,8 +184,10 @@ def test_a_timeout_cancels_the_job(slurm_env, jobs, monkeypatch):
         time.sleep(600)
 
     job = nbddp.launch(sleeps, nprocs=1, cluster=nbddp.Slurm(), timeout=40, wait=False)
-    assert job.slurm_job_id is not None
-    jobs.append(job.slurm_job_id)
+    assert job.cluster_job_id is not None
+    jobs.append(job.cluster_job_id)
+    with pytest.warns(DeprecationWarning, match="Job.slurm_job_id is now Job.cluster_job_id"):
+        assert job.slurm_job_id == job.cluster_job_id  # (the older name still reads it)
     stacks = wait_until(lambda: (now := job.stacks()).get(0, "").startswith(  # on demand,
         "rank 0: in sleeps (test_slurm_submit.py, line ") and now, timeout=30)  # over the channel
     assert "    time.sleep(600)" in stacks[0], stacks  # its source line, from this file
@@ -194,8 +196,8 @@ def test_a_timeout_cancels_the_job(slurm_env, jobs, monkeypatch):
         job.result()
     assert caught.value.stacks[0].startswith("rank 0: in sleeps (")  # taken before scancel
     assert "rank 0: has entered no collective yet" in caught.value.hang_report
-    assert job_ended(slurm_env, job.slurm_job_id)
-    assert job_info(slurm_env, job.slurm_job_id)["JobState"] == "CANCELLED"
+    assert job_ended(slurm_env, job.cluster_job_id)
+    assert job_info(slurm_env, job.cluster_job_id)["JobState"] == "CANCELLED"
 
 
 RESUMABLE = """
@@ -268,10 +270,10 @@ def test_a_job_whose_script_cannot_start_says_why(slurm_env, jobs, monkeypatch, 
     broken.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(broken))
     job = nbddp.launch(print, cluster=nbddp.Slurm(), wait=False)
-    jobs.append(job.slurm_job_id)
+    jobs.append(job.cluster_job_id)
     with pytest.raises(nbddp.NbddpError, match="no torch on this node"):
         job.result(timeout=120)
-    assert job_ended(slurm_env, job.slurm_job_id)
+    assert job_ended(slurm_env, job.cluster_job_id)
     assert Path(job.records, "job.sbatch").read_text().count(str(broken)) == 1
     assert not Path(job.records, "payload.pkl").exists()  # the secrets go, the records stay
 
@@ -286,12 +288,12 @@ def test_a_job_cancelled_outside_the_notebook_says_so(slurm_env, jobs, monkeypat
         time.sleep(600)
 
     job = nbddp.launch(sleeps, nprocs=1, cluster=nbddp.Slurm(), wait=False)
-    jobs.append(job.slurm_job_id)
+    jobs.append(job.cluster_job_id)
     wait_until(lambda: "sleeping" in job.logs[0], timeout=120, interval=0.2)
-    slurm(slurm_env, "scancel", job.slurm_job_id)
-    with pytest.raises(nbddp.NbddpError, match=f"SLURM job {job.slurm_job_id} was cancelled"):
+    slurm(slurm_env, "scancel", job.cluster_job_id)
+    with pytest.raises(nbddp.NbddpError, match=f"SLURM job {job.cluster_job_id} was cancelled"):
         job.result(timeout=120)
-    assert job_ended(slurm_env, job.slurm_job_id)
+    assert job_ended(slurm_env, job.cluster_job_id)
 
 
 def sees_its_job(names):
@@ -311,9 +313,9 @@ def test_a_kernel_inside_an_allocation_submits_a_job_that_runs(slurm_env, jobs, 
         monkeypatch.setenv(name, value)
     job = nbddp.launch(sees_its_job, nprocs=1, args=(["SLURM_JOB_ID", "SLURM_MEM_PER_CPU"],),
                        cluster=nbddp.Slurm(sbatch=["--mem=64M"], time="00:05:00"), wait=False)
-    assert job.slurm_job_id is not None
-    jobs.append(job.slurm_job_id)
-    assert job.result(timeout=120) == {"SLURM_JOB_ID": job.slurm_job_id,
+    assert job.cluster_job_id is not None
+    jobs.append(job.cluster_job_id)
+    assert job.result(timeout=120) == {"SLURM_JOB_ID": job.cluster_job_id,
                                        "SLURM_MEM_PER_CPU": None}
 
 
@@ -325,8 +327,8 @@ def test_a_submitted_job_restarts_a_failed_rank(slurm_env, jobs, monkeypatch):
     monkeypatch.setenv("SLURM_CONF", slurm_env["SLURM_CONF"])
     job = nbddp.launch(fails_first, nprocs=2, args=("raise",), wait=False,
                        cluster=nbddp.Slurm(time="00:05:00", max_restarts=1))
-    assert job.slurm_job_id is not None
-    jobs.append(job.slurm_job_id)
+    assert job.cluster_job_id is not None
+    jobs.append(job.cluster_job_id)
     assert job.result(timeout=180) == 1
     assert job.restarts == 1
     assert "attempt 0 on rank 0" in job.logs[0] and "attempt 1 on rank 0" in job.logs[0]

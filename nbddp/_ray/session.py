@@ -40,6 +40,10 @@ from .object_store import OBJECT_STORE, ObjectStoreDelivery
 from .options import Ray
 from .placement import NodeInfo, NodeRefused, RayPlacement, held_group
 
+RAY_SESSION = "ray-session.json"
+"""In a Ray session's run folder: its placement group, agents and shape, for a kernel
+that attaches to it."""
+
 
 @dataclass(frozen=True)
 class RaySessionRecord:
@@ -63,7 +67,7 @@ class RaySessionRecord:
 
     @classmethod
     def read(cls, run_dir: RunDir) -> RaySessionRecord:
-        fields = json.loads(run_dir.ray_session.read_text())
+        fields = json.loads((run_dir.path / RAY_SESSION).read_text())
         return cls(options=Ray(**fields.pop("options")), **fields)
 
 
@@ -86,7 +90,7 @@ class RaySessionGroup(RemoteSessionGroup):
         self.env = dict(env or {})
         """What the ranks' environment adds to their node's own: the user's ``env``."""
         self.placement: RayPlacement | None = None
-        self.where = f"Ray session {session_id}"
+        self.where, self.cluster_job_id = f"Ray session {session_id}", session_id
         self._stop_placing = threading.Event()
         self._placing: threading.Thread | None = None
         self.placement_error: str | None = None
@@ -111,7 +115,7 @@ class RaySessionGroup(RemoteSessionGroup):
             group.run_dir.write_private(group.run_dir.key, new_key())
             group._listen(kernel_address(ray))
             group.placement = RayPlacement.request(ray, session_id, options)
-            group.run_dir.write_private(group.run_dir.ray_session, RaySessionRecord(
+            group.run_dir.write_private(group.run_dir.path / RAY_SESSION, RaySessionRecord(
                 session_id, options, shape.nprocs, shape.backend, shape.init,
                 started=time.time(), placement_group=group.placement.group_id,
                 **settings).to_json())
@@ -256,7 +260,7 @@ def kept_ray_sessions(session_id: str | None = None
     found = []
     for folder in folders(records_root()):
         run_dir = RunDir.of_job(folder)
-        if not run_dir.ray_session.exists():
+        if not (run_dir.path / RAY_SESSION).exists():
             continue
         try:
             read_own_key(folder)  # (a folder anyone else made or can write to is not)

@@ -20,6 +20,7 @@ import logging
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Generic, NoReturn, TextIO, TypeVar
 
@@ -45,8 +46,9 @@ Ctrl-C is noted (it ends this and stops the run) and pdb's prompts wait."""
 class Job(RunReadings, Generic[R]):
     """A launched run. ``result()`` waits for it; ``cancel()`` stops it; ``done()`` asks."""
 
-    slurm_job_id: str | None = None
-    """The SLURM job id of a run submitted to SLURM; None for a local run."""
+    cluster_job_id: str | None = None
+    """The cluster's own id for the run's job (SLURM's job id, a Ray session's id): what
+    ``nbddp.attach`` takes. None for a run on this machine."""
     warm: bool = False
     """True if the run was handed to standby ranks that were already waiting for it."""
     ended_by: str | None = None
@@ -67,7 +69,7 @@ class Job(RunReadings, Generic[R]):
         the caller calls ``result()`` next, under its ``started_held`` hold, and follows
         the run's start itself (see the module). ``quiet_when_quick``: a quick run that
         finishes prints no summary line (``PanelState.quiet_end``)."""
-        self.config, self.warm, self.slurm_job_id = config, warm, group.slurm_job_id
+        self.config, self.warm, self.cluster_job_id = config, warm, group.cluster_job_id
         self._group, self._records, self._after = group, records, after
         self._staying = staying
         self._sent = sent
@@ -206,6 +208,13 @@ class Job(RunReadings, Generic[R]):
         if self._outcome is not None and isinstance(self._outcome.error, KeyboardInterrupt):
             raise self._outcome.error from None
         raise interrupt
+
+    @property
+    def slurm_job_id(self) -> str | None:
+        """Deprecated: ``cluster_job_id``, which every cluster kind sets."""
+        warnings.warn("Job.slurm_job_id is now Job.cluster_job_id (slurm_job_id will go in "
+                      "a later release)", DeprecationWarning, stacklevel=2)
+        return self.cluster_job_id
 
     @property
     def _data_bytes(self) -> tuple[int, int]:

@@ -85,7 +85,7 @@ class SlurmBackend(Backend):
 
     def started(self, group: WaitingGroup) -> None:
         assert isinstance(group, SlurmSessionGroup)
-        job = group.slurm_job_id
+        job = group.cluster_job_id
         if self.grace == 0:
             return
         lasts = "as long as the job runs" if self.grace is None else f"for {self.grace:g} s"
@@ -96,7 +96,7 @@ class SlurmBackend(Backend):
     def place(self, group: WaitingGroup) -> str:
         assert isinstance(group, SlurmSessionGroup)
         nodes = group.status.nodes
-        return f"SLURM job {group.slurm_job_id}" + (f" on {nodes}" if nodes else "")
+        return f"SLURM job {group.cluster_job_id}" + (f" on {nodes}" if nodes else "")
 
     def hosts(self, group: WaitingGroup, last: Job | None) -> dict[int, str]:
         return {} if last is None else {rank: info["host"] for rank, info in last.ranks.items()

@@ -89,7 +89,7 @@ class SlurmGroup(RankGroup):
             self.events.put(message)
 
     def _follow(self, job_id: str, notice: str) -> None:
-        self.slurm_job_id, self.where, self.notice = job_id, f"SLURM job {job_id}", notice
+        self.cluster_job_id, self.where, self.notice = job_id, f"SLURM job {job_id}", notice
         self._follow_launcher(SlurmLauncher(job_id, self.events.put))
 
     def new_records(self) -> Records:
@@ -108,8 +108,8 @@ class SlurmGroup(RankGroup):
                              f"nbddp.attach({job_id!r}) follows it again")
 
     def hooks(self, supervisor: Supervisor) -> GroupHooks:
-        assert self.slurm_job_id is not None  # submitted, or attached to
-        return SlurmHooks(supervisor, self.slurm_job_id, self.requeues)
+        assert self.cluster_job_id is not None  # submitted, or attached to
+        return SlurmHooks(supervisor, self.cluster_job_id, self.requeues)
 
     def sync(self) -> None:
         self._mailbox.poll()

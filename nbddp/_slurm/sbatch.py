@@ -17,14 +17,12 @@ from .._wire.rundir import (
     ADDRESS,
     KEY,
     LAUNCHER_LOG,
-    NODE_EPILOG,
     NODE_FOLDER,
     PAYLOAD,
-    REQUEUE_FILE,
     REQUEUE_FILE_ENV,
-    STOP_FILE,
     STOP_FILE_ENV,
 )
+from .files import NODE_EPILOG, REQUEUE_FILE, STOP_FILE
 from .options import SlurmOptions, rendezvous_port
 
 

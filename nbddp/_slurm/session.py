@@ -33,6 +33,7 @@ from .._run.records import Records, folders, records_root
 from .._run.session.remote import RemoteSessionGroup
 from .._wire.handshake import new_key
 from .._wire.rundir import RunDir, read_own_key
+from .files import node_epilog_file, sbatch_file, session_file
 from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
@@ -64,7 +65,7 @@ class SessionRecord:
 
     @classmethod
     def read(cls, run_dir: RunDir) -> SessionRecord:
-        fields = json.loads(run_dir.session.read_text())
+        fields = json.loads(session_file(run_dir).read_text())
         options = fields.pop("options")
         options["extra"] = tuple(options["extra"])
         return cls(options=SlurmOptions(**options), **fields)
@@ -108,8 +109,9 @@ class SlurmSessionGroup(RemoteSessionGroup):
         group = cls(shape, options, grace, RunDir.of_job(Records.create().path))
         try:
             group.run_dir.write_private(group.run_dir.key, new_key())
-            group.run_dir.write_private(group.run_dir.node_epilog, node_epilog_text().encode())
-            group.run_dir.node_epilog.chmod(0o700)
+            epilog = node_epilog_file(group.run_dir)
+            group.run_dir.write_private(epilog, node_epilog_text().encode())
+            epilog.chmod(0o700)
             group._listen(kernel_host())
             step = None
             if allocation is not None:
@@ -117,7 +119,7 @@ class SlurmSessionGroup(RemoteSessionGroup):
                 job_id = allocation.job_id
             else:
                 job_id = group._submit()
-            group.run_dir.write_private(group.run_dir.session, SessionRecord(
+            group.run_dir.write_private(session_file(group.run_dir), SessionRecord(
                 job_id, options, shape.nprocs, shape.backend, shape.init, grace=grace,
                 started=time.time(), step=step, **settings).to_json())
         except BaseException:
@@ -127,17 +129,17 @@ class SlurmSessionGroup(RemoteSessionGroup):
         return group
 
     def _submit(self) -> str:
-        self.run_dir.sbatch.write_text(session_sbatch_text(
+        sbatch_file(self.run_dir).write_text(session_sbatch_text(
             str(self.run_dir.path), self.shape.python, self.options, self.shape.prepare,
             self.grace))
-        job_id = sbatch(self.run_dir.sbatch, dict(self.shape.env), self.shape.cwd)
+        job_id = sbatch(sbatch_file(self.run_dir), dict(self.shape.env), self.shape.cwd)
         self._follow(job_id)
         return job_id
 
     def _start_step(self, allocation: Allocation) -> str:
         """``srun`` in the kernel's allocation; the step's name."""
         step = JobStep(allocation, self.run_dir, self.shape, self.options, self.grace)
-        self.slurm_job_id, self.step_of = allocation.job_id, allocation
+        self.cluster_job_id, self.step_of = allocation.job_id, allocation
         self.where = f"SLURM allocation {allocation.job_id}"
         self.status = JobStatus("RUNNING", nodes=allocation.nodelist)
         self._follower = step
@@ -155,7 +157,7 @@ class SlurmSessionGroup(RemoteSessionGroup):
             if record.step is None:
                 group._follow(record.job_id)
             else:
-                group.slurm_job_id = record.job_id
+                group.cluster_job_id = record.job_id
                 group.where = f"SLURM allocation {record.job_id}"
                 group._follower = AttachedStep(record.job_id, record.step)
                 group._follow_launcher(group._follower)
@@ -165,7 +167,7 @@ class SlurmSessionGroup(RemoteSessionGroup):
         return group
 
     def _follow(self, job_id: str) -> None:
-        self.slurm_job_id, self.where = job_id, f"SLURM job {job_id}"
+        self.cluster_job_id, self.where = job_id, f"SLURM job {job_id}"
         self._follower = SlurmLauncher(job_id, self._job_changed)
         self._follow_launcher(self._follower)
 
@@ -184,7 +186,7 @@ class SlurmSessionGroup(RemoteSessionGroup):
         """Lines for the changes of the job's state not yet shown, now taken as shown."""
         with self._lock:
             unsaid, self._said = self._changes[self._said:], len(self._changes)
-        return [f"nbddp: {status.describe(self.slurm_job_id or '?')}" for status in unsaid]
+        return [f"nbddp: {status.describe(self.cluster_job_id or '?')}" for status in unsaid]
 
     def hooks(self, supervisor: Any) -> GroupHooks:
         return SessionJobHooks(supervisor, self)

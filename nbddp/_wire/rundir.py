@@ -6,12 +6,13 @@ and as private, for data files: the payload's and results' tensor and array byte
 The directory is 0700 and every file in it 0600, so only the user who launched the
 ranks can read the payload or reach the channel. A local group's directory is temporary
 and removed when the group ends; a rank writes its output here until its ``Start``
-names the run's records folder. A SLURM job's ranks run on other machines, so its run
-directory is its records folder, on the shared filesystem; only its secrets are removed.
+names the run's records folder. A cluster job's ranks run on other machines, so its
+run directory is its records folder, on the shared filesystem; only its secrets are
+removed.
 
-Every file name of a run dir is spelled here, once, and so are those a rank writes that
-the run's records keep (``_run.records`` adds its own): the kernel, the ranks and the
-sbatch text all take them from this module.
+Every file name of a run dir that both sides know is spelled here, once, and so are
+those a rank writes that the run's records keep (``_run.records`` adds its own). A
+cluster kind's own files live in its package (``_slurm.files``, ``_ray.session``).
 """
 
 from __future__ import annotations
@@ -30,34 +31,24 @@ from .dataplane import shm_root
 _MAX_SOCKET_PATH = 100  # sun_path holds 108 bytes on Linux
 
 PAYLOAD = "payload.pkl"
-"""The run's code and arguments (private). In a SLURM job's folder, also the sign that
-the job may still run: it is removed when the run ends."""
+"""The run's code and arguments (private). In a cluster job's shared folder, also the
+sign that the job may still run: it is removed when the run ends."""
 KEY = "key"
 """The channel's secret: only its holders may talk to the kernel."""
 SOCKET = "channel.sock"
+"""A local group's channel, a Unix socket."""
 RELAY_SOCKET = "relay.sock"
 """Where a node's relay listens for its ranks (``_rank.relay``); as long as ``SOCKET``."""
 RELAY_ENV = "NBDDP_RELAY"
 """Set on a node's ranks whose relay is up: the socket they connect to."""
-"""A local group's channel, a Unix socket."""
 ADDRESS = "channel.address"
-"""A SLURM job's: ``host port`` of the kernel's TCP channel."""
+"""A cluster job's: ``host port`` of the kernel's TCP channel."""
 START = "start.msg"
-"""A SLURM job's ``Start``, for ranks that cannot reach the kernel."""
-JOB = "job.json"
-"""A SLURM job's id and shape, to re-attach to it."""
-SBATCH = "job.sbatch"
-"""A SLURM job's batch script."""
-SESSION = "session.json"
-"""A SLURM session's job id and shape, for a kernel that attaches to it."""
-RAY_SESSION = "ray-session.json"
-"""A Ray session's placement group, agents and shape, for a kernel that attaches to it."""
-NODE_EPILOG = "node-epilog"
-"""A SLURM session's task epilog: SLURM runs it on each node however the node's torchrun
-ended (a SIGKILL too), and it removes that node's data folders."""
+"""A cluster job's ``Start``, for ranks that cannot reach the kernel."""
 NODE_FOLDER = "nbddp-node-{uid}-{job}.{step}-{node}"
-"""The name of a SLURM session node's data folders (in its shared memory and on its
-local disk): the node's torchrun makes them, and the task epilog finds them by it."""
+"""The name of a cluster session node's data folders (in its shared memory and on its
+local disk): the node's torchrun makes them, and the cluster's clean-up (SLURM's task
+epilog) finds them by it."""
 NODE_SHM_ENV = "NBDDP_NODE_SHM"
 """Names the node's data folder in shared memory to its ranks (set by nbddp's torchrun)."""
 NODE_DISK_ENV = "NBDDP_NODE_DISK"
@@ -69,16 +60,12 @@ LAUNCHER_LOG = "torchrun.log"
 """torchrun's own output (a batch job's too); kept with the run's records."""
 METRICS = "metrics.jsonl"
 """The rank-averaged metrics history, one JSON row per step (also a script run's)."""
-STOP_FILE = "stop-requested"
-"""In a SLURM job's run folder: empty until SLURM's signal; the batch script empties it
-each run."""
-REQUEUE_FILE = "requeue-requested"
-"""In a SLURM job's run folder: a rank ended with ``requeue()``; the batch script
-requeues the job."""
 STOP_FILE_ENV = "NBDDP_STOP_FILE"
-"""Names the stop file for the ranks (set by the batch script)."""
+"""Names the stop file for the ranks (set by a batch job's script, which empties it
+each run and which the cluster's signal fills)."""
 REQUEUE_FILE_ENV = "NBDDP_REQUEUE_FILE"
-"""Names the requeue file for the ranks (set by the batch script)."""
+"""Names the requeue file for the ranks (set by a batch job's script): a rank's
+``requeue()`` writes it, and the script requeues the job."""
 
 
 def address_text(host: str, port: int | None) -> bytes:
@@ -99,7 +86,7 @@ def rank_log_name(rank: int) -> str:
 
 
 def mailbox_name(rank: int) -> str:
-    """A SLURM job's rank's messages, for a kernel that it cannot reach (``_wire.mailbox``)."""
+    """A cluster job's rank's messages, for a kernel that it cannot reach (``_wire.mailbox``)."""
     return f"rank-{rank}.messages"
 
 
@@ -124,7 +111,7 @@ class RunDir:
     def __init__(self, path: Path, shared: bool = False, twin: Path | None = None) -> None:
         self.path = path
         self.shared = shared
-        """A SLURM job's run dir: it is the records folder, and outlives the run."""
+        """A cluster job's run dir: it is the records folder, and outlives the run."""
         self.twin = twin
         """Its twin in shared memory, for data files (tensors, arrays), if there is one."""
         self.payload = path / PAYLOAD
@@ -133,11 +120,6 @@ class RunDir:
         self.relay_socket = path / RELAY_SOCKET
         self.address = path / ADDRESS
         self.start = path / START
-        self.job = path / JOB
-        self.sbatch = path / SBATCH
-        self.session = path / SESSION
-        self.ray_session = path / RAY_SESSION
-        self.node_epilog = path / NODE_EPILOG
         self.launcher_log = path / LAUNCHER_LOG
 
     @classmethod
@@ -170,7 +152,7 @@ class RunDir:
 
     @classmethod
     def of_job(cls, path: Path) -> RunDir:
-        """The run dir of a SLURM job, which is also its records folder."""
+        """The run dir of a cluster job, which is also its records folder."""
         return cls(path, shared=True)
 
     def stacks_file(self, rank: int) -> Path:

@@ -71,7 +71,9 @@ class RankGroup:
     """Where the ranks run when not on this machine, for the panel."""
     notice: str | None = None
     """A line for the notebook when the run starts on this group."""
-    slurm_job_id: str | None = None
+    cluster_job_id: str | None = None
+    """The cluster's own id for the job the ranks run in (SLURM's job id, a Ray
+    session's id): what ``attach`` takes. None for ranks on this machine."""
     ends_after_result = False
     """After every rank returned, the run's value may be given before the launcher has
     ended: true where the kernel owns the processes (and sees them off regardless)."""
