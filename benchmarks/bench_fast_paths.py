@@ -316,18 +316,23 @@ class Mechanism:
     how: str = "cell"  # cell: toggled by a kernel cell; sched: by this script; relay: signal
 
 
-MECHANISMS = [
-    Mechanism("held_calls", "held_calls through ctypes.PyDLL", TRIVIAL, "2",
-              rank_side=tuple(range(NPROCS))),
-    Mechanism("plain", "the plain-pickle quick cell", TRIVIAL, "2", rank_side=(0,)),
-    Mechanism("held_functions", "held functions (Session.run)",
-              "_fp_session.run(_fp_call, 10)", "285"),
-    Mechanism("mac", "MAC copies", TRIVIAL, "2", rank_side=tuple(range(NPROCS))),
-    Mechanism("batch", "batch scheduling (SCHED_BATCH ranks)", ALL_REDUCE, f"{NPROCS}.0",
-              kernel_side=False, how="sched"),
-    Mechanism("relay_holding", "the relay's answer holding", "%%ddp\n1 + 1", "2",
-              kernel_side=False, how="relay"),
-]
+def mechanisms() -> list[Mechanism]:
+    """The six, for a session of ``NPROCS`` ranks."""
+    return [
+        Mechanism("held_calls", "held_calls through ctypes.PyDLL", TRIVIAL, "2",
+                  rank_side=tuple(range(NPROCS))),
+        Mechanism("plain", "the plain-pickle quick cell", TRIVIAL, "2", rank_side=(0,)),
+        Mechanism("held_functions", "held functions (Session.run)",
+                  "_fp_session.run(_fp_call, 10)", "285"),
+        Mechanism("mac", "MAC copies", TRIVIAL, "2", rank_side=tuple(range(NPROCS))),
+        Mechanism("batch", "batch scheduling (SCHED_BATCH ranks)", ALL_REDUCE, f"{NPROCS}.0",
+                  kernel_side=False, how="sched"),
+        Mechanism("relay_holding", "the relay's answer holding", "%%ddp\n1 + 1", "2",
+                  kernel_side=False, how="relay"),
+    ]
+
+
+MECHANISMS = mechanisms()
 
 
 class Failed(RuntimeError):
@@ -700,6 +705,7 @@ def print_one(name: str, r: dict[str, Any], label: str) -> None:
 
 
 def main() -> None:
+    global NPROCS, MECHANISMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=25,
                         help="cells each side, per mechanism (default 25)")
@@ -708,6 +714,9 @@ def main() -> None:
                              "(default 1.0)")
     parser.add_argument("--warm-up", type=int, default=2,
                         help="untimed rounds first, per mechanism (default 2)")
+    parser.add_argument("--nprocs", type=int, default=NPROCS,
+                        help=f"ranks of the main session (default {NPROCS}; batch "
+                             "scheduling is for ranks that fill the cores)")
     parser.add_argument("--relay-ranks", type=int, default=4,
                         help="ranks of the relay's session (default 4)")
     parser.add_argument("--only", type=lambda s: s.split(","), default=None,
@@ -715,6 +724,8 @@ def main() -> None:
                              ",".join(m.name for m in MECHANISMS))
     add_options(parser)
     opts = parser.parse_args()
+    NPROCS = opts.nprocs
+    MECHANISMS = mechanisms()
     unknown = set(opts.only or ()) - {m.name for m in MECHANISMS}
     if unknown:
         parser.error(f"unknown mechanisms: {sorted(unknown)}")
