@@ -440,14 +440,14 @@ def test_a_ray_session_folder_someone_else_could_have_made_is_not_attached(
     record): a folder another user made or can write to, or a key not the user's alone,
     could hold a key of theirs, which would let them in. Such a folder is not offered."""
     from nbddp._ray.options import Ray
-    from nbddp._ray.session import RaySessionRecord, kept_ray_sessions
+    from nbddp._ray.session import RAY_SESSION, RaySessionRecord, kept_ray_sessions
     from nbddp._run.records import Records
     from nbddp._wire.rundir import RunDir
 
     monkeypatch.setenv("NBDDP_RUNS_DIR", str(tmp_path / "runs"))
     run_dir = RunDir.of_job(Records.create().path)
     run_dir.write_private(run_dir.key, b"k" * 32)
-    run_dir.write_private(run_dir.ray_session, RaySessionRecord(
+    run_dir.write_private(run_dir.path / RAY_SESSION, RaySessionRecord(
         "ray-0123abcd", Ray(), 2, None, True, None, "rank0", started=0.0,
         placement_group="00" * 18).to_json())
     assert [record.session_id for record, _ in kept_ray_sessions()] == ["ray-0123abcd"]
