@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._wire import held_calls
+from nbddp._wire import sealed_link
 from nbddp._wire.channel import ChannelClient, ChannelServer
 from nbddp._wire.handshake import new_key
 from nbddp._wire.messages import Disconnected, Ready, Sequenced
@@ -71,7 +71,7 @@ def test_frames_that_arrive_in_pieces_are_each_taken_once_whole(folder, monkeypa
     server = ChannelServer(folder / "c.sock", key, delivered.put)
     rank = ChannelClient(folder / "c.sock", key)
     try:
-        monkeypatch.setattr(held_calls, "send_all", trickle)  # (every link's frames)
+        monkeypatch.setattr(sealed_link, "_send_all", trickle)  # (every link's frames)
         rank.send(Ready(3))
         rank.send(Sequenced(1, Ready(3)))
         assert take(delivered, 2) == [Ready(3), Sequenced(1, Ready(3))]

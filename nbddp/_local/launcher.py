@@ -20,7 +20,6 @@ from collections.abc import Hashable, Iterable
 from .._errors import NbddpError
 from .._run.config import torchrun_environment
 from .._run.groups.shape import GroupShape
-from .._wire import held_calls
 from .._wire.rundir import LIFELINE_ABANDON, LIFELINE_GO, RunDir
 from .cores import runs_as_batch, schedule_as_batch, uses_relay
 
@@ -256,10 +255,10 @@ class ProcessWatch:
             return True
         stat, status = files
         try:
-            fields = _fields(held_calls.pread(stat, 8192, 0).decode(errors="replace"))
+            fields = _fields(os.pread(stat, 8192, 0).decode(errors="replace"))
             if _stops(fields):
                 return True
-            return fields[0] == "R" and _killed(held_calls.pread(status, 8192, 0).decode(
+            return fields[0] == "R" and _killed(os.pread(status, 8192, 0).decode(
                 errors="replace"))
         except OSError:
             return True

@@ -31,7 +31,6 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from .._wire import held_calls
 from .._wire.rundir import KEY, LAUNCHER_LOG, METRICS, PAYLOAD, rank_log_name
 
 KEEP_RUNS = 20
@@ -249,7 +248,7 @@ class SessionRecords:
         last = self._last_in_folder()
         said = last.reached_so_far() if last is not None else {}
         if len(said) == self._nprocs:
-            return said if held_calls.exists(self._lock_path) else None
+            return said if os.path.exists(self._lock_path) else None
         sizes = self._log_sizes()
         return None if sizes is None else {**sizes, **said}
 

@@ -22,7 +22,6 @@ from typing import Any
 import cloudpickle
 
 from .._errors import PayloadError
-from . import held_calls
 from .dataplane import Packed, pack
 from .held_functions import RanksFunctions
 from .shipped_code import CodeSent, RanksCode, install
@@ -118,16 +117,15 @@ class Payload:
 def _import_path() -> tuple[str, ...]:
     """The kernel's import path, absolute (folders that do not exist cost a rank
     nothing). Worked out again only when the path changed, or, where it holds a relative
-    folder, the working directory: a session's every run sends it (the working
-    directory asked for without letting the kernel's other threads in: ``held_calls``)."""
+    folder, the working directory: a session's every run sends it."""
     global _import_path_seen
     path = tuple(sys.path)
     seen = _import_path_seen
     if seen is not None and seen[0] == path and (
-            seen[1] is None or seen[1] == held_calls.getcwd()):
+            seen[1] is None or seen[1] == os.getcwd()):
         return seen[2]
     relative = any(p and not os.path.isabs(p) for p in path)
-    cwd = held_calls.getcwd() if relative else None
+    cwd = os.getcwd() if relative else None
     absolute = tuple(os.path.abspath(p) for p in path if p)
     _import_path_seen = (path, cwd, absolute)
     return absolute

@@ -23,12 +23,12 @@ import threading
 import time
 from typing import Any
 
-from . import held_calls
 from .frames import HEADER_SIZE, body_size, decode, encode
 from .transfer import FileFollows, Inbox, Incoming, Outgoing
 
 MAC_BYTES = 32  # HMAC-SHA256
 _READ_AHEAD = 64 * 2**10  # bytes a link reads at once when it needs more
+_send_all = socket.socket.sendall  # (a test sends frames in pieces through it)
 
 
 def keyed_hmac(key: bytes, label: bytes) -> hmac.HMAC:
@@ -128,7 +128,7 @@ class SealedLink:
         """(Under the send lock.) A message's ``encode``d frame, sealed."""
         tag = seal(self._sealing, self._sent.to_bytes(8, "big"), frame)
         self._sent += 1
-        held_calls.send_all(self.sock, frame + tag)
+        _send_all(self.sock, frame + tag)
 
     def receive(self) -> Any:
         """The next message; ConnectionError if the link closed or a frame was forged."""
@@ -157,7 +157,7 @@ class SealedLink:
         after them, if it is: the peer closed, a frame failed its check (nothing from it
         on is unpickled), or a data file came, which such a link does not take."""
         try:
-            data = held_calls.recv_ready(self.sock, _READ_AHEAD)  # (None: a spurious wake-up)
+            data = _recv_ready(self.sock, _READ_AHEAD)  # (None: a spurious wake-up)
         except OSError as exc:
             return [], f"the connection broke: {exc}"
         if data is not None:
@@ -217,3 +217,12 @@ def _tune_tcp(sock: socket.socket) -> None:
     for option, value in (("TCP_KEEPIDLE", 60), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 6)):
         if hasattr(socket, option):
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+
+
+def _recv_ready(sock: socket.socket, size: int) -> bytes | None:
+    """Up to ``size`` bytes of what has arrived, without waiting (``b""``: the peer
+    closed); None if nothing has."""
+    try:
+        return sock.recv(size, socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None

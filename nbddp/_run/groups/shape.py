@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..._wire import held_calls
 from ..config import RunConfig
 from ..devices import visible_gpu_count
 
@@ -124,7 +123,7 @@ class GroupShape:
         env = rank_environment(config)
         return cls(sys.executable, config.nprocs, config.cuda_visible_devices,
                    visible_gpu_count(env.get("CUDA_VISIBLE_DEVICES")), config.backend,
-                   config.init, env, held_calls.getcwd(), config.max_restarts)
+                   config.init, env, os.getcwd(), config.max_restarts)
 
     @property
     def prepare(self) -> str | None:
