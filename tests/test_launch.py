@@ -76,24 +76,6 @@ def test_default_process_group_is_gloo_on_cpu_and_threads_stay_at_one():
     assert nbddp.launch(fn, 2) == ("gloo", 1, "1")
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH") or os.sched_getscheduler(0) != os.SCHED_OTHER,
-                    reason="Linux's scheduling policies, the caller under the default one")
-def test_cpu_ranks_torchrun_and_their_threads_run_as_batch_work_and_the_caller_does_not():
-    """What ``chrt -p`` would show: the ranks, a thread a rank starts, and torchrun are
-    SCHED_BATCH (a rank that wakes does not preempt the notebook); the kernel is not."""
-    def fn():
-        seen = {}
-        worker = threading.Thread(target=lambda: seen.update(thread=os.sched_getscheduler(0)))
-        worker.start()
-        worker.join()
-        return os.sched_getscheduler(0), seen["thread"], os.sched_getscheduler(os.getppid())
-
-    batch = os.SCHED_BATCH
-    ranks = nbddp.launch(fn, 2, all_ranks=True, env={"CUDA_VISIBLE_DEVICES": ""})  # CPU
-    assert ranks == [(batch, batch, batch)] * 2
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
-
-
 @pytest.mark.fast
 def test_rank_zero_output_is_streamed_live(capfd, tmp_path):
     go = tmp_path / "go"

@@ -183,28 +183,6 @@ def test_a_relay_serves_many_ranks_where_the_machine_has_a_core_for_it(monkeypat
 CPU = GroupShape(sys.executable, 4, "", 0, "gloo", True, {}, "/")
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux's scheduling policies")
-def test_cpu_ranks_are_batch_work_gpu_ranks_and_a_kernel_s_own_policy_are_kept(monkeypatch):
-    gpu = GroupShape(sys.executable, 2, "0,1", 2, "nccl", True, {}, "/")
-    monkeypatch.setattr(os, "sched_getscheduler", lambda pid: os.SCHED_OTHER)
-    assert cores.runs_as_batch(CPU) and not cores.runs_as_batch(gpu)
-    for chosen in (os.SCHED_IDLE, os.SCHED_FIFO):  # the user's chrt: passed on as it is
-        monkeypatch.setattr(os, "sched_getscheduler", lambda pid, chosen=chosen: chosen)
-        assert not cores.runs_as_batch(CPU)
-
-
-def test_making_a_process_batch_work_never_raises(monkeypatch):
-    """A process gone (reaped) before its policy is set, and a platform without the
-    policy: the group starts as it would have, under the default."""
-    child = subprocess.Popen(["true"])
-    child.wait()
-    cores.schedule_as_batch(child.pid)
-    ours = os.sched_getscheduler(0) if hasattr(os, "sched_getscheduler") else None
-    monkeypatch.delattr(os, "SCHED_BATCH", raising=False)
-    cores.schedule_as_batch(os.getpid())
-    assert ours is None or os.sched_getscheduler(0) == ours
-
-
 def test_a_kernel_held_to_one_core_counts_one():
     """As in a SLURM step or a cpuset given one core of a larger machine."""
     code = ("import os; from nbddp._local.cores import usable_cores; "

@@ -21,7 +21,7 @@ from .._errors import NbddpError
 from .._run.config import torchrun_environment
 from .._run.groups.shape import GroupShape
 from .._wire.rundir import LIFELINE_ABANDON, LIFELINE_GO, RunDir
-from .cores import runs_as_batch, schedule_as_batch, uses_relay
+from .cores import uses_relay
 
 _PF_EXITING = 0x4  # a process's flags (/proc/PID/stat) while it exits
 _SIGKILL = 1 << (signal.SIGKILL - 1)  # in a pending-signals mask
@@ -63,8 +63,6 @@ class LocalLauncher:
             raise
         finally:
             os.close(read_end)
-        if runs_as_batch(shape):
-            schedule_as_batch(self.process.pid)  # (torchrun waits for ``go``: see there)
         self._run_dir = run_dir
         self._early: threading.Thread | None = None
         self._ranks: dict[int, str] = {}  # pid -> start time, to recognise the process
