@@ -23,7 +23,7 @@ import hmac
 import secrets
 import socket
 
-from .sealed_link import MAC_BYTES, SealedLink, keyed_hmac, recv_exact, seal
+from .sealed_link import MAC_BYTES, SealedLink, recv_exact, seal
 
 KEY_BYTES = 32
 NONCE_BYTES = 32
@@ -37,7 +37,7 @@ def new_key() -> bytes:
 
 
 def _mac(key: bytes, label: bytes, *parts: bytes | memoryview) -> bytes:
-    return seal(keyed_hmac(key, label), *parts)
+    return seal(key, label, *parts)
 
 
 def _keys(key: bytes, kernel_nonce: bytes, rank_nonce: bytes) -> tuple[bytes, bytes]:
