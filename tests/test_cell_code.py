@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
-import pickle
 import sys
 import traceback
 
@@ -63,7 +62,7 @@ def test_a_syntax_error_is_raised_every_time():
             _run(cell, Scope())
 
 
-def test_a_quick_cell_s_report_is_a_plain_pickle_and_others_are_cloudpickle_s(monkeypatch):
+def test_a_cell_s_report_comes_back_as_it_was():
     plain = [CellResult(None, {}), CellResult(3.5, {}), CellResult(True, {}), CellResult(7),
              CellResult("text", {}), CellResult((1, "a", None), {}),
              CellResult({"loss": 0.5, "steps": (1, 2)}), CellResult(tuple(range(20)))]
@@ -71,14 +70,9 @@ def test_a_quick_cell_s_report_is_a_plain_pickle_and_others_are_cloudpickle_s(mo
     other = [CellResult(tensor, {}), CellResult(None, {"t": tensor}), CellResult([1, 2], {}),
              CellResult(lambda: 1, {}), CellResult(None, {"n": 1}), CellResult({1: 2}),
              CellResult(tuple(range(40))), CellResult(b"bytes"), CellResult((1, tensor))]
-    assert [dataplane.plain(value) for value in plain] == [True] * len(plain)
-    assert [dataplane.plain(value) for value in other] == [False] * len(other)
-    with monkeypatch.context() as patched:  # (the plain ones never meet nbddp's pickler)
-        patched.setattr(dataplane, "TensorPickler", None)
-        for value in plain:
-            packed = dataplane.pack(value, to_cpu=True)
-            assert packed.data == pickle.dumps(value, protocol=5) and not packed.buffers
-            assert dataplane.Packed(packed.data).load() == value
+    for value in plain:
+        packed = dataplane.pack(value, to_cpu=True)
+        assert not packed.buffers and dataplane.Packed(packed.data).load() == value
     for value in other:
         assert type(dataplane.pack(value, to_cpu=True).load()) is CellResult
     assert dataplane.pack(CellResult(tensor, {}), to_cpu=True).buffers  # (out of band)
@@ -100,25 +94,18 @@ def test_each_run_of_a_cell_defines_its_functions_with_code_of_their_own():
     assert _compiled.cache_info().currsize >= 1  # (compiled once all the same)
 
 
-def test_a_cell_with_plain_notebook_names_is_sent_as_a_plain_pickle_and_runs_alike(
-        monkeypatch):
-    """A session's cell brings no notebook names (the ranks hold them) or plain ones: it is
-    pickled without cloudpickle's pickler, and a rank unpacks the same cell."""
+def test_a_cell_and_its_notebook_names_reach_a_rank_as_they_were():
     plain = [Cell("\nNone\n", "cell-quick"),
              Cell("\nx = n * 2\nx\n", "cell-names", {"n": 21, "tag": "run"}, ("x",))]
     other = [Cell("\nf()\n", "cell-f", {"f": lambda: 1}),
              Cell("\nos.sep\n", "cell-module", {"os": os}),
              Cell("\nt.sum()\n", "cell-tensor", {"t": torch.ones(3)})]
-    assert [dataplane.plain((cell, (), {})) for cell in plain] == [True, True]
-    assert [dataplane.plain((cell, (), {})) for cell in other] == [False] * len(other)
     functions = RanksFunctions()
-    with monkeypatch.context() as patched:
-        patched.setattr(dataplane, "TensorPickler", None)
-        for cell in plain:
-            packed = Payload.capture(cell, (), {}).dumps(functions=functions)
-            assert packed.functions is functions and not packed.buffers
-            unpacked = Payload.unpack(packed)
-            assert unpacked.fn == cell and (unpacked.args, unpacked.kwargs) == ((), {})
+    for cell in plain:
+        packed = Payload.capture(cell, (), {}).dumps(functions=functions)
+        assert packed.functions is functions and not packed.buffers
+        unpacked = Payload.unpack(packed)
+        assert unpacked.fn == cell and (unpacked.args, unpacked.kwargs) == ((), {})
     assert _run(Payload.unpack(Payload.capture(plain[1], (), {}).dumps()).fn, Scope()) == \
         CellResult(42, {"x": 42})
     for cell in other:  # (by value, as before: cloudpickle)
@@ -131,21 +118,8 @@ def _self_referring() -> dict:
     return loop
 
 
-def test_a_large_deep_or_self_referring_value_is_not_walked_but_sent_by_cloudpickle():
-    """``plain`` looks at a bounded number of objects: a value that refers to itself, or
-    nests deeper than Python's recursion, or shares its parts many times over, is sent
-    as before, by cloudpickle (which handles all three), at once."""
-    deep: tuple = ()
-    for _ in range(2000):
-        deep = (deep,)
-    shared: tuple = (0,)
-    for _ in range(12):  # (16 ** 12 paths to walk, one pickle of 13 tuples)
-        shared = (shared,) * 16
-    for value in (_self_referring(), deep, shared):
-        assert not dataplane.plain(value)
-        assert not dataplane.plain(CellResult(value))
+def test_a_self_referring_notebook_name_reaches_a_rank_whole():
     cell = Cell("\nloop['n']\n", "cell-loop", {"loop": _self_referring()})
-    assert not dataplane.plain((cell, (), {}))
     sent = Payload.unpack(Payload.capture(cell, (), {}).dumps()).fn
     assert sent.namespace["loop"]["me"] is sent.namespace["loop"]
     assert _run(sent, Scope()).value == 1
@@ -163,11 +137,10 @@ class _CountedSends:
         yield
 
 
-def test_a_plain_payload_with_kept_copies_and_held_functions_skips_the_pickler(monkeypatch):
-    """As a session packs a cell: its kept copies still see the send (they sweep what is
+def test_a_payload_packed_with_kept_copies_and_held_functions_carries_both():
+    """As a session packs a cell: its kept copies see the send (they sweep what is
     outdated), and the ranks' held functions go along with the packed payload."""
     kept, functions = _CountedSends(), RanksFunctions()
-    monkeypatch.setattr(dataplane, "TensorPickler", None)
     packed = dataplane.pack((Cell("\nNone\n", "cell-quick"), (), {}), kept=kept,
                             functions=functions)
     assert kept.sends == 1 and packed.functions is functions and not packed.teaches

@@ -12,7 +12,7 @@ import ast
 import functools
 import linecache
 import os
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import CodeType
 from typing import Any
@@ -27,12 +27,6 @@ class CellResult:
 
     value: Any = None
     outputs: dict[str, Any] = field(default_factory=dict)
-
-    def __nbddp_plain__(self) -> tuple[Any, ...] | None:
-        """What must be plain for the report to be pickled plainly (``dataplane.plain``):
-        its value, when there are no ``--out`` names (a quick cell's report, four times
-        quicker to make); None: never."""
-        return None if self.outputs else (self.value,)
 
 
 @dataclass(frozen=True)
@@ -64,12 +58,6 @@ class Cell:
                  if n in user_ns and n not in ranks_own
                  and not (n in hidden and hidden[n] is user_ns[n])]
         return cls(source, filename, {n: user_ns[n] for n in names}, outputs)
-
-    def __nbddp_plain__(self) -> Iterable[Any]:
-        """What must be plain for the cell to be pickled plainly (``dataplane.plain``):
-        the notebook names' values it brings (a session's cells bring none: the ranks
-        hold them)."""
-        return self.namespace.values()
 
     def __nbddp_captured__(self) -> Iterator[tuple[str, Any]]:
         """What a user would recognise as shipped, for pickling errors and size warnings."""

@@ -45,8 +45,6 @@ _MAGIC = b"NBDDP-1\0"
 _HEAD = struct.Struct("<8sQQ")  # magic, pickle length, buffer count
 _SPAN = struct.Struct("<QQ")  # a buffer's offset and length
 _CHUNK = 1 << 30  # bytes per write call (Linux writes at most about 2 GiB at once)
-_PLAIN_VALUES = frozenset({type(None), bool, int, float, str})  # (no buffer, no code in them)
-_PLAIN_LOOKS = 32
 """``plain`` looks at this many objects at most, then says no: walking a large, deep or
 self-referring value in Python would cost what cloudpickle's C pickler saves (or never
 end)."""
@@ -89,14 +87,11 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
     Notebook functions the ranks hold go by number, where their ``functions`` are given
     (a session's ranks, every one of which takes the pickle)."""
     with contextlib.nullcontext() if kept is None else kept.sending():
-        if plain(value):  # (a quick cell and its None: the same bytes, without a pickler)
-            return Packed(pickle.dumps(value, protocol=5), functions=functions)
         return _pickled(value, to_cpu, out_of_band, kept, functions)
 
 
 def _pickled(value: Any, to_cpu: bool, out_of_band: bool, kept: Kept | None,
              functions: held_functions.RanksFunctions | None) -> Packed:
-    """``pack``'s way for what plain ``pickle`` cannot take as cloudpickle would."""
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -111,30 +106,6 @@ def _pickled(value: Any, to_cpu: bool, out_of_band: bool, kept: Kept | None,
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
                   frozenset(pickler.code_files), functions, frozenset(pickler.teaches),
                   frozenset(pickler.code_names))
-
-
-def plain(value: Any) -> bool:
-    """``value`` is None, a bool, a number or a string, a tuple or dict (string keys) of
-    such, or an object whose type's ``__nbddp_plain__`` names what it holds (None: not
-    plain), all of it such, in ``_PLAIN_LOOKS`` objects at most: pickle takes it as
-    cloudpickle would, with no code and no buffers to send apart."""
-    return _plain_within(value, [_PLAIN_LOOKS])
-
-
-def _plain_within(value: Any, looks: list[int]) -> bool:
-    looks[0] -= 1
-    if looks[0] < 0:
-        return False
-    kind = type(value)
-    if kind in _PLAIN_VALUES:
-        return True
-    if kind is tuple:
-        return all(_plain_within(item, looks) for item in value)
-    if kind is dict:
-        return all(type(key) is str and _plain_within(item, looks) for key, item in value.items())
-    holds = getattr(kind, "__nbddp_plain__", None)
-    held = holds(value) if holds is not None else None
-    return held is not None and all(_plain_within(item, looks) for item in held)
 
 
 # --- files ----------------------------------------------------------------------------
