@@ -1,11 +1,14 @@
 """Benchmark the fast paths kept for speed alone: each one on and off, through a real kernel.
 
-Six mechanisms exist only to make a cell or a call quicker. Each is measured here as a
+Two mechanisms exist only to make a cell or a call quicker. Each is measured here as a
 notebook meets it: a real Jupyter kernel with a session of 2 CPU ranks (gloo), each
 timed cell from the execute request until the kernel is idle, typed ``--gap`` seconds
 after the one before. The sides alternate, ON OFF, OFF ON, ..., so that a change in the
 machine's speed hits both alike. The figure is the share of the OFF side's median that
-ON saves; the issue's bar is 5% (``met``) or the mechanism goes (``MISSED``).
+ON saves; the issue's bar is 5% (``met``) or the mechanism goes (``MISSED``). Four more,
+held_calls, the plain-pickle quick cell, MAC copies and batch scheduling, were measured by
+this script before their deletion (records benchmarks/results/fast_paths-20261207-0219.json,
+-0226.json, -0232.json) and are gone.
 
 OFF is never a switch in nbddp's code: the module attribute that implements the
 mechanism is replaced, in the kernel and (by a ``Session.run_all`` of a toggle before
@@ -13,34 +16,12 @@ each timed cell) in each rank, with one that takes the plain path, and counts th
 was taken. Each OFF cell must have counted, each ON cell must not (less what the toggle
 run itself counts, measured before timing), or the run fails. What OFF means:
 
-held_calls (``_wire.held_calls``, ``ctypes.PyDLL`` calls that keep the GIL)
-    ``held_calls._libc`` (looked up as a global by every call there, at call time)
-    replaced by a function that returns None, in the kernel and the ranks: every held
-    call is then its plain ``os`` / ``socket`` call, which lets the GIL go, as that
-    module does where the C library cannot be loaded. Workload: ``%%ddp`` ``x = 1; x + 1``.
-plain (``_wire.dataplane.plain``, the plain-pickle quick cell)
-    ``dataplane.plain`` (a global of ``pack``) replaced by ``lambda value: False``, in
-    the kernel (a cell's payload) and the ranks (a cell's report): everything goes
-    through cloudpickle's ``TensorPickler``. Workload: the same trivial cell.
 held_functions (``_wire.held_functions``, notebook functions sent by number)
     ``RanksFunctions.held`` and ``RanksFunctions.number_for`` (methods the kernel's
     ``TensorPickler._function`` calls) made to return None in the kernel: a notebook
     function then goes as cloudpickle's own reduction, by value, every call, as it did
     before the ranks held functions. Workload: a cell ``session.run(f, 10)`` of a
     five-line notebook function.
-mac (``_wire.sealed_link.seal``'s copies of a keyed HMAC)
-    Every ``SealedLink``'s keyed MACs (``_sealing``, ``_checking``), in the kernel and
-    the ranks, replaced by an object whose ``copy()`` makes a new
-    ``hmac.new(key, b"frame\\0", sha256)``: what sealing a frame cost before copies.
-    The keys are recorded as the kernel makes its links (``sealed_link.keyed_hmac``
-    wrapped while the session starts); a rank finds its own among them by comparing
-    digests. A wrong key would break the link: each cell checks the keys too.
-    Workload: the trivial cell.
-batch (``_local.cores.schedule_as_batch``: ranks under ``SCHED_BATCH``)
-    Every thread of torchrun and the ranks set to ``SCHED_OTHER`` (what they run under
-    without the call), from this script, before the cell; ON sets ``SCHED_BATCH`` again,
-    as the launcher did. Every thread's policy is read back. Workload: a ``%%ddp``
-    all-reduce cell (what ``schedule_as_batch`` says it speeds up).
 relay_holding (``_rank.relay``: a node's ends held until all its ranks said theirs)
     Only a relay has it, and a local session uses one only from 16 ranks where the
     machine has a core beside each: here a second session of ``--relay-ranks`` ranks
@@ -90,37 +71,12 @@ NPROCS = 2
 
 HELPER = r'''
 """The benchmark's switches: the same module in the kernel and in each rank."""
-import gc
-import hashlib
-import hmac
+from nbddp._wire import held_functions
 
-from nbddp._wire import dataplane, held_calls, held_functions, sealed_link
-
-COUNT = {"held_calls": 0, "plain": 0, "held_functions": 0, "mac": 0,
-         "plain_yes": 0, "by_number": 0}
-ORIG = {"libc": held_calls._libc, "plain": dataplane.plain,
-        "held": held_functions.RanksFunctions.held,
+COUNT = {"held_functions": 0, "by_number": 0}
+ORIG = {"held": held_functions.RanksFunctions.held,
         "number_for": held_functions.RanksFunctions.number_for,
-        "by_number": held_functions.by_number, "keyed_hmac": sealed_link.keyed_hmac}
-KEYS = []  # (the kernel's) every key its links were made with
-LINKS = []
-STATE = {"mac_links": 0}
-
-
-def _no_libc():
-    COUNT["held_calls"] += 1
-    return None
-
-
-def _never_plain(value):
-    COUNT["plain"] += 1
-    return False
-
-
-def _probe_plain(value):
-    said = ORIG["plain"](value)
-    COUNT["plain_yes"] += bool(said)
-    return said
+        "by_number": held_functions.by_number}
 
 
 def _never_held(self, fn):
@@ -137,79 +93,19 @@ def _probe_by_number(*args):
     return ORIG["by_number"](*args)
 
 
-class FreshMac:
-    """In a link's keyed MAC's place: its copy is a new HMAC made from the key."""
-
-    __slots__ = ("key",)
-
-    def __init__(self, key):
-        self.key = key
-
-    def copy(self):
-        COUNT["mac"] += 1
-        return hmac.new(self.key, b"frame\0", hashlib.sha256)
-
-
-def record_keys(on):
-    """(The kernel, while its session starts) Keep every key a link is made with."""
-    def recording(key, label):
-        KEYS.append(bytes(key))
-        return ORIG["keyed_hmac"](key, label)
-    sealed_link.keyed_hmac = recording if on else ORIG["keyed_hmac"]
-
-
-def _key_of(mac, keys):
-    want = mac.digest()  # (digest() leaves the MAC as it was)
-    for key in keys:
-        if ORIG["keyed_hmac"](key, b"frame").digest() == want:
-            return key
-    return None
-
-
-def _set_mac(off, keys):
-    if not LINKS:
-        LINKS.extend(o for o in gc.get_objects() if type(o) is sealed_link.SealedLink)
-    switched = 0
-    for link in LINKS:
-        stock = link.__dict__.setdefault("_fastbench_macs", (link._sealing, link._checking))
-        if off:
-            send, receive = (_key_of(mac, keys or ()) for mac in stock)
-            if send is None or receive is None:
-                continue
-            link._sealing, link._checking = FreshMac(send), FreshMac(receive)
-        else:
-            link._sealing, link._checking = stock
-        switched += 1
-    STATE["mac_links"] = switched
-
-
-def counts():
-    said = dict(COUNT)
-    said["libc"] = ORIG["libc"]() is not None
-    said["mac_links"] = STATE["mac_links"]
-    return said
-
-
-def toggle(name, setting, keys=None):
+def toggle(name, setting):
     """The counts so far; then ``name`` set ON (False), OFF (True), or to record what
     the stock path does ("probe"); None: only the counts."""
-    said = counts()
+    said = dict(COUNT)
     if setting is None:
         return said
     off = setting is True
-    if name == "held_calls":
-        held_calls._libc = _no_libc if off else ORIG["libc"]
-    elif name == "plain":
-        dataplane.plain = (_probe_plain if setting == "probe"
-                           else _never_plain if off else ORIG["plain"])
-    elif name == "held_functions":
+    if name == "held_functions":
         functions = held_functions.RanksFunctions
         held_functions.by_number = (_probe_by_number if setting == "probe"
                                     else ORIG["by_number"])
         functions.held = _never_held if off else ORIG["held"]
         functions.number_for = _no_number if off else ORIG["number_for"]
-    elif name == "mac":
-        _set_mac(off, keys)
     return said
 '''
 
@@ -222,25 +118,25 @@ sys.modules["_fastbench_helper"] = _fb
 """
 
 SESSION_SETUP = """_fp_session = get_ipython().magics_manager.registry["DDPMagics"].session
-def _fp_rank(source, name, setting, keys):
+def _fp_rank(source, name, setting):
     import sys, types
     helper = sys.modules.get("_fastbench_helper")
     if helper is None:
         helper = types.ModuleType("_fastbench_helper")
         exec(source, helper.__dict__)
         sys.modules["_fastbench_helper"] = helper
-    return helper.toggle(name, setting, keys)
+    return helper.toggle(name, setting)
 def _fp_call(n):
     total = 0
     for i in range(n):
         total += i * i
     return total
-_fp_session.run_all(_fp_rank, _fp_src, "none", None, None)
+_fp_session.run_all(_fp_rank, _fp_src, "none", None)
 """
 
 TOGGLE = """_fp_out = {{"kernel_before": _fb.toggle({name!r}, None)}}
-_fb.toggle({name!r}, {setting!r}, _fb.KEYS)
-_fp_out["ranks_before"] = _fp_session.run_all(_fp_rank, None, {name!r}, {setting!r}, {keys})
+_fb.toggle({name!r}, {setting!r})
+_fp_out["ranks_before"] = _fp_session.run_all(_fp_rank, None, {name!r}, {setting!r})
 _fp_out["kernel_after"] = _fb.toggle({name!r}, None)
 """
 
@@ -300,9 +196,6 @@ def _fp_wrapped(*args, **kwargs):
 _fp_launcher.torchrun_command = _fp_wrapped
 """
 
-TRIVIAL = "%%ddp\nx = 1\nx + 1"
-ALL_REDUCE = "%%ddp\nt = torch.ones(1)\ndist.all_reduce(t)\nfloat(t)"
-
 
 @dataclass(frozen=True)
 class Mechanism:
@@ -310,29 +203,14 @@ class Mechanism:
     what: str
     workload: str
     expected: str
-    kernel_side: bool = True
-    rank_side: tuple[int, ...] = ()
-    """The ranks on which an OFF cell must count (the patch is installed on every rank)."""
-    how: str = "cell"  # cell: toggled by a kernel cell; sched: by this script; relay: signal
+    how: str = "cell"  # cell: toggled by a kernel cell; relay: by a signal
 
 
-def mechanisms() -> list[Mechanism]:
-    """The six, for a session of ``NPROCS`` ranks."""
-    return [
-        Mechanism("held_calls", "held_calls through ctypes.PyDLL", TRIVIAL, "2",
-                  rank_side=tuple(range(NPROCS))),
-        Mechanism("plain", "the plain-pickle quick cell", TRIVIAL, "2", rank_side=(0,)),
-        Mechanism("held_functions", "held functions (Session.run)",
-                  "_fp_session.run(_fp_call, 10)", "285"),
-        Mechanism("mac", "MAC copies", TRIVIAL, "2", rank_side=tuple(range(NPROCS))),
-        Mechanism("batch", "batch scheduling (SCHED_BATCH ranks)", ALL_REDUCE, f"{NPROCS}.0",
-                  kernel_side=False, how="sched"),
-        Mechanism("relay_holding", "the relay's answer holding", "%%ddp\n1 + 1", "2",
-                  kernel_side=False, how="relay"),
-    ]
-
-
-MECHANISMS = mechanisms()
+MECHANISMS = [
+    Mechanism("held_functions", "held functions (Session.run)",
+              "_fp_session.run(_fp_call, 10)", "285"),
+    Mechanism("relay_holding", "the relay's answer holding", "%%ddp\n1 + 1", "2", how="relay"),
+]
 
 
 class Failed(RuntimeError):
@@ -376,8 +254,7 @@ class Kernel:
     def toggle(self, name: str, setting: bool | str | None) -> dict[str, Any]:
         """Set ``name`` in the kernel and every rank; the counts before (kernel and
         ranks) and the kernel's after."""
-        keys = "_fb.KEYS" if name == "mac" else "None"
-        content, _ = self.run(TOGGLE.format(name=name, setting=setting, keys=keys),
+        content, _ = self.run(TOGGLE.format(name=name, setting=setting),
                               expressions={"out": "_fp_out"})
         said = content["user_expressions"]["out"]
         if said.get("status") != "ok":
@@ -425,32 +302,14 @@ def preflight(k: Kernel, mech: Mechanism) -> dict[str, Any]:
     checks: dict[str, Any] = {}
     off = checks["off"] = cell_counts(k, mech, True, mech.name)
     problems = []
-    if mech.kernel_side and off["kernel"] <= 0:
+    if off["kernel"] <= 0:
         problems.append(f"the kernel took no OFF path ({off})")
-    problems += [f"rank {r} took no OFF path ({off})" for r in mech.rank_side
-                 if off["ranks"][r] <= 0]
-    if mech.name == "held_calls":
-        stock = k.toggle(mech.name, False)
-        checks["libc_loaded"] = [stock["kernel_before"]["libc"],
-                                 *(r["libc"] for r in stock["ranks_before"])]
-        if not all(checks["libc_loaded"]):
-            problems.append("the C library is not loaded: ON is the plain path too")
-    elif mech.name == "plain":
-        probe = checks["on_plain_pickles"] = cell_counts(k, mech, "probe", "plain_yes")
-        if probe["kernel"] <= 0 or probe["ranks"][0] <= 0:
-            problems.append(f"ON does not pickle the cell plainly ({probe})")
-    elif mech.name == "held_functions":
+    if mech.name == "held_functions":
         k.toggle(mech.name, False)
         k.timed(mech.workload, mech.expected)  # (taught, if it was not)
         probe = checks["on_by_number"] = cell_counts(k, mech, "probe", "by_number")
         if probe["kernel"] <= 0:
             problems.append(f"ON does not send the function by number ({probe})")
-    elif mech.name == "mac":
-        macs = k.toggle(mech.name, False)
-        checks["links_switched"] = [macs["kernel_before"]["mac_links"],
-                                    *(r["mac_links"] for r in macs["ranks_before"])]
-        if checks["links_switched"][0] < NPROCS or min(checks["links_switched"][1:]) < 1:
-            problems.append(f"links not all switched: {checks['links_switched']}")
     k.toggle(mech.name, False)
     if problems:
         raise Failed(f"{mech.name}: " + "; ".join(problems))
@@ -464,43 +323,13 @@ def check_sample(mech: Mechanism, side: str, before: dict[str, Any], after: dict
                             before["ranks_before"], after["ranks_before"], mech.name)
     if side == "off":
         ranks = [r - t for r, t in zip(ranks, tail, strict=True)]
-        bad = (mech.kernel_side and kernel <= 0) or any(ranks[r] <= 0 for r in mech.rank_side)
+        bad = kernel <= 0
     else:
         bad = kernel != 0 or any(ranks)
     if bad:
         raise Failed(f"{mech.name}: a timed {side.upper()} cell counted kernel {kernel}, "
                      f"ranks {ranks}: the patch did not hold")
     return {"side": side, "kernel": kernel, "ranks": ranks}
-
-
-# --- batch scheduling: set from here ------------------------------------------------------
-
-
-def threads(pids: set[int]) -> list[int]:
-    found = []
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            found += [int(task.name) for task in Path(f"/proc/{pid}/task").iterdir()]
-    return found
-
-
-def set_policy(k: Kernel, policy: int) -> dict[str, int]:
-    """Every thread of torchrun and the ranks under ``policy``; how many, read back."""
-    tids = threads(k.processes())
-    for tid in tids:
-        with contextlib.suppress(ProcessLookupError):
-            os.sched_setscheduler(tid, policy, os.sched_param(0))
-    return policy_counts(tids)
-
-
-def policy_counts(tids: list[int]) -> dict[str, int]:
-    names = {os.SCHED_OTHER: "SCHED_OTHER", os.SCHED_BATCH: "SCHED_BATCH"}
-    said: dict[str, int] = {}
-    for tid in tids:
-        with contextlib.suppress(ProcessLookupError):
-            name = names.get(os.sched_getscheduler(tid), "other policy")
-            said[name] = said.get(name, 0) + 1
-    return said
 
 
 # --- the relay's answer holding: switched by a signal ------------------------------------
@@ -567,18 +396,6 @@ def measure(k: Kernel, mech: Mechanism, rounds: int, gap: float, warm_up: int,
         checks = preflight(k, mech)
         tail = checks["off"]["toggle_tail"]
         set_side = lambda side: k.toggle(mech.name, side == "off")  # noqa: E731
-    elif mech.how == "sched":
-        stock = policy_counts(threads(k.processes()))
-        checks = {"policies_as_started": stock}
-        if set(stock) != {"SCHED_BATCH"}:
-            raise Failed(f"batch: the ranks did not start as batch work: {stock}")
-        policy = {"on": os.SCHED_BATCH, "off": os.SCHED_OTHER}
-
-        def set_side(side: str) -> dict[str, int]:
-            said = set_policy(k, policy[side])
-            if set(said) != {"SCHED_BATCH" if side == "on" else "SCHED_OTHER"}:
-                raise Failed(f"batch: {side}: policies {said}")
-            return said
     else:
         assert relay is not None
         checks = {}
@@ -595,14 +412,12 @@ def measure(k: Kernel, mech: Mechanism, rounds: int, gap: float, warm_up: int,
         after = set_side(order[i + 1] if i + 1 < len(order) else "on")
         if mech.how == "cell":
             verified.append(check_sample(mech, side, before, after, tail))
-        elif mech.how == "relay":
+        else:
             calls = after["calls"] - before["calls"]
             if side == "on" and calls:
                 raise Failed(f"relay: a timed ON cell asked the patched awaited {calls} times")
             verified.append({"side": side, "calls": calls,
                              "would_hold": after["would_hold"] - before["would_hold"]})
-        else:
-            verified.append({"side": side, "policies": before})
         before = after
     on, off = statistics.median(samples["on"]), statistics.median(samples["off"])
     paired = [o - n for n, o in zip(samples["on"], samples["off"], strict=True)]
@@ -636,10 +451,8 @@ def run_all(opts: argparse.Namespace, folder: Path) -> dict[str, Any]:
         k.run(KERNEL_SETUP.format(helper=HELPER))
         main = [m for m in chosen if m.how != "relay"]
         if main:
-            k.run(f"_fb.record_keys(True)\n%ddp_session start --nprocs {NPROCS}\n"
-                  "_fb.record_keys(False)", 300)
+            k.run(f"%ddp_session start --nprocs {NPROCS}", 300)
             k.run(SESSION_SETUP)
-            k.run("%%ddp\nimport torch, torch.distributed as dist")
             k.processes()
             for mech in main:
                 print(f"{mech.name}: {opts.rounds} cells each side, {opts.gap} s apart",
@@ -705,7 +518,6 @@ def print_one(name: str, r: dict[str, Any], label: str) -> None:
 
 
 def main() -> None:
-    global NPROCS, MECHANISMS
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=25,
                         help="cells each side, per mechanism (default 25)")
@@ -714,9 +526,6 @@ def main() -> None:
                              "(default 1.0)")
     parser.add_argument("--warm-up", type=int, default=2,
                         help="untimed rounds first, per mechanism (default 2)")
-    parser.add_argument("--nprocs", type=int, default=NPROCS,
-                        help=f"ranks of the main session (default {NPROCS}; batch "
-                             "scheduling is for ranks that fill the cores)")
     parser.add_argument("--relay-ranks", type=int, default=4,
                         help="ranks of the relay's session (default 4)")
     parser.add_argument("--only", type=lambda s: s.split(","), default=None,
@@ -724,8 +533,6 @@ def main() -> None:
                              ",".join(m.name for m in MECHANISMS))
     add_options(parser)
     opts = parser.parse_args()
-    NPROCS = opts.nprocs
-    MECHANISMS = mechanisms()
     unknown = set(opts.only or ()) - {m.name for m in MECHANISMS}
     if unknown:
         parser.error(f"unknown mechanisms: {sorted(unknown)}")
