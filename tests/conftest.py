@@ -154,25 +154,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for mark in notebook_marks(item):
             item.add_marker(mark)
-    if LANE:
-        if LANE not in ("waiting", "busy"):
-            raise pytest.UsageError(f"NBDDP_TEST_LANE is 'waiting' or 'busy', not {LANE!r}")
-        mine, others = [], []
-        for item in items:
-            (mine if lane_of(item) == LANE else others).append(item)
-        config.hook.pytest_deselected(items=others)
-        items[:] = mine
-    _ray_modules_first(items)
-
-
-def _ray_modules_first(items: list[pytest.Item]) -> None:
-    """The modules whose tests use the lane's Ray cluster first (each module's tests in
-    their order), so the cluster is started once and stopped when the last is done."""
-    global _LAST_RAY_USER
-    users = {item.path for item in items if uses_shared_ray(item)}
-    items.sort(key=lambda item: item.path not in users)  # (a stable sort)
-    last = [item.nodeid for item in items if item.path in users][-1:]
-    _LAST_RAY_USER = last[0] if last else None
+    if not LANE:
+        return
+    if LANE not in ("waiting", "busy"):
+        raise pytest.UsageError(f"NBDDP_TEST_LANE is 'waiting' or 'busy', not {LANE!r}")
+    mine, others = [], []
+    for item in items:
+        (mine if lane_of(item) == LANE else others).append(item)
+    config.hook.pytest_deselected(items=others)
+    items[:] = mine
 
 
 LANE_SHM: str | None = None
@@ -270,9 +260,7 @@ def no_leftovers():
     yield
 
     def leftovers() -> tuple[set, set, set]:
-        ray = ray_cluster_processes()
-        return ({pid for pid in descendants() - before_procs
-                 if not rays_own(pid) and pid not in ray},
+        return ({pid for pid in descendants() - before_procs if not rays_own(pid)},
                 run_dirs() - before_dirs, socket_fds() - before_socks)
 
     deadline = time.monotonic() + LEFTOVER_GRACE
@@ -314,59 +302,6 @@ def wait_until(condition, timeout: float = 30.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout} s: {condition}")
-
-
-# --- the lane's Ray cluster -----------------------------------------------------------
-
-_RAY = None
-"""The lane's two-node Ray cluster (``tests/ray_cluster.py``) once a test asked for it."""
-_LAST_RAY_USER: str | None = None
-"""The last test of the last module that uses it: the cluster is stopped after it."""
-
-
-def uses_shared_ray(item: pytest.Item) -> bool:
-    """Whether ``item`` runs on the lane's Ray cluster: it asks for ``ray_cluster``, or it
-    is marked ``ray`` and asks for no cluster of its own (a docs page asks as it goes)."""
-    names = getattr(item, "fixturenames", ())
-    return "ray_cluster" in names or (item.get_closest_marker("ray") is not None
-                                      and "hiding_ray_cluster" not in names
-                                      and item.get_closest_marker("gpu") is None)
-
-
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """The lane's two-node Ray cluster, started once (a cluster takes a minute to start
-    on 2 busy cores) and stopped after the last module that uses it (the lane runs those
-    modules first). Each test leaves it as it found it: no nbddp actor or placement group
-    (a test checks ``wait_empty``), both nodes up (``replace_lost_node``)."""
-    global _RAY
-    from .ray_cluster import RayCluster, unavailable
-
-    if _RAY is None:
-        reason = unavailable()
-        if reason:
-            missing("ray", reason)
-        _RAY = RayCluster().start(nodes=2)
-    return _RAY
-
-
-def _stop_ray() -> None:
-    global _RAY
-    if _RAY is not None:
-        _RAY.stop()
-        _RAY = None
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    yield
-    if item.nodeid == _LAST_RAY_USER or nextitem is None:
-        _stop_ray()
-
-
-def ray_cluster_processes() -> set[int]:
-    """The lane's Ray cluster's own processes, which outlive the test that started it."""
-    return _RAY.own_processes() if _RAY is not None else set()
 
 
 # --- real Jupyter kernels -------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A real two-node Ray cluster on this machine, shared by a lane's Ray tests.
+"""A real two-node Ray cluster on this machine, for one test module.
 
 Two ``ray start`` processes on ports of their own (1 CPU each, no dashboard, a temp dir
 of their own), the second joining the first: two Ray nodes that share this machine's
@@ -118,27 +118,6 @@ class RayCluster:
         _stop_processes(pids)  # (reaped)
         self.nodes[index] = set()
 
-    def replace_lost_node(self, index: int) -> None:
-        """Node ``index`` (killed by a test, as a machine that is lost) replaced by a new
-        one, so the next test finds the cluster whole: what is left of the old node is
-        stopped, and a new node joins (Ray marks the old one dead on its own)."""
-        _stop_processes(self.nodes[index])
-        self._start_node([f"--address={self.address}"])
-        self.nodes[index] = self.nodes.pop()
-        deadline = time.monotonic() + 90  # (Ray's health check takes some 30 s)
-        while self.alive_nodes() != len(self.nodes):
-            assert time.monotonic() < deadline, "Ray still counts the lost node alive"
-            time.sleep(1)
-
-    def alive_nodes(self) -> int:
-        """How many nodes Ray counts alive (asked by a driver of its own)."""
-        return self._ask("print(json.dumps(sum(n['Alive'] for n in ray.nodes())))")
-
-    def own_processes(self) -> set[int]:
-        """The processes ``ray start`` left running for the nodes (not those the nodes
-        started since: nbddp's agents and ranks among them)."""
-        return set().union(*self.nodes) if self.nodes else set()
-
     def stop_node(self, index: int) -> None:
         """Node ``index`` goes with every process it started, by PID (a node a test
         added for itself)."""
@@ -148,19 +127,16 @@ class RayCluster:
     def state(self) -> dict:
         """What the cluster holds of nbddp: live actors of the nbddp namespace, placement
         groups not removed (asked by a driver of its own, in a process of its own)."""
-        return self._ask("""
+        script = f"""
+import json, ray
+ray.init(address={self.address!r}, logging_level="ERROR", log_to_driver=False)
 actors = [a for a in ray._private.state.actors().values()
           if a.get("State") != "DEAD" and a.get("Name", "").startswith("nbddp-")]
 groups = [g for g in ray.util.placement_group_table().values()
           if g.get("state") != "REMOVED" and g.get("name", "").startswith("nbddp-")]
-print(json.dumps({"actors": [a["Name"] for a in actors],
-                  "placement_groups": [g["name"] for g in groups]}))
-""")
-
-    def _ask(self, script: str):
-        """What ``script`` prints last, as JSON, run in a Ray driver of its own."""
-        script = (f"import json, ray\nray.init(address={self.address!r}, "
-                  f"logging_level='ERROR', log_to_driver=False)\n{script}")
+print(json.dumps({{"actors": [a["Name"] for a in actors],
+                   "placement_groups": [g["name"] for g in groups]}}))
+"""
         done = subprocess.run([sys.executable, "-c", script], env=self.env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr

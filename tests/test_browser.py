@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import descendants, rays_own
+from .test_ray_session import ray_cluster as ray_cluster  # noqa: F401 - a fixture
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",

@@ -22,7 +22,10 @@ from nbddp._wire.rundir import parse_address
 from .conftest import wait_until
 from .kernel_driver import Kernel
 from .slurm import job_ended
-from .test_ray_session import MAPPED_FROM
+from .test_ray_session import (
+    MAPPED_FROM,
+    ray_cluster,  # noqa: F401 - the module's own cluster
+)
 from .test_ray_session import setup_cell as ray_setup_cell
 from .test_slurm_session import session_jobs, start_session  # noqa: F401 - fixture
 

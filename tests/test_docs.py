@@ -129,16 +129,13 @@ def test_page_examples_run(page: Path, tmp_path: Path, monkeypatch, request):
     work = tmp_path / "work"
     work.mkdir()
     kernel = Kernel(work)
-    clusters: list = []  # the lane's Ray cluster, once the page runs on it
+    clusters: list = []  # a Ray cluster the page runs on, once started
     try:
-        _run_page(kernel, page, clusters, request)
+        _run_page(kernel, page, clusters)
     finally:
         kernel.shutdown()
-    for cluster in clusters:  # (the lane's next Ray test finds it as this page did)
-        left = cluster.wait_empty()
-        if left["actors"] or left["placement_groups"]:
-            cluster.remove_sessions()
-        assert left == {"actors": [], "placement_groups": []}, f"the page left {left} on Ray"
+        for cluster in clusters:
+            cluster.stop()
     # Nothing nbddp made for a run is left, whatever the page did.
     wait_until(lambda: not list(private_tmp.glob("nbddp-*")), timeout=10)
 
@@ -153,20 +150,21 @@ def _slurm_ready(kernel: Kernel) -> str | None:
     return reason
 
 
-def _ray_ready(kernel: Kernel, clusters: list, request) -> str | None:
-    """Name the lane's two-node Ray cluster to the kernel (started now if no test of the
-    lane has yet); why there can be none, or None."""
-    from .ray_cluster import unavailable
+def _ray_ready(kernel: Kernel, clusters: list) -> str | None:
+    """Start a two-node Ray cluster for the page, and name it to the kernel; why none
+    can be started, or None."""
+    from .ray_cluster import RayCluster, unavailable
 
     reason = unavailable()
     if reason is None:
-        cluster = request.getfixturevalue("ray_cluster")
+        cluster = RayCluster()
         clusters.append(cluster)
+        cluster.start(nodes=2)
         kernel.run(f"import os; os.environ['RAY_ADDRESS'] = {cluster.address!r}").assert_ok()
     return reason
 
 
-def _run_page(kernel: Kernel, page: Path, clusters: list, request) -> None:
+def _run_page(kernel: Kernel, page: Path, clusters: list) -> None:
     previous, slurm_checked, ray_checked = None, False, False
     for block in blocks(page):
         where = f"{page.relative_to(DOCS.parent)}:{block.line}"
@@ -177,7 +175,7 @@ def _run_page(kernel: Kernel, page: Path, clusters: list, request) -> None:
                 missing("slurm", f"{where} and after need SLURM: {reason}")
         if block.needs_ray and not ray_checked:
             ray_checked = True
-            reason = _ray_ready(kernel, clusters, request)
+            reason = _ray_ready(kernel, clusters)
             if reason:
                 missing("ray", f"{where} and after need Ray: {reason}")
         if block.lang == "python":

@@ -47,9 +47,7 @@ def notebook_folder(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hiding_ray_cluster(notebook_folder):
-    """This module's own two-node cluster, whose worker cannot see the notebook's folder
-    (not the lane's, whose nodes see every folder)."""
+def ray_cluster(notebook_folder):
     reason = unavailable() or hiding_unavailable()
     if reason:
         missing("ray", reason)
@@ -61,10 +59,10 @@ def hiding_ray_cluster(notebook_folder):
 
 
 @pytest.fixture(scope="module")
-def kernel(hiding_ray_cluster, notebook_folder):
+def kernel(ray_cluster, notebook_folder):
     kernel = Kernel(notebook_folder)
     try:
-        kernel.run(f"import os\nos.environ['RAY_ADDRESS'] = {hiding_ray_cluster.address!r}\n"
+        kernel.run(f"import os\nos.environ['RAY_ADDRESS'] = {ray_cluster.address!r}\n"
                    "import nbddp\n%load_ext nbddp").assert_ok()
         kernel.run("%ddp_session start --ray --nodes 2 --nprocs 1 --cpus-per-node 0.5",
                    timeout=180).assert_ok()
@@ -72,7 +70,7 @@ def kernel(hiding_ray_cluster, notebook_folder):
         kernel.run("%ddp_session stop").assert_ok()
     finally:
         kernel.shutdown()
-    assert hiding_ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+    assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
 
 
 def every_rank(kernel: Kernel, value: str, before: str = "") -> list:
@@ -173,28 +171,28 @@ def test_files_and_variables_go_rays_way_with_runtime_env(kernel, notebook_folde
     assert eval(run.result()) == [(0, ["cat", "dog"], "pets"),  # noqa: S307
                                   (1, ["cat", "dog"], "pets")]
 
-def with_a_third_node(hiding_ray_cluster: RayCluster, kernel: Kernel, node: dict,
+def with_a_third_node(ray_cluster: RayCluster, kernel: Kernel, node: dict,
                       then: str = "") -> str:
     """What the kernel printed trying a session on three nodes (the third made with
     ``node``'s arguments, and gone after), then running ``then``."""
-    hiding_ray_cluster.add_node(**node)
+    ray_cluster.add_node(**node)
     try:
         run = kernel.run("three = nbddp.Ray(nodes=3, cpus_per_node=0.5)\n"
                          "try:\n    nbddp.Session(nprocs=1, cluster=three)\n"
                          "except nbddp.NbddpError as exc:\n    print('refused:', exc)\n"
                          + textwrap.dedent(then), timeout=300)
     finally:
-        hiding_ray_cluster.stop_node(len(hiding_ray_cluster.nodes) - 1)
+        ray_cluster.stop_node(len(ray_cluster.nodes) - 1)
     return run.assert_ok().stream_text()
 
 
 def test_a_node_with_another_torch_is_named_before_any_cell_runs(
-        hiding_ray_cluster, kernel, tmp_path_factory):
+        ray_cluster, kernel, tmp_path_factory):
     fake = tmp_path_factory.mktemp("other-torch")
     (fake / "torch-1.0.0.dist-info").mkdir()
     (fake / "torch-1.0.0.dist-info" / "METADATA").write_text(
         "Metadata-Version: 2.1\nName: torch\nVersion: 1.0.0\n")
-    said = with_a_third_node(hiding_ray_cluster, kernel, {"env": {"PYTHONPATH": str(fake)}}, """\
+    said = with_a_third_node(ray_cluster, kernel, {"env": {"PYTHONPATH": str(fake)}}, """\
         try:
             nbddp.launch(print, nprocs=1, cluster=three)
         except nbddp.WorkerError as exc:
@@ -207,21 +205,21 @@ def test_a_node_with_another_torch_is_named_before_any_cell_runs(
     assert kernel.run("%%ddp\n'cells still run'").assert_ok().result() == "'cells still run'"
 
 
-def test_a_node_without_nbddp_is_named_before_any_cell_runs(hiding_ray_cluster, kernel):
+def test_a_node_without_nbddp_is_named_before_any_cell_runs(ray_cluster, kernel):
     import nbddp
 
-    said = with_a_third_node(hiding_ray_cluster, kernel, {"hidden": Path(nbddp.__file__).parent})
+    said = with_a_third_node(ray_cluster, kernel, {"hidden": Path(nbddp.__file__).parent})
     assert "refused: the session's ranks cannot run here: nbddp cannot be imported on " \
            "Ray node " in said, said
     assert "No module named 'nbddp'" in said and "one image" in said
 
 
-def test_a_node_that_vanishes_mid_cell_is_named_as_lost(hiding_ray_cluster, kernel):
+def test_a_node_that_vanishes_mid_cell_is_named_as_lost(ray_cluster, kernel):
     """Every process of the node that cannot see the notebook's folder is killed at
     once while a cell runs there (last in the module: the cluster is a node short)."""
     run = kernel.submit("%%ddp\nimport time\nprint('working', flush=True)\ntime.sleep(120)")
     run.wait_for_output("working")
-    hiding_ray_cluster.kill_everything_of_node(1)
+    ray_cluster.kill_everything_of_node(1)
     run.finish(timeout=120)
     text = run.describe()
     assert run.error() is not None, text

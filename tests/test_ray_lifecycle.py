@@ -23,6 +23,7 @@ from .conftest import wait_until
 from .kernel_driver import Execution, Kernel
 from .ray_cluster import RayCluster
 from .test_ray_session import START, cell, setup_cell
+from .test_ray_session import ray_cluster as ray_cluster  # noqa: F401 - this module's own
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.waits]
 
@@ -294,8 +295,8 @@ def test_a_placement_ray_cannot_make_says_so_and_ctrl_c_leaves_nothing(ray_clust
 def test_a_node_lost_mid_cell_ends_the_cell_naming_the_node(ray_cluster, tmp_path):
     """The second node's raylet dies while a cell runs, as a machine that is lost: the
     cell ends within seconds, the error says which node and that the state is gone, and
-    nothing of the session is left on either node. A new node then takes the lost one's
-    place, for the lane's next Ray test."""
+    nothing of the session is left on either node. (Last in the module: the cluster is
+    one node short after it.)"""
     try:
         with ray_kernel(ray_cluster, tmp_path) as (kernel, _):
             cell(kernel, "kept = 1").assert_ok()
@@ -315,4 +316,3 @@ def test_a_node_lost_mid_cell_ends_the_cell_naming_the_node(ray_cluster, tmp_pat
             assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
     finally:
         ray_cluster.remove_sessions()
-        ray_cluster.replace_lost_node(1)

@@ -12,13 +12,26 @@ from __future__ import annotations
 
 import pytest
 
+from .conftest import missing
 from .kernel_driver import Kernel
-from .ray_cluster import RayCluster
+from .ray_cluster import RayCluster, unavailable
 from .test_pdb import answer
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.waits]
 
 START = "%ddp_session start --ray --nodes 2 --nprocs 1"
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    reason = unavailable()
+    if reason:
+        missing("ray", reason)
+    cluster = RayCluster()
+    try:
+        yield cluster.start(nodes=2)
+    finally:
+        cluster.stop()
 
 
 def setup_cell(cluster: RayCluster) -> str:
