@@ -540,7 +540,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         results = run_all(opts, Path(tmp))
     print(f"\nfast paths, ON against OFF, medians of {opts.rounds} cells each, "
-          f"{NPROCS} CPU ranks (gloo), cells {opts.gap} s apart{record.label}:")
+          f"{NPROCS} CPU ranks (gloo; the relay's session {opts.relay_ranks}), cells {opts.gap} s "
+          f"apart{record.label}:")
     for name, r in results.items():
         print_one(name, r, record.label)
     record.write({"nprocs": NPROCS, "target_saved_pct": TARGET, "mechanisms": results})
