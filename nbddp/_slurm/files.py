@@ -9,10 +9,6 @@ from this module.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from .._wire.rundir import RunDir
-
 JOB = "job.json"
 """A submitted job's id and shape, to follow it again from a new kernel."""
 SBATCH = "job.sbatch"
@@ -27,19 +23,3 @@ STOP_FILE = "stop-requested"
 by ``STOP_FILE_ENV``)."""
 REQUEUE_FILE = "requeue-requested"
 """A rank ended with ``requeue()``; the batch script requeues the job."""
-
-
-def job_file(run_dir: RunDir) -> Path:
-    return run_dir.path / JOB
-
-
-def sbatch_file(run_dir: RunDir) -> Path:
-    return run_dir.path / SBATCH
-
-
-def session_file(run_dir: RunDir) -> Path:
-    return run_dir.path / SESSION
-
-
-def node_epilog_file(run_dir: RunDir) -> Path:
-    return run_dir.path / NODE_EPILOG

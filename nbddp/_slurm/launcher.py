@@ -29,7 +29,7 @@ from .._run.config import RunConfig
 from .._run.groups.shape import rank_environment
 from .._run.records import folders, records_root
 from .._wire.rundir import RunDir
-from .files import job_file, sbatch_file
+from .files import JOB, SBATCH
 from .options import SlurmOptions
 from .sbatch import submission_sbatch_text
 
@@ -142,12 +142,12 @@ def kernel_host() -> str:
 
 def submit(run_dir: RunDir, config: RunConfig, options: SlurmOptions) -> str:
     """Write the job's sbatch file and shape into ``run_dir``, ``sbatch`` it; the job id."""
-    script = sbatch_file(run_dir)
+    script = run_dir.path / SBATCH
     script.write_text(submission_sbatch_text(str(run_dir.path), sys.executable, options))
     job_id = sbatch(script, rank_environment(config))
     shape = {"job_id": job_id, "nprocs": config.nprocs, "all_ranks": config.all_ranks,
              "output": config.output}
-    run_dir.write_private(job_file(run_dir), json.dumps(shape).encode())
+    run_dir.write_private(run_dir.path / JOB, json.dumps(shape).encode())
     return job_id
 
 
@@ -162,7 +162,7 @@ def sbatch(script: Path, env: dict[str, str], cwd: str | None = None) -> str:
 def read_shape(run_dir: RunDir) -> dict[str, Any]:
     """What ``submit`` recorded: the job id, world size, ``all_ranks`` and ``output``."""
     try:
-        return json.loads(job_file(run_dir).read_text())
+        return json.loads((run_dir.path / JOB).read_text())
     except (OSError, ValueError) as exc:
         raise NbddpError(f"{run_dir.path} is not the run folder of a submitted job "
                          f"({exc})") from None
@@ -173,7 +173,7 @@ def find_run_dir(job_id: str) -> RunDir:
     root = records_root()
     for folder in reversed(folders(root)):
         run_dir = RunDir.of_job(folder)
-        if not job_file(run_dir).exists():
+        if not (run_dir.path / JOB).exists():
             continue
         with contextlib.suppress(NbddpError):
             if read_shape(run_dir)["job_id"] == job_id:

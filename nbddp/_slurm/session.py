@@ -33,7 +33,7 @@ from .._run.records import Records, folders, records_root
 from .._run.session.remote import RemoteSessionGroup
 from .._wire.handshake import new_key
 from .._wire.rundir import RunDir, read_own_key
-from .files import node_epilog_file, sbatch_file, session_file
+from .files import NODE_EPILOG, SBATCH, SESSION
 from .follow import show_job_state
 from .launcher import JobStatus, SlurmLauncher, job_status, kernel_host, sbatch
 from .options import SlurmOptions
@@ -65,7 +65,7 @@ class SessionRecord:
 
     @classmethod
     def read(cls, run_dir: RunDir) -> SessionRecord:
-        fields = json.loads(session_file(run_dir).read_text())
+        fields = json.loads((run_dir.path / SESSION).read_text())
         options = fields.pop("options")
         options["extra"] = tuple(options["extra"])
         return cls(options=SlurmOptions(**options), **fields)
@@ -109,7 +109,7 @@ class SlurmSessionGroup(RemoteSessionGroup):
         group = cls(shape, options, grace, RunDir.of_job(Records.create().path))
         try:
             group.run_dir.write_private(group.run_dir.key, new_key())
-            epilog = node_epilog_file(group.run_dir)
+            epilog = group.run_dir.path / NODE_EPILOG
             group.run_dir.write_private(epilog, node_epilog_text().encode())
             epilog.chmod(0o700)
             group._listen(kernel_host())
@@ -119,7 +119,7 @@ class SlurmSessionGroup(RemoteSessionGroup):
                 job_id = allocation.job_id
             else:
                 job_id = group._submit()
-            group.run_dir.write_private(session_file(group.run_dir), SessionRecord(
+            group.run_dir.write_private(group.run_dir.path / SESSION, SessionRecord(
                 job_id, options, shape.nprocs, shape.backend, shape.init, grace=grace,
                 started=time.time(), step=step, **settings).to_json())
         except BaseException:
@@ -129,10 +129,11 @@ class SlurmSessionGroup(RemoteSessionGroup):
         return group
 
     def _submit(self) -> str:
-        sbatch_file(self.run_dir).write_text(session_sbatch_text(
+        script = self.run_dir.path / SBATCH
+        script.write_text(session_sbatch_text(
             str(self.run_dir.path), self.shape.python, self.options, self.shape.prepare,
             self.grace))
-        job_id = sbatch(sbatch_file(self.run_dir), dict(self.shape.env), self.shape.cwd)
+        job_id = sbatch(script, dict(self.shape.env), self.shape.cwd)
         self._follow(job_id)
         return job_id
 

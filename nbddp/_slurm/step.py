@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from .._errors import NbddpError
 from .._run.groups.shape import GroupShape
 from .._wire.rundir import RunDir
-from .files import node_epilog_file
+from .files import NODE_EPILOG
 from .launcher import scancel, stopped_by_slurm
 from .options import PORT_BASE, PORT_SPAN, SlurmOptions
 from .sbatch import session_torchrun, session_worker
@@ -163,7 +163,7 @@ class JobStep(AttachedStep):
             f"--nodes={allocation.nodes}",
             "--ntasks-per-node=1", "--kill-on-bad-exit=1",
             "--overlap",  # beside the step the kernel itself may run in (srun jupyter ...)
-            f"--task-epilog={node_epilog_file(run_dir)}",
+            f"--task-epilog={run_dir.path / NODE_EPILOG}",
             *([f"--cpus-per-task={options.cpus_per_task}"] if options.cpus_per_task else []),
             *session_torchrun(str(run_dir.path), shape.python, allocation.nodes,
                               options.nprocs_per_node),

@@ -45,9 +45,6 @@ _MAGIC = b"NBDDP-1\0"
 _HEAD = struct.Struct("<8sQQ")  # magic, pickle length, buffer count
 _SPAN = struct.Struct("<QQ")  # a buffer's offset and length
 _CHUNK = 1 << 30  # bytes per write call (Linux writes at most about 2 GiB at once)
-"""``plain`` looks at this many objects at most, then says no: walking a large, deep or
-self-referring value in Python would cost what cloudpickle's C pickler saves (or never
-end)."""
 
 
 @dataclass
@@ -86,12 +83,6 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
     copies, where given (for ranks on this machine): made now, or still current.
     Notebook functions the ranks hold go by number, where their ``functions`` are given
     (a session's ranks, every one of which takes the pickle)."""
-    with contextlib.nullcontext() if kept is None else kept.sending():
-        return _pickled(value, to_cpu, out_of_band, kept, functions)
-
-
-def _pickled(value: Any, to_cpu: bool, out_of_band: bool, kept: Kept | None,
-             functions: held_functions.RanksFunctions | None) -> Packed:
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -102,7 +93,8 @@ def _pickled(value: Any, to_cpu: bool, out_of_band: bool, kept: Kept | None,
 
     stream = io.BytesIO()
     pickler = TensorPickler(stream, to_cpu, keep, kept, functions)
-    pickler.dump(value)
+    with contextlib.nullcontext() if kept is None else kept.sending():
+        pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
                   frozenset(pickler.code_files), functions, frozenset(pickler.teaches),
                   frozenset(pickler.code_names))
