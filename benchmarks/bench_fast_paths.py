@@ -1,27 +1,20 @@
-"""Benchmark the fast paths kept for speed alone: each one on and off, through a real kernel.
+"""Benchmark the fast path kept for speed alone, on and off, through a real kernel.
 
-Two mechanisms exist only to make a cell or a call quicker. Each is measured here as a
-notebook meets it: a real Jupyter kernel with a session of 2 CPU ranks (gloo), each
-timed cell from the execute request until the kernel is idle, typed ``--gap`` seconds
-after the one before. The sides alternate, ON OFF, OFF ON, ..., so that a change in the
-machine's speed hits both alike. The figure is the share of the OFF side's median that
-ON saves; the issue's bar is 5% (``met``) or the mechanism goes (``MISSED``). Four more,
-held_calls, the plain-pickle quick cell, MAC copies and batch scheduling, were measured by
-this script before their deletion (records benchmarks/results/fast_paths-20261207-0219.json,
--0226.json, -0232.json) and are gone.
+One mechanism exists only to make a cell quicker: the relay's answer holding. It is
+measured here as a notebook meets it: a real Jupyter kernel with a session of CPU ranks
+(gloo), each timed cell from the execute request until the kernel is idle, typed
+``--gap`` seconds after the one before. The sides alternate, ON OFF, OFF ON, ..., so that
+a change in the machine's speed hits both alike. The figure is the share of the OFF
+side's median that ON saves; the issue's bar is 5% (``met``) or the mechanism goes
+(``MISSED``). Five more, held_calls, the plain-pickle quick cell, MAC copies, batch
+scheduling and held functions, were measured by this script before their deletion
+(records benchmarks/results/fast_paths-20261207-0219.json, -0226.json, -0232.json) and are
+gone.
 
-OFF is never a switch in nbddp's code: the module attribute that implements the
-mechanism is replaced, in the kernel and (by a ``Session.run_all`` of a toggle before
-each timed cell) in each rank, with one that takes the plain path, and counts that it
-was taken. Each OFF cell must have counted, each ON cell must not (less what the toggle
-run itself counts, measured before timing), or the run fails. What OFF means:
+OFF is never a switch in nbddp's code: the function that implements the mechanism is
+replaced, in the process that runs it, with one that takes the plain path and counts
+that it was taken. Each ON cell must not have counted, or the run fails. What OFF means:
 
-held_functions (``_wire.held_functions``, notebook functions sent by number)
-    ``RanksFunctions.held`` and ``RanksFunctions.number_for`` (methods the kernel's
-    ``TensorPickler._function`` calls) made to return None in the kernel: a notebook
-    function then goes as cloudpickle's own reduction, by value, every call, as it did
-    before the ranks held functions. Workload: a cell ``session.run(f, 10)`` of a
-    five-line notebook function.
 relay_holding (``_rank.relay``: a node's ends held until all its ranks said theirs)
     Only a relay has it, and a local session uses one only from 16 ranks where the
     machine has a core beside each: here a second session of ``--relay-ranks`` ranks
@@ -41,14 +34,13 @@ relay_holding (``_rank.relay``: a node's ends held until all its ranks said thei
 
 Every timed cell's value is checked on both sides. The record (``_record.py``) keeps
 every sample, the order the sides ran in, and every check's counts.
-Run: ``python benchmarks/bench_fast_paths.py [--rounds N] [--gap S] [--only NAMES]
+Run: ``python benchmarks/bench_fast_paths.py [--rounds N] [--gap S] [--relay-ranks N]
 [--noisy] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import contextlib
 import json
 import os
@@ -56,7 +48,6 @@ import signal
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -67,78 +58,6 @@ from _record import Record, add_options  # noqa: E402
 from bench_long_session import tree  # noqa: E402
 
 TARGET = 5.0  # percent of the OFF side's median cell that ON saves: at least
-NPROCS = 2
-
-HELPER = r'''
-"""The benchmark's switches: the same module in the kernel and in each rank."""
-from nbddp._wire import held_functions
-
-COUNT = {"held_functions": 0, "by_number": 0}
-ORIG = {"held": held_functions.RanksFunctions.held,
-        "number_for": held_functions.RanksFunctions.number_for,
-        "by_number": held_functions.by_number}
-
-
-def _never_held(self, fn):
-    COUNT["held_functions"] += 1
-    return None
-
-
-def _no_number(self, fn):
-    return None
-
-
-def _probe_by_number(*args):
-    COUNT["by_number"] += 1
-    return ORIG["by_number"](*args)
-
-
-def toggle(name, setting):
-    """The counts so far; then ``name`` set ON (False), OFF (True), or to record what
-    the stock path does ("probe"); None: only the counts."""
-    said = dict(COUNT)
-    if setting is None:
-        return said
-    off = setting is True
-    if name == "held_functions":
-        functions = held_functions.RanksFunctions
-        held_functions.by_number = (_probe_by_number if setting == "probe"
-                                    else ORIG["by_number"])
-        functions.held = _never_held if off else ORIG["held"]
-        functions.number_for = _no_number if off else ORIG["number_for"]
-    return said
-'''
-
-KERNEL_SETUP = """import sys, types
-_fp_src = {helper!r}
-_fb = types.ModuleType("_fastbench_helper")
-exec(_fp_src, _fb.__dict__)
-sys.modules["_fastbench_helper"] = _fb
-%load_ext nbddp
-"""
-
-SESSION_SETUP = """_fp_session = get_ipython().magics_manager.registry["DDPMagics"].session
-def _fp_rank(source, name, setting):
-    import sys, types
-    helper = sys.modules.get("_fastbench_helper")
-    if helper is None:
-        helper = types.ModuleType("_fastbench_helper")
-        exec(source, helper.__dict__)
-        sys.modules["_fastbench_helper"] = helper
-    return helper.toggle(name, setting)
-def _fp_call(n):
-    total = 0
-    for i in range(n):
-        total += i * i
-    return total
-_fp_session.run_all(_fp_rank, _fp_src, "none", None)
-"""
-
-TOGGLE = """_fp_out = {{"kernel_before": _fb.toggle({name!r}, None)}}
-_fb.toggle({name!r}, {setting!r})
-_fp_out["ranks_before"] = _fp_session.run_all(_fp_rank, None, {name!r}, {setting!r})
-_fp_out["kernel_after"] = _fb.toggle({name!r}, None)
-"""
 
 RELAY_WRAPPER = '''"""nbddp's torchrun process (``python -m nbddp._torchrun ...``, unchanged)
 with a switch for its relay's answer holding: SIGUSR1 turns it off (``GroupAnswers.awaited``
@@ -197,20 +116,8 @@ _fp_launcher.torchrun_command = _fp_wrapped
 """
 
 
-@dataclass(frozen=True)
-class Mechanism:
-    name: str
-    what: str
-    workload: str
-    expected: str
-    how: str = "cell"  # cell: toggled by a kernel cell; relay: by a signal
-
-
-MECHANISMS = [
-    Mechanism("held_functions", "held functions (Session.run)",
-              "_fp_session.run(_fp_call, 10)", "285"),
-    Mechanism("relay_holding", "the relay's answer holding", "%%ddp\n1 + 1", "2", how="relay"),
-]
+WORKLOAD, EXPECTED = "%%ddp\n1 + 1", "2"
+"""A trivial cell whose ranks' ends merge."""
 
 
 class Failed(RuntimeError):
@@ -251,16 +158,6 @@ class Kernel:
             raise Failed(f"{code!r} showed {shown}, not [{expected!r}]")
         return took
 
-    def toggle(self, name: str, setting: bool | str | None) -> dict[str, Any]:
-        """Set ``name`` in the kernel and every rank; the counts before (kernel and
-        ranks) and the kernel's after."""
-        content, _ = self.run(TOGGLE.format(name=name, setting=setting),
-                              expressions={"out": "_fp_out"})
-        said = content["user_expressions"]["out"]
-        if said.get("status") != "ok":
-            raise Failed(f"toggle {name}: {said}")
-        return ast.literal_eval(said["data"]["text/plain"])
-
     def processes(self) -> set[int]:
         found = tree(self.pid)
         self.seen.update((pid, started) for pid in found if (started := _started(pid)))
@@ -269,67 +166,6 @@ class Kernel:
     def left(self) -> list[int]:
         """Those of its processes still running (the same process: its start time)."""
         return [pid for pid, started in self.seen.items() if _started(pid) == started]
-
-
-# --- a mechanism toggled by a cell ------------------------------------------------------
-
-
-def counted(before: dict[str, Any], after: dict[str, Any], before_ranks: list[dict[str, Any]],
-            after_ranks: list[dict[str, Any]], key: str) -> tuple[int, list[int]]:
-    return (after[key] - before[key],
-            [a[key] - b[key] for a, b in zip(after_ranks, before_ranks, strict=True)])
-
-
-def cell_counts(k: Kernel, mech: Mechanism, setting: bool | str,
-                key: str) -> dict[str, Any]:
-    """What one workload cell counts under ``setting``, in the kernel and on each rank,
-    less what a toggle run itself counts on the ranks (its report)."""
-    a = k.toggle(mech.name, setting)
-    b = k.toggle(mech.name, setting)
-    k.timed(mech.workload, mech.expected)
-    c = k.toggle(mech.name, setting)
-    _, tail = counted(a["kernel_after"], b["kernel_before"], a["ranks_before"],
-                      b["ranks_before"], key)
-    kernel, ranks = counted(b["kernel_after"], c["kernel_before"], b["ranks_before"],
-                            c["ranks_before"], key)
-    return {"kernel": kernel, "ranks": [r - t for r, t in zip(ranks, tail, strict=True)],
-            "toggle_tail": tail}
-
-
-def preflight(k: Kernel, mech: Mechanism) -> dict[str, Any]:
-    """Before timing: the OFF patch is taken by the workload (and counts), and ON is the
-    fast path (where that can be seen)."""
-    checks: dict[str, Any] = {}
-    off = checks["off"] = cell_counts(k, mech, True, mech.name)
-    problems = []
-    if off["kernel"] <= 0:
-        problems.append(f"the kernel took no OFF path ({off})")
-    if mech.name == "held_functions":
-        k.toggle(mech.name, False)
-        k.timed(mech.workload, mech.expected)  # (taught, if it was not)
-        probe = checks["on_by_number"] = cell_counts(k, mech, "probe", "by_number")
-        if probe["kernel"] <= 0:
-            problems.append(f"ON does not send the function by number ({probe})")
-    k.toggle(mech.name, False)
-    if problems:
-        raise Failed(f"{mech.name}: " + "; ".join(problems))
-    return checks
-
-
-def check_sample(mech: Mechanism, side: str, before: dict[str, Any], after: dict[str, Any],
-                 tail: list[int]) -> dict[str, Any]:
-    """The counts of one timed cell (between its toggle and the next): none ON, some OFF."""
-    kernel, ranks = counted(before["kernel_after"], after["kernel_before"],
-                            before["ranks_before"], after["ranks_before"], mech.name)
-    if side == "off":
-        ranks = [r - t for r, t in zip(ranks, tail, strict=True)]
-        bad = kernel <= 0
-    else:
-        bad = kernel != 0 or any(ranks)
-    if bad:
-        raise Failed(f"{mech.name}: a timed {side.upper()} cell counted kernel {kernel}, "
-                     f"ranks {ranks}: the patch did not hold")
-    return {"side": side, "kernel": kernel, "ranks": ranks}
 
 
 # --- the relay's answer holding: switched by a signal ------------------------------------
@@ -387,51 +223,39 @@ def alternate(rounds: int) -> list[str]:
                                                       else ("off", "on"))]
 
 
-def measure(k: Kernel, mech: Mechanism, rounds: int, gap: float, warm_up: int,
-            relay: RelaySwitch | None = None) -> dict[str, Any]:
-    """``rounds`` cells each side, alternated, each ``gap`` s after its toggle."""
-    result: dict[str, Any] = {"what": mech.what, "workload": mech.workload,
-                              "expected": mech.expected}
-    if mech.how == "cell":
-        checks = preflight(k, mech)
-        tail = checks["off"]["toggle_tail"]
-        set_side = lambda side: k.toggle(mech.name, side == "off")  # noqa: E731
-    else:
-        assert relay is not None
-        checks = {}
-        set_side = lambda side: relay.set(side == "off")  # noqa: E731
+def measure(k: Kernel, relay: RelaySwitch, rounds: int, gap: float,
+            warm_up: int) -> dict[str, Any]:
+    """``rounds`` cells each side, alternated, each ``gap`` s after its switch."""
     for side in alternate(warm_up):
-        set_side(side)
-        k.timed(mech.workload, mech.expected)
+        relay.set(side == "off")
+        k.timed(WORKLOAD, EXPECTED)
     samples: dict[str, list[float]] = {"on": [], "off": []}
     order, verified = alternate(rounds), []
-    before = set_side(order[0])
+    before = relay.set(order[0] == "off")
     for i, side in enumerate(order):
         time.sleep(gap)
-        samples[side].append(k.timed(mech.workload, mech.expected))
-        after = set_side(order[i + 1] if i + 1 < len(order) else "on")
-        if mech.how == "cell":
-            verified.append(check_sample(mech, side, before, after, tail))
-        else:
-            calls = after["calls"] - before["calls"]
-            if side == "on" and calls:
-                raise Failed(f"relay: a timed ON cell asked the patched awaited {calls} times")
-            verified.append({"side": side, "calls": calls,
-                             "would_hold": after["would_hold"] - before["would_hold"]})
+        samples[side].append(k.timed(WORKLOAD, EXPECTED))
+        after = relay.set(i + 1 < len(order) and order[i + 1] == "off")
+        calls = after["calls"] - before["calls"]
+        if side == "on" and calls:
+            raise Failed(f"relay: a timed ON cell asked the patched awaited {calls} times")
+        verified.append({"side": side, "calls": calls,
+                         "would_hold": after["would_hold"] - before["would_hold"]})
         before = after
     on, off = statistics.median(samples["on"]), statistics.median(samples["off"])
     paired = [o - n for n, o in zip(samples["on"], samples["off"], strict=True)]
-    result.update(checks=checks, order=order, samples_s=samples, per_cell_checks=verified,
-                  median_on_s=on, median_off_s=off, saved_s=off - on,
-                  saved_pct=(off - on) / off * 100, paired_median_saved_s=statistics.median(paired),
-                  met=(off - on) / off * 100 >= TARGET)
-    if mech.how == "relay":  # (the relay asks only when a batch's first end came alone)
-        off_cells = [v for v in verified if v["side"] == "off"]
-        result["off_cells_asking"] = sum(1 for v in off_cells if v["calls"])
-        result["off_cells_that_would_have_held"] = sum(1 for v in off_cells if v["would_hold"])
-        if not result["off_cells_asking"]:
-            result["note"] = ("the relay never asked whether to hold: ON and OFF ran the "
-                              "same code")
+    off_cells = [v for v in verified if v["side"] == "off"]
+    result: dict[str, Any] = {
+        "what": "the relay's answer holding", "workload": WORKLOAD, "expected": EXPECTED,
+        "order": order, "samples_s": samples, "per_cell_checks": verified,
+        "median_on_s": on, "median_off_s": off, "saved_s": off - on,
+        "saved_pct": (off - on) / off * 100, "paired_median_saved_s": statistics.median(paired),
+        "met": (off - on) / off * 100 >= TARGET,
+        # (the relay asks only when a batch's first end came alone)
+        "off_cells_asking": sum(1 for v in off_cells if v["calls"]),
+        "off_cells_that_would_have_held": sum(1 for v in off_cells if v["would_hold"])}
+    if not result["off_cells_asking"]:
+        result["note"] = "the relay never asked whether to hold: ON and OFF ran the same code"
     return result
 
 
@@ -444,50 +268,29 @@ def start_kernel(cwd: Path, runs: Path) -> Kernel:
 
 
 def run_all(opts: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    chosen = [m for m in MECHANISMS if not opts.only or m.name in opts.only]
     results: dict[str, Any] = {}
     k = start_kernel(folder, folder / "runs")
     try:
-        k.run(KERNEL_SETUP.format(helper=HELPER))
-        main = [m for m in chosen if m.how != "relay"]
-        if main:
-            k.run(f"%ddp_session start --nprocs {NPROCS}", 300)
-            k.run(SESSION_SETUP)
-            k.processes()
-            for mech in main:
-                print(f"{mech.name}: {opts.rounds} cells each side, {opts.gap} s apart",
-                      flush=True)
-                try:
-                    results[mech.name] = measure(k, mech, opts.rounds, opts.gap, opts.warm_up)
-                except Failed as exc:
-                    print(f"  FAILED: {exc}", flush=True)
-                    results[mech.name] = {"what": mech.what, "failed": str(exc)}
-                    if mech.how == "cell":
-                        k.toggle(mech.name, False)
-                print_one(mech.name, results[mech.name], "")
-            k.run("%ddp_session stop", 120)
-        relay = [m for m in chosen if m.how == "relay"]
-        if relay:
-            wrapper = folder / "relay_wrapper.py"
-            wrapper.write_text(RELAY_WRAPPER)
-            k.run(RELAY_SESSION.format(ranks=opts.relay_ranks, wrapper=str(wrapper)))
-            k.run(f"%ddp_session start --nprocs {opts.relay_ranks}", 300)
-            k.run(SESSION_SETUP)
-            _, shown = k.run("%%ddp\nimport os\nbool(os.environ.get('NBDDP_RELAY'))")
-            if shown != ["True"]:
-                raise Failed(f"relay: the ranks do not speak through a relay ({shown})")
-            mech = relay[0]
-            print(f"{mech.name} ({opts.relay_ranks} ranks through a relay): {opts.rounds} "
-                  f"cells each side, {opts.gap} s apart", flush=True)
-            try:
-                results[mech.name] = measure(k, mech, opts.rounds, opts.gap, opts.warm_up,
-                                             RelaySwitch(k, wrapper))
-                results[mech.name]["ranks"] = opts.relay_ranks
-            except Failed as exc:
-                print(f"  FAILED: {exc}", flush=True)
-                results[mech.name] = {"what": mech.what, "failed": str(exc)}
-            print_one(mech.name, results[mech.name], "")
-            k.run("%ddp_session stop", 120)
+        k.run("%load_ext nbddp")
+        wrapper = folder / "relay_wrapper.py"
+        wrapper.write_text(RELAY_WRAPPER)
+        k.run(RELAY_SESSION.format(ranks=opts.relay_ranks, wrapper=str(wrapper)))
+        k.run(f"%ddp_session start --nprocs {opts.relay_ranks}", 300)
+        _, shown = k.run("%%ddp\nimport os\nbool(os.environ.get('NBDDP_RELAY'))")
+        if shown != ["True"]:
+            raise Failed(f"relay: the ranks do not speak through a relay ({shown})")
+        print(f"relay_holding ({opts.relay_ranks} ranks through a relay): {opts.rounds} "
+              f"cells each side, {opts.gap} s apart", flush=True)
+        try:
+            results["relay_holding"] = measure(k, RelaySwitch(k, wrapper), opts.rounds,
+                                               opts.gap, opts.warm_up)
+            results["relay_holding"]["ranks"] = opts.relay_ranks
+        except Failed as exc:
+            print(f"  FAILED: {exc}", flush=True)
+            results["relay_holding"] = {"what": "the relay's answer holding",
+                                        "failed": str(exc)}
+        print_one("relay_holding", results["relay_holding"], "")
+        k.run("%ddp_session stop", 120)
     finally:
         k.client.stop_channels()
         k.manager.shutdown_kernel(now=False)
@@ -520,31 +323,26 @@ def print_one(name: str, r: dict[str, Any], label: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=25,
-                        help="cells each side, per mechanism (default 25)")
+                        help="cells each side (default 25)")
     parser.add_argument("--gap", type=float, default=1.0,
                         help="seconds between a cell's toggle and the cell, as typed "
                              "(default 1.0)")
     parser.add_argument("--warm-up", type=int, default=2,
-                        help="untimed rounds first, per mechanism (default 2)")
+                        help="untimed rounds first (default 2)")
     parser.add_argument("--relay-ranks", type=int, default=4,
                         help="ranks of the relay's session (default 4)")
-    parser.add_argument("--only", type=lambda s: s.split(","), default=None,
-                        help="comma-separated mechanisms: " +
-                             ",".join(m.name for m in MECHANISMS))
     add_options(parser)
     opts = parser.parse_args()
-    unknown = set(opts.only or ()) - {m.name for m in MECHANISMS}
-    if unknown:
-        parser.error(f"unknown mechanisms: {sorted(unknown)}")
     record = Record.start("fast_paths", opts)
     with tempfile.TemporaryDirectory(prefix="nbddp-bench-") as tmp:
         results = run_all(opts, Path(tmp))
     print(f"\nfast paths, ON against OFF, medians of {opts.rounds} cells each, "
-          f"{NPROCS} CPU ranks (gloo; the relay's session {opts.relay_ranks}), cells {opts.gap} s "
+          f"{opts.relay_ranks} CPU ranks (gloo) through a relay, cells {opts.gap} s "
           f"apart{record.label}:")
     for name, r in results.items():
         print_one(name, r, record.label)
-    record.write({"nprocs": NPROCS, "target_saved_pct": TARGET, "mechanisms": results})
+    record.write({"nprocs": opts.relay_ranks, "target_saved_pct": TARGET,
+                  "mechanisms": results})
     if any("failed" in r for r in results.values()):
         raise SystemExit("some mechanisms could not be measured: see FAILED above")
 

@@ -40,8 +40,8 @@ from ._run.session.on_session import OnSession
 from ._run.session.rank_choice import chosen_ranks
 from ._run.session.ranks import SessionRanks
 from ._run.session.status import SessionStatus
-from ._wire.held_functions import Teaching
 from ._wire.payload import Payload
+from ._wire.shipped_code import CodeSent
 
 R = TypeVar("R")
 
@@ -241,10 +241,10 @@ class Session:
             raise NbddpError("the session's ranks are still running the last run; wait "
                              "for it (job.result()) or cancel it first")
 
-    def _after_run(self, job: Job, run: OnSession, teaching: Teaching) -> None:
+    def _after_run(self, job: Job, run: OnSession, code: CodeSent | None) -> None:
         """A run ended: its ranks kept or replaced, the session free for the next."""
         try:
-            self._closed = self._ranks.ended(job, run, teaching, self._closed)
+            self._closed = self._ranks.ended(job, run, code, self._closed)
         finally:
             self._busy = False
 

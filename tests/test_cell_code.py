@@ -16,7 +16,6 @@ import torch
 from nbddp._rank.cell import Cell, CellResult, _compiled
 from nbddp._rank.scope import Scope
 from nbddp._wire import dataplane, payload
-from nbddp._wire.held_functions import RanksFunctions
 from nbddp._wire.payload import Payload
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
@@ -100,10 +99,9 @@ def test_a_cell_and_its_notebook_names_reach_a_rank_as_they_were():
     other = [Cell("\nf()\n", "cell-f", {"f": lambda: 1}),
              Cell("\nos.sep\n", "cell-module", {"os": os}),
              Cell("\nt.sum()\n", "cell-tensor", {"t": torch.ones(3)})]
-    functions = RanksFunctions()
     for cell in plain:
-        packed = Payload.capture(cell, (), {}).dumps(functions=functions)
-        assert packed.functions is functions and not packed.buffers
+        packed = Payload.capture(cell, (), {}).dumps()
+        assert not packed.buffers
         unpacked = Payload.unpack(packed)
         assert unpacked.fn == cell and (unpacked.args, unpacked.kwargs) == ((), {})
     assert _run(Payload.unpack(Payload.capture(plain[1], (), {}).dumps()).fn, Scope()) == \
@@ -137,13 +135,12 @@ class _CountedSends:
         yield
 
 
-def test_a_payload_packed_with_kept_copies_and_held_functions_carries_both():
+def test_a_payload_packed_with_kept_copies_lets_them_see_the_send():
     """As a session packs a cell: its kept copies see the send (they sweep what is
-    outdated), and the ranks' held functions go along with the packed payload."""
-    kept, functions = _CountedSends(), RanksFunctions()
-    packed = dataplane.pack((Cell("\nNone\n", "cell-quick"), (), {}), kept=kept,
-                            functions=functions)
-    assert kept.sends == 1 and packed.functions is functions and not packed.teaches
+    outdated), though the cell holds no tensor."""
+    kept = _CountedSends()
+    packed = dataplane.pack((Cell("\nNone\n", "cell-quick"), (), {}), kept=kept)
+    assert kept.sends == 1 and not packed.buffers
 
 
 def test_the_import_path_asks_for_the_working_directory_only_if_it_holds_a_relative_one(

@@ -126,9 +126,8 @@ def test_notebook_functions_see_the_ranks_names(skernel):
 
 
 def test_a_notebook_function_called_again_runs_as_the_notebook_has_it_now(skernel):
-    """Once every rank holds a function's code it goes by number (``held_functions``):
-    the notebook's globals, defaults, closures and a redefinition still arrive, and a
-    run on some ranks only teaches the others nothing."""
+    """Each call sends the function as the notebook has it: its globals, defaults,
+    closures and a redefinition arrive, on all ranks or some."""
     run = skernel.run("""
 _session = get_ipython().magics_manager.registry['DDPMagics'].session
 offset = 1

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import held_functions
 from .tensor_pickler import Kept, TensorPickler
 
 if TYPE_CHECKING:
@@ -57,10 +56,6 @@ class Packed:
     """What the buffers' memory belongs to (tensor storages), kept alive with them."""
     code_files: frozenset[str] = frozenset()
     """The files (notebook cells) of the code the pickle carries by value."""
-    functions: held_functions.RanksFunctions | None = None
-    """The ranks' held functions this pickle names by number (``held_functions``)."""
-    teaches: frozenset[int] = frozenset()
-    """The numbers of the functions this pickle teaches those ranks, whole."""
     code_names: frozenset[str] = frozenset()
     """The names the code the pickle carries by value uses (its imports among them)."""
     code: CodeSent | None = None
@@ -75,14 +70,11 @@ class Packed:
 
 
 def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
-         kept: Kept | None = None,
-         functions: held_functions.RanksFunctions | None = None) -> Packed:
+         kept: Kept | None = None) -> Packed:
     """Pickle ``value`` (cloudpickle, protocol 5), tensor and array bytes out of band
     (unless ``out_of_band`` is false); ``to_cpu`` moves device tensors to the CPU first
     (for the kernel, which has no GPU). Large tensors' storages go by their ``kept``
-    copies, where given (for ranks on this machine): made now, or still current.
-    Notebook functions the ranks hold go by number, where their ``functions`` are given
-    (a session's ranks, every one of which takes the pickle)."""
+    copies, where given (for ranks on this machine): made now, or still current."""
     buffers: list[Any] = []
 
     def keep(buffer: pickle.PickleBuffer) -> bool:
@@ -92,12 +84,11 @@ def pack(value: Any, to_cpu: bool = False, out_of_band: bool = True,
         return False
 
     stream = io.BytesIO()
-    pickler = TensorPickler(stream, to_cpu, keep, kept, functions)
+    pickler = TensorPickler(stream, to_cpu, keep, kept)
     with contextlib.nullcontext() if kept is None else kept.sending():
         pickler.dump(value)
     return Packed(stream.getvalue(), buffers, list(pickler.storages.values()),
-                  frozenset(pickler.code_files), functions, frozenset(pickler.teaches),
-                  frozenset(pickler.code_names))
+                  frozenset(pickler.code_files), frozenset(pickler.code_names))
 
 
 # --- files ----------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import cloudpickle
 
 from .._errors import PayloadError
 from .dataplane import Packed, pack
-from .held_functions import RanksFunctions
 from .shipped_code import CodeSent, RanksCode, install
 from .tensor_pickler import Kept
 
@@ -62,22 +61,20 @@ class Payload:
             raise TypeError(f"fn must be callable, got {type(fn).__name__} {fn!r}")
         return cls(fn, tuple(args), dict(kwargs), _import_path())
 
-    def dumps(self, kept: Kept | None = None,
-              functions: RanksFunctions | None = None,
-              code: RanksCode | None = None, look_at_files: bool = False) -> Packed:
+    def dumps(self, kept: Kept | None = None, code: RanksCode | None = None,
+              look_at_files: bool = False) -> Packed:
         """Pickle for the ranks, tensor and array bytes out of band (large tensors by
-        their ``kept`` copies, where given: for ranks on this machine; notebook functions
-        the ranks hold by number, where their ``functions`` are given: a session's every
-        rank); name the culprit if it fails, warn if the pickle itself (the pure-Python
-        part) is huge. With ``code`` (ranks on nodes that may not see the notebook's
-        files), the user's own modules those ranks lack go along (``_wire.shipped_code``;
-        ``look_at_files``: edited ones too).
+        their ``kept`` copies, where given: for ranks on this machine); name the culprit
+        if it fails, warn if the pickle itself (the pure-Python part) is huge. With
+        ``code`` (ranks on nodes that may not see the notebook's files), the user's own
+        modules those ranks lack go along (``_wire.shipped_code``; ``look_at_files``:
+        edited ones too).
 
         The user's objects are pickled apart from the import path and the user's
         modules, so a rank can put both in place before it unpickles them.
         """
         try:
-            body = pack((self.fn, self.args, self.kwargs), kept=kept, functions=functions)
+            body = pack((self.fn, self.args, self.kwargs), kept=kept)
         except Exception as exc:
             raise _explain_pickling_failure(self, exc) from exc
         if len(body.data) > LARGE_PAYLOAD_BYTES:
@@ -87,7 +84,7 @@ class Payload:
         shipped = None if code is None else code.changes(
             self._imported_names(body.code_names), look_at_files)
         return Packed(pickle.dumps((body.data, self.sys_path, sources, shipped)),
-                      body.buffers, body.owners, functions=functions, teaches=body.teaches,
+                      body.buffers, body.owners,
                       code=None if code is None else CodeSent(code, shipped))
 
     def _imported_names(self, code_names: frozenset[str]) -> set[str]:

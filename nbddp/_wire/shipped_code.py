@@ -15,7 +15,7 @@ imports what the kernel would, whether or not the node sees the original.
 Content-addressed, like the data plane's tensors: the kernel keeps, per set of ranks
 (``RanksCode``), each file's SHA-256 that every rank holds, and a payload carries only
 the files that changed or that those ranks never had; a run that carried files teaches
-them once it returned on every rank (``CodeSent``), as held functions are taught.
+them once it returned on every rank (``CodeSent``).
 The payload crosses once per node, so a file does too. A cell that changed nothing
 carries nothing. The kernel looks again at the files of the modules a cell names (a
 first import after an edit gets the edit), and with autoreload at every shipped file's

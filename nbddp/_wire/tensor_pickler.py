@@ -5,8 +5,7 @@ A storage is pickled once however many tensors share it (views come back as view
 buffer that can leave the pickle out of band; a CUDA tensor's bytes cross as a CPU
 tensor's would and are loaded onto the receiving rank's own GPU; a large storage may go
 by its kept copy instead (``Kept``: ``_wire.kept_storages``). The pickler also notes the
-files of the code it carries (``_wire.code_files``), and names the notebook functions the
-ranks hold by number (``_wire.held_functions``).
+files of the code it carries (``_wire.code_files``).
 
 The functions here that rebuild what it pickled are named in each pickle by this module's
 path: the kernel and the ranks run the same nbddp.
@@ -28,7 +27,7 @@ from typing import Any, Protocol
 
 import cloudpickle
 
-from . import code_files, held_functions
+from . import code_files
 
 
 class Kept(Protocol):
@@ -130,28 +129,21 @@ def storage_on_rank_device(storage: Any) -> Any:
 
 class TensorPickler(cloudpickle.Pickler):
     """cloudpickle, protocol 5, with tensors as their storage's bytes out of band,
-    code objects under their real file names (``code_files``), which it notes, and
-    notebook functions the ranks hold by number (``held_functions``)."""
+    and code objects under their real file names (``code_files``), which it notes."""
 
     def __init__(self, stream: io.BytesIO, to_cpu: bool, keep: Any,
-                 kept: Kept | None, functions: held_functions.RanksFunctions | None) -> None:
+                 kept: Kept | None) -> None:
         super().__init__(stream, protocol=5, buffer_callback=keep)
         self._to_cpu = to_cpu
         self._kept = kept
-        self._functions = functions
         self.storages: dict[tuple[Any, ...], Any] = {}
         """Each storage pickled: its ``_StorageBox``, or its kept copy."""
         self.code_files: set[str] = set()
         self.code_names: set[str] = set()
-        self.teaches: set[int] = set()
-        """The numbers of the functions this pickle sends whole, teaching the ranks."""
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is types.FunctionType:
-            if obj in _rebuilders():
-                return NotImplemented  # (by name)
-            if self._functions is not None:
-                return self._function(obj, self._functions)
+        if type(obj) is types.FunctionType and obj in _rebuilders():
+            return NotImplemented  # (by name)
         if type(obj) is types.CodeType:
             self.code_files.add(obj.co_filename)
             self.code_names.update(obj.co_names)
@@ -168,23 +160,6 @@ class TensorPickler(cloudpickle.Pickler):
                 return _parameter, self._tensor_args(obj) + (
                     obj.requires_grad, torch._utils._get_obj_state(obj))
         return super().reducer_override(obj)
-
-    def _function(self, fn: types.FunctionType,
-                  functions: held_functions.RanksFunctions) -> Any:
-        """``fn`` by number if the ranks hold it; else as cloudpickle pickles it: by
-        name, or whole (by value), teaching the ranks its code."""
-        held = functions.held(fn)
-        if held is not None:
-            base_globals = self.globals_ref.setdefault(id(fn.__globals__), {})
-            return held_functions.by_number(*held, fn, base_globals)
-        reduced = super().reducer_override(fn)
-        if reduced is NotImplemented or not isinstance(reduced[1][0], types.CodeType):
-            return reduced  # (by name)
-        number = functions.number_for(fn)
-        if number is None:
-            return reduced
-        self.teaches.add(number)
-        return held_functions.whole(number, fn, reduced)
 
     def _tensor_args(self, tensor: Any) -> tuple[Any, ...]:
         """How ``_tensor`` rebuilds ``tensor``: its storage, dtype, size, stride, offset."""
@@ -216,16 +191,13 @@ class TensorPickler(cloudpickle.Pickler):
 
 @functools.cache
 def _rebuilders() -> frozenset[types.FunctionType]:
-    """The module-level functions of cloudpickle and of this module, ``code_files`` and
-    ``held_functions``, which go by their names: among them, those our pickles call to
-    rebuild what they hold. cloudpickle asks of every function it meets whether it may
-    go by name, and that costs: in the pickle of a quick cell's function, four of the
-    five functions are these, and the asking took 40% of the time. (Only those found
-    again by their names: an alias whose name was rebound goes as cloudpickle would send
-    it.)"""
+    """The module-level functions of cloudpickle, of this module and of ``code_files``,
+    which go by their names: among them, those our pickles call to rebuild what they
+    hold. cloudpickle asks of every function it meets whether it may go by name, by
+    looking it up in its module; these are answered from one set. (Only those found again
+    by their names: an alias whose name was rebound goes as cloudpickle would send it.)"""
     return frozenset(
-        fn for module in (cloudpickle.cloudpickle, code_files, held_functions,
-                          sys.modules[__name__])
+        fn for module in (cloudpickle.cloudpickle, code_files, sys.modules[__name__])
         for name, fn in vars(module).items()
         if type(fn) is types.FunctionType and fn.__module__ == module.__name__
         and fn.__qualname__ == name)

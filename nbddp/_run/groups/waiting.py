@@ -31,7 +31,6 @@ from typing import Any
 
 from ..._wire import dataplane
 from ..._wire.dataplane import Packed
-from ..._wire.held_functions import RanksFunctions
 from ..._wire.messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start
 from ..._wire.rundir import RunDir
 from ..._wire.shipped_code import RanksCode
@@ -72,9 +71,6 @@ class WaitingGroup(RankGroup):
         """The ranks' roll calls before a run (see ``hand_over``)."""
         self._payload = PayloadPlace()
         """The latest run's payload, inside its Start or in a file (``payload_place``)."""
-        self.functions = RanksFunctions()
-        """The notebook functions these ranks hold (a session's next payloads name them
-        by number: ``_wire.held_functions``)."""
         self.code = RanksCode()
         """The user's module files these ranks hold, where their nodes may not see the
         notebook's (``_wire.shipped_code``)."""

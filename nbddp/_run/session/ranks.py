@@ -3,8 +3,8 @@ to them.
 
 The group is replaced by fresh ranks when the session restarts, when a rank died while
 they were idle (found as the next run is handed over), and when a run ends without
-every rank back at rest; each time, what the ranks held (their names, the functions
-and modules they were taught) is gone, and the next run carries it again. ``Session``
+every rank back at rest; each time, what the ranks held (their names, the modules
+they were taught) is gone, and the next run carries it again. ``Session``
 (the front door) keeps the lock, the run in flight and the user's settings; this keeps
 the ranks, their records, and the names held on them.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable
 from typing import TextIO, TypeVar
 
 from ..._wire.dataplane import Packed
-from ..._wire.held_functions import Teaching
 from ..._wire.payload import Payload
+from ..._wire.shipped_code import CodeSent
 from ..._wire.shipped_code import wanted as code_wanted
 from ..backend import Backend
 from ..config import RunConfig
@@ -83,12 +83,10 @@ class SessionRanks:
     # --- a run ------------------------------------------------------------------------
 
     def packed(self, payload: Payload, config: RunConfig) -> Packed:
-        """``payload`` pickled for the ranks: the notebook functions they hold by number,
-        unless the run is on some ranks only (which alone would take it)."""
-        group = self.group
-        functions = group.functions if config.ranks is None else None
-        code = group.code if self.where.ships_code and code_wanted() else None
-        return payload.dumps(self.where.kernels_copies(), functions, code,
+        """``payload`` pickled for the ranks, with the user's module files they lack
+        where their nodes may not see the notebook's."""
+        code = self.group.code if self.where.ships_code and code_wanted() else None
+        return payload.dumps(self.where.kernels_copies(), code,
                              look_at_files=config.autoreload)
 
     def hand_over(self, config: RunConfig, payload: Payload,
@@ -108,18 +106,18 @@ class SessionRanks:
         return records, False, self._hand_to(config, payload, packed, records)
 
     def handed(self, config: RunConfig, payload: Payload, packed: Packed,
-               after: Callable[[Job, OnSession, Teaching], None], stdout: TextIO | None,
+               after: Callable[[Job, OnSession, CodeSent | None], None], stdout: TextIO | None,
                caller_waits: bool, auto: bool) -> Job:
         """(Under the session's lock) The run handed to the ranks (``hand_over``) and
-        followed by its ``Job``; ``after(job, run, teaching)`` once it has ended. The
-        Job's other settings are ``Job``'s; ``auto``: the session is in auto mode."""
+        followed by its ``Job``; ``after(job, run, code)`` once it has ended (``code``:
+        the module files the run teaches every rank). The Job's other settings are
+        ``Job``'s; ``auto``: the session is in auto mode."""
         records, warm, packed = self.hand_over(config, payload, packed)
         run = OnSession(self.group)
-        teaching = Teaching(packed.functions, packed.teaches,
-                            packed.code if config.ranks is None else None)
+        code = packed.code if config.ranks is None else None
         job: Job = Job(self.group, config, records, stdout=stdout, warm=warm,
                        sent=packed.buffer_bytes, staying=run,
-                       after=lambda job: after(job, run, teaching),
+                       after=lambda job: after(job, run, code),
                        where=_labelled(self.group.where, self.runs + 1, auto,
                                        config.autoreload), caller_waits=caller_waits,
                        quiet_when_quick=not auto)
@@ -128,29 +126,28 @@ class SessionRanks:
 
     def _hand_to(self, config: RunConfig, payload: Payload, packed: Packed,
                  records: Records) -> Packed:
-        """Give the ranks the run; the payload they took (pickled again if it named
-        functions other ranks held: the ranks were replaced since)."""
+        """Give the ranks the run; the payload they took (pickled again if it counted on
+        module files other ranks held: the ranks were replaced since)."""
         group = self.group
-        if (packed.functions is not None and packed.functions is not group.functions) or (
-                packed.code is not None and packed.code.ranks is not group.code):
+        if packed.code is not None and packed.code.ranks is not group.code:
             packed = self.packed(payload, config)
         handover, left_out = group.shape.take_up(GroupShape.of(config))
         self.held.warn_left_out(left_out)
         group.hand_over(packed, records, config.rank_options, handover)
         return packed
 
-    def ended(self, job: Job, run: OnSession, teaching: Teaching, closed: bool) -> bool:
+    def ended(self, job: Job, run: OnSession, code: CodeSent | None, closed: bool) -> bool:
         """A run ended: keep the ranks' names, or (unless the session is ``closed``)
-        start fresh ranks if they were lost; the functions its payload taught, once every
-        rank returned, are held. The next run's rooms are made as large as this one's
+        start fresh ranks if they were lost; the module files its payload taught, once
+        every rank returned, are held. The next run's rooms are made as large as this one's
         data (the next cell likely sends and gets as much again). Whether the session is
         closed now (the kernel left the job for another: nothing to restart)."""
         self.runs += 1
         closed = closed or self.where.left(self.group)
         if run.kept:
             self.group.payload_taken()
-            if run.returned:
-                teaching.confirm()
+            if run.returned and code is not None:
+                code.confirm()
             self.held.kept(run, some_ranks=job.config.ranks is not None)
         else:
             self.held.lost()
