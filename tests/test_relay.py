@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from nbddp._rank import relay as relay_module
 from nbddp._rank.node_metrics import reduced
 from nbddp._rank.relay_compact import compact
 from nbddp._rank.relay_placement import node_relay
@@ -23,7 +22,6 @@ from nbddp._wire.channel import ChannelClient, ChannelServer
 from nbddp._wire.handshake import new_key
 from nbddp._wire.messages import (
     Disconnected,
-    Failure,
     Metrics,
     Present,
     Ready,
@@ -35,6 +33,8 @@ from nbddp._wire.messages import (
 )
 from nbddp._wire.rank_stats import RankStats, StatsColumns
 from nbddp._wire.relay_messages import NodeMetrics, RanksFinished, RanksPresent
+
+from .conftest import wait_until
 
 pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 
@@ -274,65 +274,6 @@ def stats(rank: int) -> RankStats:
     return RankStats(rank, "node", 100 + rank, 7, 1.0, None, 0)
 
 
-SPREAD = 0.03  # seconds between one rank's end and the next's (ranks that share cores)
-
-
-def started(kernel: Kernel, ranks: list[ChannelClient]) -> None:
-    """Every rank said it is ready, and has a run's Start (sent once for the node)."""
-    for number, rank in enumerate(ranks):
-        say(rank, number, Ready(number))
-    kernel.take(4)
-    start = Start("v", "records", "payload", options=None)  # type: ignore[arg-type]
-    assert kernel.server.send_to_each(range(4), start) == set()
-    for rank in ranks:
-        assert rank.receive() == start
-
-
-def test_a_node_s_ranks_that_end_apart_end_in_one_message(node, monkeypatch):
-    """The node's ranks end 30 ms apart: sent as they came, the kernel read a frame per
-    rank. The relay knows whom it handed the Start to, and sends their ends together,
-    as soon as the last one has spoken."""
-    kernel, _, ranks = node
-    monkeypatch.setattr(relay_module, "WHOLE_WAIT", 30.0)  # (held until whole, not timed)
-    started(kernel, ranks)
-    for number, rank in enumerate(ranks):
-        say(rank, number, Result(number, stats=stats(number)), 1)
-        time.sleep(SPREAD)
-    (finished,) = kernel.take(1)
-    assert isinstance(finished, RanksFinished) and sorted(finished.ranks) == [0, 1, 2, 3]
-    assert kernel.delivered.empty()
-
-
-def test_a_node_s_ends_wait_no_longer_than_the_longest_hold_for_a_silent_rank(node):
-    """Rank 2 goes on running: the others' ends reach the kernel once ``WHOLE_WAIT`` has
-    passed, and rank 2's when it comes."""
-    kernel, _, ranks = node
-    started(kernel, ranks)
-    for number in (0, 1, 3):
-        say(ranks[number], number, Result(number, stats=stats(number)), 1)
-    came: list = []
-    while sorted(rank for m in came for rank in m.ranks) != [0, 1, 3]:
-        came += kernel.take(1)  # (held for good, they would not come within its 10 s)
-    say(ranks[2], 2, Result(2, stats=stats(2)), 1)
-    (last,) = kernel.take(1)
-    assert isinstance(last, RanksFinished) and last.ranks == (2,)
-
-
-def test_a_failure_goes_on_at_once_with_the_ends_held_before_it(node, monkeypatch):
-    """Rank 1 fails while rank 3 has not ended: the ends held so far and the failure
-    reach the kernel at once (the run's end is decided by it), not when rank 3 ends."""
-    kernel, _, ranks = node
-    monkeypatch.setattr(relay_module, "WHOLE_WAIT", 30.0)
-    started(kernel, ranks)
-    say(ranks[0], 0, Result(0, stats=stats(0)), 1)
-    time.sleep(SPREAD)
-    failure = Failure(1, "RuntimeError", "builtins", "bad batch", "Traceback ...")
-    say(ranks[1], 1, failure, 1)
-    came = kernel.take(2, timeout=5.0)  # (not held for rank 3, which never ends here)
-    assert Sequenced(1, failure) in came
-    assert [m.ranks for m in came if isinstance(m, RanksFinished)] == [(0,)]
-
-
 def test_a_batch_says_once_what_ranks_said_alike_each_rank_s_messages_in_order():
     value = Sequenced(4, Result(0, b"value", stats=stats(0)))
     metrics = [Sequenced(3, Metrics(rank, [(7, {"loss": 1.0})])) for rank in range(4)]
@@ -435,7 +376,8 @@ def test_a_relayed_rank_s_result_file_reaches_the_kernel_and_leaves_the_node(clu
         0, "/dev/shm/a-node-copy"))
     assert result.seq == 1 and Path(result.message.file).parent == folder / "kernel-in"
     assert torch.equal(dataplane.read(Path(result.message.file)).load()["x"], value)
-    assert list((folder / "landing").iterdir()) == []  # (sent on, then removed)
+    wait_until(lambda: list((folder / "landing").iterdir()) == [],  # (sent on, then removed)
+               timeout=10)
     assert kernel.server.send(0, RollCall(1))  # (the rank is still reached by its relay)
     assert ranks[0].receive() == RollCall(1)
 

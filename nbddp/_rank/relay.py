@@ -46,7 +46,6 @@ from .._wire.relay_messages import (
     ToRanks,
 )
 from .._wire.transfer import Outgoing, place_in
-from .group_answers import WHOLE_WAIT, GroupAnswers
 from .relay_compact import compact, is_metrics, merges
 from .relay_down import HeadDown, Ranks
 
@@ -71,9 +70,6 @@ class NodeRelay:
         kernel and connect to it (``Reattach``)."""
         self._up, self._landing, self._ranks, self._reattach = up, landing, ranks, reattach
         self._outbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self._answers = GroupAnswers()
-        """Whom the relay handed the last Start (or roll call) to, and who has not said
-        its end yet: their ends are held until then (``_gather``)."""
         self._kernel = 0  # which kernel the ranks' links speak to: one more each attach
         try:
             self._down = ranks(self._said_to(0))
@@ -149,26 +145,21 @@ class NodeRelay:
         """The next batch, each message with the kernel it was said to: whatever waits
         once a message came. Metrics alone wait up to ``_METRICS_WAIT`` more for the
         node's other ranks' (each rank sends its own about ten times a second): they
-        are reduced together. What the relay merges (ends of a run, answers to a roll
-        call) waits for more: until every rank it handed the last Start (or roll call)
-        to has said its end (up to ``WHOLE_WAIT``: see ``group_answers``), so that the
-        node's ranks (or a head's group), ending apart, end in one message. A head that
-        handed nothing yet waits a moment after each report instead (``_GROUP_GAP``):
-        its group's relays report one after another."""
+        are reduced together. What a head merges (its group's ends of a run, answers to
+        a roll call) waits a moment after each report (``_GROUP_GAP``): its group's
+        relays report one after another."""
         batch = [self._outbox.get()]
         began = time.monotonic()
-        answers = self._answers
         heads = isinstance(self._down, HeadDown)  # (as the batch begins)
         only_metrics = is_metrics(batch[0][1])
         merged = merges(batch[0][1])
         while True:
-            answers.heard(batch[-1][1])  # (each message once, as it joins)
             if batch[-1][1] is None or len(batch) >= _BATCH_MOST:
                 break
             try:
                 batch.append(self._outbox.get_nowait())
             except queue.Empty:
-                wait = _more_wait(began, only_metrics, merged, answers, heads)
+                wait = _more_wait(began, only_metrics, merged, heads)
                 if wait <= 0:
                     break
                 try:
@@ -202,7 +193,7 @@ class NodeRelay:
         relay that stopped reading would leave its ranks, and the kernel, waiting)."""
         try:
             if isinstance(message, ToRanks):
-                self._hand_to_each(message.ranks, message.frame)
+                self._down.send_frame_to_each(message.ranks, message.frame)
             elif isinstance(message, ForRank):  # (its data file is on this node)
                 if isinstance(self._down, HeadDown):
                     self._down.hand_on(message)
@@ -211,14 +202,6 @@ class NodeRelay:
         except Exception as exc:  # noqa: BLE001 - said, and the relay goes on
             print(f"nbddp: this node's relay could not hand on a {type(message).__name__} "
                   f"({exc})", file=sys.stderr)
-
-    def _hand_to_each(self, ranks: tuple[int, ...], frame: bytes) -> None:
-        """``frame`` to each of ``ranks``; if it is a Start or a roll call, their ends (or
-        answers) are awaited from now on, as they are heard (``_gather``)."""
-        self._answers.expect(ranks, frame)  # (before a rank can answer)
-        missed = self._down.send_frame_to_each(ranks, frame)
-        if missed:
-            self._answers.unreached(missed)
 
     def _next_kernel(self) -> bool:
         """The kernel went: close the ranks' links (they stop their run and wait for a
@@ -242,7 +225,6 @@ class NodeRelay:
                 return False
             try:
                 self._down = self._ranks(self._said_to(self._kernel))
-                self._answers = GroupAnswers()  # (the last kernel's run is nobody's now)
             except OSError as exc:
                 print(f"nbddp: this node's relay cannot listen for its ranks again ({exc});"
                       " they reach no kernel", file=sys.stderr)
@@ -280,15 +262,11 @@ class Landing:
         return bool(file) and Path(file).parent in self.folders
 
 
-def _more_wait(began: float, only_metrics: bool, merged: bool, answers: GroupAnswers,
-               heads: bool) -> float:
-    """How much longer a batch begun at ``began`` waits for the next message: none once
-    every rank handed the last Start (or roll call) has said its end."""
+def _more_wait(began: float, only_metrics: bool, merged: bool, heads: bool) -> float:
+    """How much longer a batch begun at ``began`` waits for the next message."""
     now = time.monotonic()
     if only_metrics:
         return began + _METRICS_WAIT - now
-    if not merged or answers.answered():
+    if not merged:
         return 0.0
-    if answers.awaited():
-        return began + WHOLE_WAIT - now
     return min(_GROUP_GAP, began + _GROUP_WAIT - now) if heads else 0.0

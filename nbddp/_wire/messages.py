@@ -297,8 +297,8 @@ class Disconnected:
 def run_ended_for(message: Any) -> tuple[int, ...]:
     """The ranks whose part in the run ``message`` says is over: a rank's ``Result``,
     ``Failure`` or requeue (numbered or not), a node's ``RanksFinished``, or a link's end
-    (its rank will say nothing more). What a relay (``_rank.group_answers``) and a
-    waiting group (``_run.groups.waiting``) count to know when every rank has spoken."""
+    (its rank will say nothing more). What a waiting group (``_run.groups.waiting``)
+    counts to know when every rank has spoken."""
     if isinstance(message, RanksFinished):
         return message.ranks
     inner = message.message if isinstance(message, Sequenced) else message
