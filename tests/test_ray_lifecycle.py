@@ -275,6 +275,26 @@ def test_a_session_with_grace_is_attached_again_with_its_state(ray_cluster, tmp_
         ray_cluster.remove_sessions()  # (what a failure above left: not the next test's)
 
 
+def test_agents_that_do_not_start_in_time_are_named_and_nothing_is_left(ray_cluster,
+                                                                       tmp_path):
+    """Ray does not start the agents' workers within the wait (a node with no core to
+    spare): the session's start fails naming each node whose agent did not answer, and
+    leaves no actor or placement group. (The kernel's wait is made shorter than any start
+    could be.)"""
+    with ray_kernel(ray_cluster, tmp_path, start=None) as (kernel, _):
+        kernel.run("from nbddp._ray import placement\nplacement._START_WAIT = 0.001"
+                   ).assert_ok()
+        run = kernel.run(START, timeout=180)
+        text = run.describe()
+        assert run.error() is not None, text
+        assert re.search(r"the nbddp agent on Ray node \S+, Ray node \S+ did not answer "
+                         r"within 0.001 s", text), text
+        assert ray_cluster.wait_empty() == {"actors": [], "placement_groups": []}
+        kernel.run("placement._START_WAIT = 300").assert_ok()
+        kernel.run(START, timeout=180).assert_ok()  # (the cluster is whole for the next)
+        kernel.run("%ddp_session stop").assert_ok()
+
+
 def test_a_placement_ray_cannot_make_says_so_and_ctrl_c_leaves_nothing(ray_cluster,
                                                                       tmp_path):
     """Three nodes asked of a two-node cluster: the session says what it waits for (an

@@ -35,6 +35,9 @@ logger = logging.getLogger(__name__)
 
 _STOP_WAIT = 20.0  # the agents' own stop: SIGTERM, then SIGKILL after 5 s
 _CALL_WAIT = 30.0  # a call to an agent that should answer at once
+_START_WAIT = 300.0
+"""How long a new agent may take to answer first: Ray starts a worker process for it,
+which imports nbddp (slow on a node whose cores are busy)."""
 _SETUP_WAIT = 600.0
 """How long Ray may take to set up the agents' runtime environment (a ``pip`` list to
 install, a ``working_dir`` to upload) before they answer."""
@@ -139,7 +142,7 @@ class RayPlacement:
                     self.placement_group, placement_group_bundle_index=index),
             ).remote(index, self.options.outlives_kernel))
         try:
-            self.nodes = self._where()
+            self.nodes = self._where(_SETUP_WAIT if runtime_env else _START_WAIT)
         except Exception as exc:
             missing = self._nbddp_missing(exc)
             if missing is not None:
@@ -154,24 +157,36 @@ class RayPlacement:
         if "No module named 'nbddp" not in said:
             return None
         agent = re.search(r"-agent-(\d+)", said)
-        name = "a node"
-        with contextlib.suppress(Exception):
-            from ray.util.placement_group import placement_group_table
-
-            nodes = placement_group_table(self.placement_group)["bundles_to_node_id"]
-            node_id: str = nodes[int(agent.group(1))] if agent else ""
-            hosts = {n["NodeID"]: n.get("NodeManagerHostname", "") for n in self.ray.nodes()}
-            if node_id in hosts:
-                name = f"Ray node {hosts[node_id]}:{node_id[:8]}"
+        name = self._node_of(int(agent.group(1))) if agent else "a node"
         return (f"nbddp cannot be imported on {name} (ModuleNotFoundError: No module named "
                 f"'nbddp'): {EVERY_NODE_NEEDS} (nbddp {__version__} here). Install it in "
                 "the nodes' image: one image for the kernel and every node")
 
-    def _where(self) -> list[NodeInfo]:
-        answers = self.ray.get([agent.where.remote() for agent in self.agents],
-                               timeout=_SETUP_WAIT if self.options.runtime_env else _CALL_WAIT)
+    def _node_of(self, index: int) -> str:
+        """The Ray node bundle ``index`` was placed on, as the user can find it."""
+        with contextlib.suppress(Exception):
+            from ray.util.placement_group import placement_group_table
+
+            node_id: str = placement_group_table(
+                self.placement_group)["bundles_to_node_id"][index]
+            hosts = {n["NodeID"]: n.get("NodeManagerHostname", "") for n in self.ray.nodes()}
+            if node_id in hosts:
+                return f"Ray node {hosts[node_id]}:{node_id[:8]}"
+        return f"the node of bundle {index}"
+
+    def _where(self, wait: float = _CALL_WAIT) -> list[NodeInfo]:
+        """Where each agent runs, each answering within ``wait`` seconds (a new one
+        first starts); NbddpError naming the nodes whose agents did not answer."""
+        calls = [agent.where.remote() for agent in self.agents]
+        _, late = self.ray.wait(calls, num_returns=len(calls), timeout=wait)
+        if late:
+            nodes = ", ".join(self._node_of(calls.index(call)) for call in late)
+            raise NbddpError(
+                f"the nbddp agent on {nodes} did not answer within {wait:g} s (Ray did "
+                "not start its worker: is that node overloaded, or out of memory? "
+                "`ray status` and the node's raylet.out say more)")
         return [NodeInfo(answer["node_id"], answer["ip"], answer["name"])
-                for answer in answers]
+                for answer in self.ray.get(calls)]
 
     def rendezvous(self) -> str:
         """``host:port`` of the c10d rendezvous: a port free on the first agent's node."""

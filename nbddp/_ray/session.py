@@ -161,6 +161,9 @@ class RaySessionGroup(RemoteSessionGroup):
             self.refusal = str(exc)
             self._placement_failed(str(exc))
             return
+        except NbddpError as exc:  # (said in full: no type name needed)
+            self._placement_failed(str(exc))
+            return
         except Exception as exc:  # noqa: BLE001 - Ray's errors, said as the group's end
             self._placement_failed(f"{type(exc).__name__}: {exc}")
             return
