@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TextIO, TypeVar
 
 from ._backends import Ray, Slurm, attached_session, chosen_cluster, session_backend
-from ._errors import NbddpError
 from ._notebook.ipython_autoreload import notebook_autoreloads
 from ._run.config import (
     DEFAULT_STALL_AFTER,
@@ -36,12 +35,10 @@ from ._run.config import (
 from ._run.groups.waiting import WaitingGroup
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
-from ._run.session.on_session import OnSession
 from ._run.session.rank_choice import chosen_ranks
 from ._run.session.ranks import SessionRanks
 from ._run.session.status import SessionStatus
 from ._wire.payload import Payload
-from ._wire.shipped_code import CodeSent
 
 R = TypeVar("R")
 
@@ -102,9 +99,6 @@ class Session:
         self._ranks = ranks
         self.config = ranks.where.config
         self._lock = threading.Lock()
-        self._busy = False  # a run goes on (set before its Job exists, cleared at its end)
-        self._running: Job | None = None
-        self._closed = False
         self.auto = False
         """Auto mode (``%ddp_session auto on``): every cell runs on the ranks; the panel
         says so."""
@@ -210,16 +204,8 @@ class Session:
         payload = Payload.capture(fn, tuple(args), dict(kwargs or {}))
         packed = self._ranks.packed(payload, config)
         with self._lock:
-            self._check_idle()
-            self._busy = True
-            try:
-                job = self._ranks.handed(config, payload, packed, self._after_run,
-                                         stdout=stdout, caller_waits=caller_waits,
-                                         auto=self.auto)
-            except BaseException:
-                self._busy = False
-                raise
-            self._running = job
+            job = self._ranks.handed(config, payload, packed, stdout=stdout,
+                                     caller_waits=caller_waits, auto=self.auto)
         try:
             self._ranks.records.prepare()
         except BaseException:
@@ -234,27 +220,13 @@ class Session:
         (``%autoreload 2`` or 3)."""
         return self.autoreload if self.autoreload is not None else notebook_autoreloads()
 
-    def _check_idle(self) -> None:
-        if self._closed:
-            raise NbddpError("this session is closed; start another one")
-        if self._busy:
-            raise NbddpError("the session's ranks are still running the last run; wait "
-                             "for it (job.result()) or cancel it first")
-
-    def _after_run(self, job: Job, run: OnSession, code: CodeSent | None) -> None:
-        """A run ended: its ranks kept or replaced, the session free for the next."""
-        try:
-            self._closed = self._ranks.ended(job, run, code, self._closed)
-        finally:
-            self._busy = False
-
     # --- the session's life ---------------------------------------------------------
 
     def restart(self) -> None:
         """Stop the ranks and start fresh ones: everything the session defined is gone.
         Ctrl-C meanwhile ends the session instead (no ranks are left running)."""
         with self._lock:
-            self._check_idle()
+            self._ranks.check_idle()
             _, hold = held_while(self._ranks.replace)  # a press: stops old and new, not half
         self._wait_ready(hold)
 
@@ -263,10 +235,11 @@ class Session:
         meanwhile is raised once they are stopped."""
         with interrupt_after():
             with self._lock:
-                if self._closed:
+                ranks = self._ranks
+                if ranks.closed:
                     return
-                self._closed = True
-                running = self._running if self._busy else None
+                ranks.closed = True
+                running = ranks.running if ranks.busy else None
             if running is not None:
                 running.cancel()
             with self._lock:
@@ -275,7 +248,7 @@ class Session:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._ranks.closed
 
     @property
     def names(self) -> frozenset[str]:
@@ -285,7 +258,8 @@ class Session:
 
     def status(self) -> SessionStatus:
         """The ranks, their PIDs and memory, and the session's age."""
-        return self._ranks.status(not self._closed, self._running, self.auto, self.reloads)
+        return self._ranks.status(not self._ranks.closed, self._ranks.running, self.auto,
+                                  self.reloads)
 
     def __repr__(self) -> str:
         return str(self.status())

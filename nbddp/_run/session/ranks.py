@@ -12,9 +12,9 @@ the ranks, their records, and the names held on them.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import TextIO, TypeVar
 
+from ..._errors import NbddpError
 from ..._wire.dataplane import Packed
 from ..._wire.payload import Payload
 from ..._wire.shipped_code import CodeSent
@@ -48,6 +48,11 @@ class SessionRanks:
         self.restarts = 0
         self.started = time.monotonic()
         """When the ranks now holding the session started."""
+        self.closed = False
+        self.busy = False
+        """A run goes on (set before its Job exists, cleared at its end)."""
+        self.running: Job | None = None
+        """The last run handed over."""
 
     @classmethod
     def start_on(cls, where: Backend) -> SessionRanks:
@@ -105,24 +110,44 @@ class SessionRanks:
             self.group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
         return records, False, self._hand_to(config, payload, packed, records)
 
+    def check_idle(self) -> None:
+        """NbddpError unless the ranks can take a run now."""
+        if self.closed:
+            raise NbddpError("this session is closed; start another one")
+        if self.busy:
+            raise NbddpError("the session's ranks are still running the last run; wait "
+                             "for it (job.result()) or cancel it first")
+
     def handed(self, config: RunConfig, payload: Payload, packed: Packed,
-               after: Callable[[Job, OnSession, CodeSent | None], None], stdout: TextIO | None,
-               caller_waits: bool, auto: bool) -> Job:
-        """(Under the session's lock) The run handed to the ranks (``hand_over``) and
-        followed by its ``Job``; ``after(job, run, code)`` once it has ended (``code``:
-        the module files the run teaches every rank). The Job's other settings are
-        ``Job``'s; ``auto``: the session is in auto mode."""
-        records, warm, packed = self.hand_over(config, payload, packed)
-        run = OnSession(self.group)
-        code = packed.code if config.ranks is None else None
-        job: Job = Job(self.group, config, records, stdout=stdout, warm=warm,
-                       sent=packed.buffer_bytes, staying=run,
-                       after=lambda job: after(job, run, code),
-                       where=_labelled(self.group.where, self.runs + 1, auto,
-                                       config.autoreload), caller_waits=caller_waits,
-                       quiet_when_quick=not auto)
+               stdout: TextIO | None, caller_waits: bool, auto: bool) -> Job:
+        """(Under the session's lock) The run handed to the ranks (``hand_over``), if they
+        are idle, and followed by its ``Job``, which ends it here (``ended``). The Job's
+        other settings are ``Job``'s; ``auto``: the session is in auto mode."""
+        self.check_idle()
+        self.busy = True
+        try:
+            records, warm, packed = self.hand_over(config, payload, packed)
+            run = OnSession(self.group)
+            code = packed.code if config.ranks is None else None  # (taught to every rank)
+            job: Job = Job(self.group, config, records, stdout=stdout, warm=warm,
+                           sent=packed.buffer_bytes, staying=run,
+                           after=lambda job: self._over(job, run, code),
+                           where=_labelled(self.group.where, self.runs + 1, auto,
+                                           config.autoreload), caller_waits=caller_waits,
+                           quiet_when_quick=not auto)
+        except BaseException:
+            self.busy = False
+            raise
         self.group.notice = None  # said once, under this run
+        self.running = job
         return job
+
+    def _over(self, job: Job, run: OnSession, code: CodeSent | None) -> None:
+        """A run ended: its ranks kept or replaced, the session free for the next."""
+        try:
+            self.closed = self.ended(job, run, code, self.closed)
+        finally:
+            self.busy = False
 
     def _hand_to(self, config: RunConfig, payload: Payload, packed: Packed,
                  records: Records) -> Packed:
