@@ -254,16 +254,22 @@ class DDPMagics(Magics):
     @_whole_flags_only
     @magic_arguments()
     @argument("action", nargs="?", default="status",
-              choices=["start", "stop", "restart", "status", "attach", "auto", "autoreload"],
+              choices=["start", "stop", "restart", "status", "attach", "auto", "autoreload",
+                       "snapshots"],
               help="start ranks that keep their state from cell to cell, stop or restart "
                    "them, say what runs (the default), attach to a session's SLURM job "
                    "after a kernel restart, turn auto mode on or off (every cell runs on "
-                   "the ranks, as if it began with %%%%ddp), or autoreload on or off (the "
+                   "the ranks, as if it began with %%%%ddp), autoreload on or off (the "
                    "ranks reload your edited modules before each cell; default: as the "
-                   "notebook's %%%%autoreload 2)")
+                   "notebook's %%%%autoreload 2), or snapshots on or off (fresh ranks that "
+                   "replace lost ones get the names back)")
     @argument("job", nargs="?", metavar="JOBID|on|off",
               help="with attach: the session's SLURM job or Ray session id (default: "
-                   "your one running session); with auto or autoreload: on or off")
+                   "your one running session); with auto, autoreload or snapshots: on or "
+                   "off")
+    @argument("--snapshots", action="store_true",
+              help="with start: keep the ranks' names after each cell that ends well, so "
+                   "that fresh ranks replacing lost ones load them back")
     @_arguments(
         *_flags(RunOptions, session=True),
         *cluster_arguments(session=True),
@@ -292,6 +298,11 @@ class DDPMagics(Magics):
             return self._auto(args.job)
         if args.action == "autoreload":
             return self._autoreload(args.job)
+        if args.action == "snapshots":
+            return self._snapshots(args.job)
+        if args.snapshots and args.action != "start":
+            raise UsageError("--snapshots is for %ddp_session start (or: %ddp_session "
+                             "snapshots on)")
         if args.job is not None and args.action != "attach":
             raise UsageError(f"%ddp_session {args.action} takes no job id (attach does)")
         open_session = self._open_session
@@ -346,6 +357,17 @@ class DDPMagics(Magics):
             "%autoreload 2 does here)" if session.autoreload
             else "off: the ranks keep the modules as they imported them"))
 
+    def _snapshots(self, value: str | None) -> Any:
+        """``%ddp_session snapshots on|off``."""
+        if value not in ("on", "off"):
+            raise UsageError("%ddp_session snapshots takes on or off")
+        session = self._open_session
+        if session is None:
+            raise UsageError("snapshots keep a session's names: start one first "
+                             "(%ddp_session start --nprocs N)")
+        session.snapshots = value == "on"
+        return session.status()
+
     @line_magic
     def ddp_debug(self, line: str) -> None:
         """pdb on the session's rank whose error ended the last ``%%ddp`` cell, at the
@@ -390,10 +412,10 @@ def _start_session(args: Any) -> Session:
     run = _values(RunOptions, args, session=True)
     try:
         if chosen_kind(args) is None:
-            return Session(**run)
+            return Session(**run, snapshots=args.snapshots)
         run = {**run, "gpus": _per_node(run["gpus"])}
         cluster = cluster_from_flags(args, run["gpus"], session=True)
-        return Session(**run, cluster=cluster, grace=args.grace)
+        return Session(**run, cluster=cluster, grace=args.grace, snapshots=args.snapshots)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, NbddpError):
             raise

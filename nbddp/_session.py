@@ -36,7 +36,7 @@ from ._run.groups.waiting import WaitingGroup
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
 from ._run.job import Job
 from ._run.session.rank_choice import chosen_ranks
-from ._run.session.ranks import SessionRanks
+from ._run.session.ranks import SessionRanks, check_snapshots
 from ._run.session.status import SessionStatus
 from ._wire.payload import Payload
 
@@ -52,7 +52,8 @@ class Session:
     (``global model; model = ...``, or a ``%%ddp`` cell's names) stay on the ranks for
     the next run. ``timeout`` bounds each run. A failing rank raises ``WorkerError``;
     the error says whether the ranks kept their state or were restarted. ``close()``
-    (or leaving a ``with`` block) stops them; so does the kernel's end.
+    (or leaving a ``with`` block) stops them; so does the kernel's end. With
+    ``snapshots=True``, fresh ranks that replace lost ones load the last cell's names back.
 
     ``cluster=nbddp.Slurm(nodes=2, ...)`` starts them as one SLURM job instead,
     ``nprocs`` (or ``gpus``) ranks per node, and waits until the job runs (its state is
@@ -72,16 +73,25 @@ class Session:
                  env: Mapping[str, str] | None = None,
                  output: Literal["rank0", "all", "none"] = "rank0",
                  cluster: ClusterOptions | None = None, grace: float | None = None,
-                 slurm: bool | Slurm = False, ray: bool | Ray = False) -> None:
+                 snapshots: bool = False, slurm: bool | Slurm = False,
+                 ray: bool | Ray = False) -> None:
         options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
                              timeout=timeout, env=env, output=output)
         chosen = chosen_cluster(cluster, slurm, ray)
         where = session_backend(options, chosen, grace)
+        if snapshots:
+            check_snapshots(where)  # (before a job is submitted for nothing)
         # (a press: stops them once they exist)
         ranks, hold = held_while(functools.partial(SessionRanks.start_on, where))
         self._begin(ranks)
         self._wait_ready(hold)
         where.started(self._group)
+        if snapshots:
+            try:
+                self.snapshots = True
+            except BaseException:
+                self.close()
+                raise
 
     @classmethod
     def attach(cls, job_id: str | int | None = None) -> Session:
@@ -110,6 +120,17 @@ class Session:
     @property
     def _group(self) -> WaitingGroup:  # (the group that holds the ranks now)
         return self._ranks.group
+
+    @property
+    def snapshots(self) -> bool:
+        """Whether the ranks' names are kept after each cell that ends well on every rank,
+        in this machine's shared memory, so that fresh ranks that replace lost ones (a rank
+        killed, a process group aborted) load them back before the next cell."""
+        return self._ranks.snapshots.on
+
+    @snapshots.setter
+    def snapshots(self, on: bool) -> None:
+        self._ranks.keep_snapshots(on)
 
     @property
     def runs(self) -> int:
@@ -243,7 +264,7 @@ class Session:
             if running is not None:
                 running.cancel()
             with self._lock:
-                self._ranks.stop()
+                self._ranks.close()
                 self._ranks.records.close()
 
     @property

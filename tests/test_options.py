@@ -67,7 +67,8 @@ def test_launch_overloads_have_the_implementations_parameters():
 
 
 def test_session_takes_run_options_with_their_defaults():
-    started = _parameters(Session.__init__, {"self", "cluster", "slurm", "grace", "ray"})
+    started = _parameters(Session.__init__, {"self", "cluster", "slurm", "grace", "ray",
+                                             "snapshots"})  # (a session's own)
     assert started.items() <= dict(defaults(RunOptions)).items()
     for cluster in ("cluster", "slurm", "ray"):
         assert _parameters(launch, set())[cluster] == \
@@ -120,12 +121,14 @@ def test_ddp_has_a_flag_for_every_option_a_cell_can_take_and_no_other():
 def test_ddp_session_has_a_flag_for_every_option_a_session_starts_with():
     parser = DDPMagics.ddp_session.parser
     job = {field.name for options in (Slurm, Ray) for field, _ in flagged(options)}
-    options = _dests(parser) - {"help", "action", "job", "slurm", "ray", "nodes", "grace"} - job
+    options = _dests(parser) - {"help", "action", "job", "slurm", "ray", "nodes", "grace",
+                                "snapshots"} - job
     assert options == {field.name for field, _ in flagged(RunOptions, session=True)}
     assert options == {"gpus", "nprocs", "backend", "timeout", "init"}
     assert options <= set(_parameters(Session.__init__, {"self"}))
     assert job <= _dests(parser) and "slurm" in _dests(parser)  # as %%ddp --slurm spells them
     assert "grace" in _parameters(Session.__init__, {"self"})
+    assert "snapshots" in _parameters(Session.__init__, {"self"})  # (--snapshots: start's)
 
 
 def test_no_flags_give_the_defaults():

@@ -29,6 +29,7 @@ class LocalBackend(Backend):
     """torchrun on this machine: standby ranks where they wait, else started now."""
 
     start_timeout = START_TIMEOUT
+    keeps_snapshots = True
 
     def __init__(self, config: RunConfig) -> None:
         super().__init__(config)

@@ -30,11 +30,13 @@ from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result,
 from .._wire.payload import Payload, dumps_value
 from .._wire.rank_stats import RankStats
 from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV
+from .._wire.snapshot_orders import RestoreNote
 from . import debugger, setup_check
 from .autoreload import Reloader, forget_listings, ready_to_reload
 from .metrics import start_reporting, stop_reporting
 from .requeue import RequeueRequested, mark_requeue
 from .scope import Scope
+from .snapshot import Snapshots
 from .stats import use_device
 from .whole import make_whole
 
@@ -130,12 +132,14 @@ class Rank:
         self._ready_to_reload = False
         self._final_stats: RankStats | None = None  # this run's, as it ended
         self._records: str | None = None  # the records folder the log was last moved to
+        self.snapshots = Snapshots(rank)
+        self._restored: RestoreNote | None = None  # this run's, from a snapshot
 
     def run(self, start: Start, send: Callable[[Any], None]) -> Report:
         """Take up ``start``'s run, run it, and say how it went (never raises); the
         report carries the rank's stats as the run ended, if it ran, and a session's
         answering rank's names (one message, not two: the kernel takes in each)."""
-        self._final_stats = None
+        self._final_stats, self._restored = None, None
         report = self._run(start, send)
         message = report.message
         said: dict[str, Any] = {}
@@ -143,6 +147,12 @@ class Rank:
             said["stats"] = self._final_stats
         if start.session and self.rank == start.options.answering:
             said["assigned"] = tuple(sorted(self.scope.assigned))
+        if self._restored is not None:
+            said["restored"] = self._restored
+        order = start.options.snapshot
+        if order is not None and isinstance(message, Result):
+            said["snapshot"] = self.snapshots.take(self.scope, order,
+                                                   ran=start.options.runs_on(self.rank))
         if isinstance(message, (Result, Failure)):
             return Report(dataclasses.replace(message, **said), report.data) if said else report
         if "assigned" in said:  # (a SLURM job's rank asking to be requeued)
@@ -155,6 +165,9 @@ class Rank:
         try:
             self._adopt(start)
             setup_check.remember_launch()
+            if start.options.restore is not None:  # (fresh ranks: before any cell)
+                self._join_group(start)
+                self._restored = self.snapshots.restore(self.scope, start.options.restore)
             if not start.options.runs_on(self.rank):
                 return Report(Result(self.rank))  # at rest, state untouched
             reporter = start_reporting(self.rank, send)
@@ -188,9 +201,11 @@ class Rank:
                 self.reloader.note_new()  # what the cell imported, as it is now
 
     def at_rest(self) -> None:
-        """The run is reported and the rank waits for the next: with autoreload on, get
-        ready to reload (while the user types, not in the cell after an edit; where that
-        fails, the reload itself says why)."""
+        """The run is reported and the rank waits for the next: its snapshot is written
+        (``_rank.snapshot``); with autoreload on, get ready to reload (while the user
+        types, not in the cell after an edit; where that fails, the reload itself says
+        why)."""
+        self.snapshots.write()
         if self.reloader is not None and not self._ready_to_reload:
             self._ready_to_reload = True
             with contextlib.suppress(Exception):
@@ -261,11 +276,15 @@ class Rank:
                 os.environ[name] = value
         forget_listings()  # modules written in the notebook since the last run
 
-    def _call(self, payload: Payload, start: Start, scope: Scope) -> Any:
-        """The user's code, in the process group it expects."""
+    def _join_group(self, start: Start) -> None:
+        """The default process group the run expects, made or kept."""
         if not self._group_ready:
             _process_group(start.options, self.prepared)
             self._group_ready = start.session  # a session keeps it; a one-off run ends it
+
+    def _call(self, payload: Payload, start: Start, scope: Scope) -> Any:
+        """The user's code, in the process group it expects."""
+        self._join_group(start)
         fn = payload.fn
         runs_in_scope = getattr(fn, "run_in", None)  # (a RunsInScope: the protocol's own
         with self.interrupts.armed():  # isinstance is a tenth of a run's time)

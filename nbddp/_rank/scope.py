@@ -44,6 +44,14 @@ class Scope:
                 self.globals[name] = self._brought[name] = _rebind(value, foreign, self.globals)
         return foreign
 
+    def restore(self, values: Mapping[str, Any]) -> None:
+        """Put back names this scope's code had bound (a snapshot's, on fresh ranks): the
+        rank's own again, their notebook code rebound to this scope."""
+        foreign = _foreign_globals(values.values())
+        for name, value in values.items():
+            self.globals[name] = _rebind(value, foreign, self.globals)
+        self.assigned |= set(values)
+
     def bind(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """``fn`` (a notebook function) running in this scope, with what it refers to."""
         return _rebind(fn, self.take({}, code=[fn]), self.globals)

@@ -47,6 +47,9 @@ class Backend(ABC):
     ships_code: bool = False
     """The ranks run on nodes that may not see the notebook's files: the user's own
     modules go with the payloads (``_wire.shipped_code``)."""
+    keeps_snapshots: bool = False
+    """A session's snapshots can be kept here (``_run.session.snapshots``): the ranks
+    share this machine's shared memory with the kernel."""
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config

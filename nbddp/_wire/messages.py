@@ -28,6 +28,7 @@ from typing import Any
 
 from .rank_stats import RankStats
 from .relay_messages import RanksFinished
+from .snapshot_orders import RestoreNote, RestoreOrder, SnapshotNote, SnapshotOrder
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ class RankOptions:
     rest and keep their state. None: every rank."""
     autoreload: bool = False
     """A session's rank reloads the user's modules whose files changed, before the code."""
+    snapshot: SnapshotOrder | None = None
+    """A session's rank keeps its names once the run ended well (``_rank.snapshot``)."""
+    restore: RestoreOrder | None = None
+    """Fresh ranks of a session load their snapshot first."""
 
     def runs_on(self, rank: int) -> bool:
         return self.ranks is None or rank in self.ranks
@@ -132,6 +137,10 @@ class Result:
     stats: RankStats | None = None
     assigned: tuple[str, ...] | None = None
     """A session's answering rank: the names its code has bound (as ``Assigned``)."""
+    snapshot: SnapshotNote | None = None
+    """The rank's snapshot of the cell: what it could not keep (``_rank.snapshot``)."""
+    restored: RestoreNote | None = None
+    """What the rank loaded from its snapshot before the run."""
 
 
 @dataclass(frozen=True)
@@ -149,6 +158,8 @@ class Failure:
     """The rank's stats as it failed (as a ``Result``'s)."""
     assigned: tuple[str, ...] | None = None
     """A session's answering rank: the names its code has bound (as a ``Result``'s)."""
+    restored: RestoreNote | None = None
+    """What the rank loaded from its snapshot before the run failed."""
 
 @dataclass(frozen=True)
 class DebugPrompt:

@@ -9,9 +9,11 @@ and the error says that the state is gone.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from ..._errors import WorkerError
 from ..._wire.messages import Assigned, Failure, Result
+from ..._wire.snapshot_orders import RestoreNote, SnapshotNote
 from ..groups.waiting import WaitingGroup
 from ..supervisor import Ending, Supervisor
 
@@ -23,9 +25,11 @@ STATE_KEPT = "the session's ranks are back at rest, with their state"
 STATE_LOST = "the session was restarted: variables defined in earlier cells are gone"
 
 
-def with_session_note(error: BaseException, kept: bool) -> BaseException:
-    """``error``, saying whether the session's state was kept."""
-    note = STATE_KEPT if kept else STATE_LOST
+def with_session_note(error: BaseException, kept: bool,
+                      restored: str | None = None) -> BaseException:
+    """``error``, saying whether the session's state was kept (or what fresh ranks will
+    restore of it: ``restored``)."""
+    note = STATE_KEPT if kept else restored or STATE_LOST
     if isinstance(error, WorkerError):
         error.note = note
         return error
@@ -46,13 +50,20 @@ class OnSession:
     the ranks' code bound (the answering rank's report carries them), and whether the
     ranks stay for the next run, with their state."""
 
-    def __init__(self, group: WaitingGroup) -> None:
+    def __init__(self, group: WaitingGroup,
+                 when_lost: Callable[[], str | None] = lambda: None) -> None:
+        """``when_lost``: what fresh ranks will restore, if the ranks are lost."""
         self._group = group
+        self._when_lost = when_lost
         self.kept: bool | None = None
         """Whether the ranks kept their state: None until the run's end decided it."""
         self.returned = False
         """Every rank returned (so each took the run's payload whole)."""
         self.names: tuple[str, ...] | None = None
+        self.snapshots: dict[int, SnapshotNote] = {}
+        """Each rank's snapshot of this run's cell (``_rank.snapshot``)."""
+        self.restored: dict[int, RestoreNote] = {}
+        """What each rank loaded from a snapshot before the run."""
 
     def watch(self, supervisor: Supervisor) -> None:
         for kind in (Assigned, Result, Failure):
@@ -62,6 +73,10 @@ class OnSession:
         names = message.names if isinstance(message, Assigned) else message.assigned
         if names is not None:
             self.names = names
+        if isinstance(message, Result) and message.snapshot is not None:
+            self.snapshots[message.rank] = message.snapshot
+        if not isinstance(message, Assigned) and message.restored is not None:
+            self.restored[message.rank] = message.restored
 
     def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
         self.returned = ending.kind == "returned"
@@ -69,7 +84,8 @@ class OnSession:
         return self.kept
 
     def told(self, error: BaseException) -> BaseException:
-        return with_session_note(error, bool(self.kept))
+        return with_session_note(error, bool(self.kept),
+                                 None if self.kept else self._when_lost())
 
     def abandoned(self) -> bool:
         if self.kept is not None:

@@ -11,6 +11,7 @@ the ranks, their records, and the names held on them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TextIO, TypeVar
 
@@ -29,6 +30,7 @@ from ..job import Job
 from ..records import FolderPerCell, Records, SessionRecords
 from .names import SessionNames
 from .on_session import STATE_LOST, OnSession
+from .snapshots import SessionSnapshots
 from .status import SessionStatus, rss_mib
 
 G = TypeVar("G", bound=WaitingGroup)
@@ -44,6 +46,8 @@ class SessionRanks:
         self.group = as_sessions(group)
         self.records: SessionRecords | FolderPerCell = where.session_records()
         self.held = SessionNames(names)
+        self.snapshots = SessionSnapshots(where.config.nprocs)
+        """Snapshots of the ranks' names, restored by fresh ranks (off until asked)."""
         self.runs = 0
         self.restarts = 0
         self.started = time.monotonic()
@@ -74,16 +78,36 @@ class SessionRanks:
 
     def replace(self, standby: bool = True) -> None:
         """(Under the session's lock) Stop the ranks and start fresh ones: what the
-        session defined is gone."""
+        session defined is gone (its snapshots too)."""
+        self._renew(standby)
+        self.snapshots.forget()
+
+    def _renew(self, standby: bool = True) -> None:
+        """Stop the ranks and start fresh ones (which may restore a snapshot)."""
         self.stop()
         self.held.lost()
         self.restarts += 1
         self._start(standby)
         self.records.new_ranks()
 
+    def keep_snapshots(self, on: bool) -> None:
+        """Turn snapshots on (from the next cell) or off (every snapshot goes)."""
+        if not on:
+            self.snapshots.turn_off()
+            return
+        check_snapshots(self.where)
+        self.snapshots.turn_on()
+
     def stop(self) -> None:
         self.group.stop()
         self.group.close()
+
+    def close(self) -> None:
+        """Stop the ranks for good: their snapshots go too."""
+        try:
+            self.stop()
+        finally:
+            self.snapshots.turn_off()
 
     # --- a run ------------------------------------------------------------------------
 
@@ -104,9 +128,10 @@ class SessionRanks:
         try:
             return records, True, self._hand_to(config, payload, packed, records)
         except RanksGone as gone:
-            self.replace(standby=False)
+            self._renew(standby=False)
             records = self.records.redo(records, self.runs + 1)
-            lost = STATE_LOST if self.runs else "this first run starts on fresh ranks"
+            lost = self.snapshots.when_lost(cell_lost=False) or (
+                STATE_LOST if self.runs else "this first run starts on fresh ranks")
             self.group.notice = f"nbddp: session: {gone.why} while idle; {lost}"
         return records, False, self._hand_to(config, payload, packed, records)
 
@@ -127,7 +152,7 @@ class SessionRanks:
         self.busy = True
         try:
             records, warm, packed = self.hand_over(config, payload, packed)
-            run = OnSession(self.group)
+            run = OnSession(self.group, lambda: self.snapshots.when_lost(cell_lost=True))
             code = packed.code if config.ranks is None else None  # (taught to every rank)
             job: Job = Job(self.group, config, records, stdout=stdout, warm=warm,
                            sent=packed.buffer_bytes, staying=run,
@@ -158,7 +183,11 @@ class SessionRanks:
             packed = self.packed(payload, config)
         handover, left_out = group.shape.take_up(GroupShape.of(config))
         self.held.warn_left_out(left_out)
-        group.hand_over(packed, records, config.rank_options, handover)
+        options = config.rank_options
+        if self.snapshots.on:
+            options = dataclasses.replace(options, snapshot=self.snapshots.order(self.runs + 1),
+                                          restore=self.snapshots.restoring)
+        group.hand_over(packed, records, options, handover)
         return packed
 
     def ended(self, job: Job, run: OnSession, code: CodeSent | None, closed: bool) -> bool:
@@ -174,14 +203,18 @@ class SessionRanks:
             if run.returned and code is not None:
                 code.confirm()
             self.held.kept(run, some_ranks=job.config.ranks is not None)
+            self.snapshots.ended(self.runs, run.returned, run.snapshots, run.restored,
+                                 self.held.bound)
         else:
             self.held.lost()
             if not closed:
                 self.restarts += 1
                 self.records.new_ranks()
                 self._start()
-                job._note("session: restarted with fresh ranks; what earlier runs "
-                          "defined is gone")
+                restores = self.snapshots.when_lost(cell_lost=True) is not None
+                job._note("session: restarted with fresh ranks; " + (
+                    "they restore the last snapshot first" if restores
+                    else "what earlier runs defined is gone"))
         if not closed:
             self.group.make_room(*job._data_bytes)
         return closed
@@ -200,7 +233,15 @@ class SessionRanks:
                              time.monotonic() - self.started, self.runs, self.restarts,
                              pids, {rank: rss for rank, pid in pids.items()
                                     if not place and (rss := rss_mib(pid)) is not None},
-                             place, self.where.hosts(group, running), auto, reloads)
+                             place, self.where.hosts(group, running), auto, reloads,
+                             self.snapshots.status())
+
+
+def check_snapshots(where: Backend) -> None:
+    """NbddpError if a session on ``where`` cannot keep snapshots."""
+    if not where.keeps_snapshots:
+        raise NbddpError("session snapshots are kept for sessions on this machine only, "
+                         "not yet on SLURM or Ray")
 
 
 def as_sessions(group: G) -> G:

@@ -34,6 +34,9 @@ class SessionStatus:
     """Auto mode: every cell runs on the ranks (``%ddp_session auto on``)."""
     autoreload: bool = False
     """The ranks reload the user's edited modules before each run."""
+    snapshots: str = "snapshots off"
+    """Whether the ranks' names are kept for fresh ranks, and the last snapshot's cell and
+    size on each rank."""
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(str(self))
@@ -47,7 +50,7 @@ class SessionStatus:
         lines = [f"nbddp session: {self.nprocs} ranks ({self.backend}){on}, up "
                  f"{hours}:{minutes:02d}:{seconds:02d}, {self.runs} runs, "
                  f"{self.restarts} restarts; auto mode {'on' if self.auto else 'off'}, "
-                 f"autoreload {'on' if self.autoreload else 'off'}"]
+                 f"autoreload {'on' if self.autoreload else 'off'}; {self.snapshots}"]
         for rank in range(self.nprocs):
             pid, rss, host = self.pids.get(rank), self.rss_mib.get(rank), self.hosts.get(rank)
             lines.append(f"  rank {rank}: pid {pid if pid else '(starting)'}"

@@ -1,0 +1,154 @@
+"""A session rank's snapshot: the names its cells bound, kept outside its process.
+
+With snapshots on (``_wire.snapshot_orders``), each cell's Start asks the rank to keep,
+once the cell ended well here, the names its code has bound and its RNG states (torch's,
+CUDA's, numpy's, ``random``'s). They are pickled as one object, so that what they share
+stays shared when they come back (an optimizer's parameters are the model's), through
+the data plane: tensors' bytes out of band, never in the pickle; a CUDA tensor comes
+back on the rank's own GPU. A name that cannot be pickled is left out, and the
+``SnapshotNote`` in the rank's ``Result`` names it with why.
+
+The pickle is made before the Result is sent (what it cannot keep is said with the
+cell), and written once it is sent, while the rank is at rest: into a file of the
+session's snapshot folder in shared memory, under a passing name, then renamed, so a
+rank killed while writing leaves the last whole one. A rank the cell did not run on
+(a cell on some ranks only) holds what it held: its last file is linked under the new
+cell. Fresh ranks that replace lost ones load their own file back before the next
+cell (``restore``), once the process group is up (a DDP model is rebuilt on it).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from .._wire import dataplane
+from .._wire.snapshot_orders import (
+    RestoreNote,
+    RestoreOrder,
+    SnapshotNote,
+    SnapshotOrder,
+    snapshot_file,
+    snapshot_files,
+)
+from .scope import Scope
+
+
+class Snapshots:
+    """(On a rank) Its snapshots: the one made for the last cell, until it is written."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._pending: tuple[SnapshotOrder, dataplane.Packed | None] | None = None
+        self._latest: Path | None = None
+        """This rank's newest snapshot file."""
+
+    def take(self, scope: Scope, order: SnapshotOrder, ran: bool) -> SnapshotNote:
+        """Pickle what the rank holds, to be written at rest (``write``); ``ran``: the
+        cell ran here (else the rank's last file stands for this cell too)."""
+        if not ran and self._latest is not None:
+            self._pending = (order, None)
+            return SnapshotNote(order.cell)
+        names = {name: scope.globals[name] for name in sorted(scope.assigned)
+                 if name in scope.globals}
+        packed, skipped = _packed(names)
+        self._pending = (order, packed)
+        return SnapshotNote(order.cell, skipped)
+
+    def write(self) -> None:
+        """(At rest) Write the pending snapshot, whole or not at all; then remove this
+        rank's older files, but for the cell the kernel said to keep. A failure (no room
+        left) is said on the rank's output: the kernel finds no file for that cell."""
+        if self._pending is None:
+            return
+        order, packed = self._pending
+        self._pending = None
+        folder = Path(order.folder)
+        path = snapshot_file(folder, self.rank, order.cell)
+        passing = folder / f".{path.name}.{os.getpid()}"
+        try:
+            if packed is None:
+                assert self._latest is not None
+                os.link(self._latest, passing)
+            else:
+                dataplane.write(passing, packed)
+            os.replace(passing, path)
+        except OSError as exc:
+            passing.unlink(missing_ok=True)
+            print(f"nbddp: rank {self.rank} could not keep its snapshot of cell "
+                  f"{order.cell} ({exc})", file=sys.stderr, flush=True)
+            return
+        self._latest = path
+        self._remove_older(folder, keep={order.cell, order.keep})
+
+    def _remove_older(self, folder: Path, keep: set[int]) -> None:
+        for cell, ranks in snapshot_files(folder).items():
+            if cell not in keep and self.rank in ranks:
+                ranks[self.rank].unlink(missing_ok=True)
+
+    def restore(self, scope: Scope, order: RestoreOrder) -> RestoreNote:
+        """Load this rank's snapshot of ``order.cell`` into ``scope`` (the names count as
+        the rank's own), and its RNG states."""
+        path = snapshot_file(Path(order.folder), self.rank, order.cell)
+        try:
+            state = dataplane.read(path).load()
+        except Exception as exc:
+            raise RuntimeError(f"nbddp: rank {self.rank} could not load its snapshot of "
+                               f"cell {order.cell}: {type(exc).__name__}: {exc}") from exc
+        scope.restore(state["names"])
+        _set_rng_states(state["rng"])
+        self._latest = path
+        return RestoreNote(order.cell, tuple(sorted(state["names"])), path.stat().st_size)
+
+
+def _packed(names: dict[str, Any]) -> tuple[dataplane.Packed, tuple[tuple[str, str], ...]]:
+    """``names`` and the RNG states in one pickle; the names left out, each with why."""
+    rng = _rng_states()
+    try:
+        return dataplane.pack({"names": names, "rng": rng}), ()
+    except Exception:  # noqa: BLE001 - found name by name below
+        pass
+    skipped: list[tuple[str, str]] = []
+    for name, value in names.items():
+        try:
+            dataplane.pack(value)
+        except Exception as exc:  # noqa: BLE001 - each said, with why
+            skipped.append((name, f"{type(exc).__name__}: {exc}"))
+    kept = {name: value for name, value in names.items()
+            if name not in dict(skipped)}
+    try:
+        return dataplane.pack({"names": kept, "rng": rng}), tuple(skipped)
+    except Exception as exc:  # noqa: BLE001 - (only together: nothing is kept)
+        why = f"{type(exc).__name__}: {exc}"
+        return dataplane.pack({"names": {}, "rng": rng}), tuple(
+            (name, why) for name in names)
+
+
+def _rng_states() -> dict[str, Any]:
+    """The RNG states a rank's code may draw from (numpy's only if it was imported)."""
+    import torch
+
+    states: dict[str, Any] = {"random": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import torch
+
+    random.setstate(states["random"])
+    torch.set_rng_state(states["torch"])
+    cuda = states.get("cuda")
+    if cuda is not None and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    if "numpy" in states:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])

@@ -1,0 +1,186 @@
+"""A session's snapshots, as the kernel keeps them: their folder, the cells kept, and
+what fresh ranks restore (``Session(snapshots=True)``, ``%ddp_session snapshots on``).
+
+The ranks write the files (``_rank.snapshot``); the kernel owns the folder, in shared
+memory, private (0700). It must outlive the ranks, which a snapshot is for, and go with
+the kernel, even one that is killed: a small keeper process holds the read end of a
+pipe from the kernel, and removes the folder when the pipe closes (the session turns
+snapshots off or stops, or the kernel dies). The keeper imports nothing but the
+standard library.
+
+A cell is kept once it ended well on every rank: its names (rank 0's) are noted. When
+ranks are lost, the newest kept cell that every rank has a file of is the one the fresh
+ranks load before the next cell (``RestoreOrder``); what the notebook is told says so,
+once, with the names that could not be kept.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ..._errors import NbddpError
+from ..._wire.dataplane import shm_root
+from ..._wire.rundir import reserved_name
+from ..._wire.snapshot_orders import (
+    RestoreNote,
+    RestoreOrder,
+    SnapshotNote,
+    SnapshotOrder,
+    snapshot_files,
+)
+
+_KEEPER = ("import shutil, sys\n"
+           "while sys.stdin.buffer.read(4096): pass\n"
+           "shutil.rmtree(sys.argv[1], ignore_errors=True)\n")
+"""The keeper: waits for the kernel's end of the pipe to close, then removes the folder."""
+_CELLS_NOTED = 4  # kept cells whose names the kernel remembers (the ranks keep two)
+
+
+class SessionSnapshots:
+    """(In the kernel) A session's snapshots: off until ``turn_on``."""
+
+    def __init__(self, nprocs: int) -> None:
+        self.nprocs = nprocs
+        self.folder: Path | None = None
+        self._keeper: subprocess.Popen[bytes] | None = None
+        self._kept: dict[int, tuple[tuple[str, ...], dict[str, str]]] = {}
+        """Each cell that ended well on every rank: the names its snapshot holds, and
+        those it could not, with why."""
+        self._said: set[str] = set()  # names said once as not kept
+        self.restoring: RestoreOrder | None = None
+        """What the next run's fresh ranks load first (set once ranks were lost)."""
+        self._lost_note: tuple[str, str] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.folder is not None
+
+    def turn_on(self) -> None:
+        """Make the folder, with its keeper (no snapshot yet: the next cell's is the
+        first). NbddpError if there is no shared memory to keep it in."""
+        if self.on:
+            return
+        root = shm_root()
+        if root is None:
+            raise NbddpError("snapshots are kept in shared memory, and this machine has "
+                             "none that nbddp can write to (/dev/shm, or NBDDP_SHM_DIR)")
+        folder = reserved_name("nbddp-snapshots-", root)
+        folder.mkdir(mode=0o700)
+        try:
+            self._keeper = subprocess.Popen(
+                [sys.executable, "-c", _KEEPER, str(folder)], stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL, start_new_session=True)  # (no Ctrl-C of ours)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self.folder = folder
+
+    def turn_off(self) -> None:
+        """Remove every snapshot and the folder; the keeper ends."""
+        folder, keeper = self.folder, self._keeper
+        self.folder, self._keeper = None, None
+        self.forget()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+        if keeper is not None:
+            if keeper.stdin is not None:
+                keeper.stdin.close()
+            keeper.wait()
+
+    def forget(self) -> None:
+        """Fresh ranks that restore nothing (a restart asked for): no cell is kept."""
+        self._kept.clear()
+        self.restoring, self._lost_note = None, None
+        if self.folder is not None:
+            for ranks in snapshot_files(self.folder).values():
+                for path in ranks.values():
+                    path.unlink(missing_ok=True)
+
+    # --- each run -------------------------------------------------------------------
+
+    def order(self, cell: int) -> SnapshotOrder | None:
+        """What a run's Start asks of the ranks: keep their names as ``cell``."""
+        if self.folder is None:
+            return None
+        return SnapshotOrder(str(self.folder), cell, max(self._kept, default=0))
+
+    def ended(self, cell: int, returned: bool, notes: dict[int, SnapshotNote],
+              restored: dict[int, RestoreNote], names: frozenset[str]) -> None:
+        """A run ended with the ranks kept (``returned``: on every rank, each with its
+        ``notes``; ``names``: those the ranks hold now): the cell is kept. What could not
+        be kept is said once per name."""
+        asked, self.restoring, self._lost_note = self.restoring, None, None
+        if self.folder is None:
+            return
+        if asked is not None and set(restored) != set(range(self.nprocs)):
+            self.forget()  # (not restored on every rank: the ranks hold what they hold)
+            return
+        if not returned or set(notes) != set(range(self.nprocs)):
+            return
+        skipped = {name: why for note in notes.values() for name, why in note.skipped}
+        self._say_not_kept(skipped)
+        self._kept[cell] = (tuple(sorted(names - set(skipped))), skipped)
+        for old in sorted(self._kept)[:-_CELLS_NOTED]:
+            del self._kept[old]
+
+    def _say_not_kept(self, skipped: dict[str, str]) -> None:
+        new = {name: why for name, why in skipped.items() if name not in self._said}
+        if new:
+            self._said.update(new)
+            print("nbddp: session snapshots cannot keep " + "; ".join(
+                f"{name} ({why})" for name, why in new.items()) + ": if the ranks are "
+                "lost, these are not restored", file=sys.stderr, flush=True)
+
+    # --- ranks lost -----------------------------------------------------------------
+
+    def when_lost(self, cell_lost: bool) -> str | None:
+        """The ranks are gone: what fresh ones will restore (None: nothing, snapshots are
+        off or no cell was kept), the next run carrying the order; ``cell_lost``: a cell
+        was running, and is lost."""
+        if self._lost_note is None and self.folder is not None:
+            self._lost_note = self._restore_from(snapshot_files(self.folder))
+        if self._lost_note is None:
+            return None
+        restore, not_kept = self._lost_note
+        return "; ".join([restore] + ["the cell that was running is lost"] * cell_lost
+                         + [f"not restored: {not_kept}"] * bool(not_kept))
+
+    def _restore_from(self, files: dict[int, dict[int, Path]]) -> tuple[str, str] | None:
+        """The restore order for the newest kept cell every rank has a file of, and what
+        to say of it: what it restores, what it cannot."""
+        assert self.folder is not None
+        whole = [cell for cell in self._kept
+                 if set(files.get(cell, {})) >= set(range(self.nprocs))]
+        if not whole:
+            return None
+        cell = max(whole)
+        size = sum(path.stat().st_size for path in files[cell].values())
+        self.restoring = RestoreOrder(str(self.folder), cell)
+        names, skipped = self._kept[cell]
+        return (f"the session restarted on new ranks, which restore {len(names)} "
+                f"name{'s' * (len(names) != 1)} from cell {cell} ({_size(size)}) first",
+                "; ".join(f"{name} ({why})" for name, why in skipped.items()))
+
+    def status(self) -> str:
+        """What ``%ddp_session`` says of them."""
+        if self.folder is None:
+            return "snapshots off"
+        files = snapshot_files(self.folder)
+        kept = [cell for cell in self._kept if cell in files]
+        if not kept:
+            return "snapshots on (none yet)"
+        cell = max(kept)
+        sizes = {rank: path.stat().st_size for rank, path in files[cell].items()}
+        per_rank = ", ".join(f"rank {rank} {_size(size)}" for rank, size in sorted(sizes.items()))
+        return f"snapshots on: cell {cell}, {per_rank}"
+
+
+def _size(nbytes: int) -> str:
+    if nbytes >= 2**30:
+        return f"{nbytes / 2**30:.1f} GiB"
+    if nbytes >= 2**20:
+        return f"{nbytes / 2**20:.0f} MiB"
+    return f"{nbytes / 2**10:.0f} KiB"

@@ -1,0 +1,80 @@
+"""What the kernel and a session's ranks say of snapshots (``Session(snapshots=True)``).
+
+After every cell that ends well on its rank, a rank keeps the names its cells bound,
+with its RNG states, in one file of the session's snapshot folder, in shared memory
+outside its process (``_rank.snapshot``). The kernel counts a cell as kept once it
+ended well on every rank; when ranks are lost, the fresh ones load the newest cell kept
+that every rank has a file of, before the next cell runs (``_run.session.snapshots``).
+
+The Start of a cell carries a ``SnapshotOrder``: where, under which cell number, and
+which older cell to keep (the newest the kernel counted as kept: a cell that failed on
+another rank may not replace it). The first Start to fresh ranks also carries a
+``RestoreOrder``. Ranks answer with a ``SnapshotNote`` (and a ``RestoreNote``) in their
+``Result``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+_FILE = "rank{rank}-cell{cell}.snapshot"
+_FILE_PATTERN = re.compile(r"rank(\d+)-cell(\d+)\.snapshot")
+
+
+def snapshot_file(folder: Path, rank: int, cell: int) -> Path:
+    """Where ``rank`` keeps its snapshot of ``cell``."""
+    return folder / _FILE.format(rank=rank, cell=cell)
+
+
+def snapshot_files(folder: Path) -> dict[int, dict[int, Path]]:
+    """Each cell's complete snapshot files in ``folder``, by cell, then by rank (a file
+    still being written has another name)."""
+    found: dict[int, dict[int, Path]] = {}
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return found
+    for path in entries:
+        match = _FILE_PATTERN.fullmatch(path.name)
+        if match:
+            found.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
+    return found
+
+
+@dataclass(frozen=True)
+class SnapshotOrder:
+    """(In a Start) Once the run ends well here, keep this rank's names as ``cell`` in
+    ``folder``; of the older snapshots, keep only ``keep``'s."""
+
+    folder: str
+    cell: int
+    keep: int = 0
+
+
+@dataclass(frozen=True)
+class RestoreOrder:
+    """(In the first Start to fresh ranks) Before the run, load this rank's snapshot of
+    ``cell`` from ``folder``."""
+
+    folder: str
+    cell: int
+
+
+@dataclass(frozen=True)
+class SnapshotNote:
+    """(In a Result) The names this rank could not keep, each with why (those it could
+    are in the snapshot, written once the Result is sent)."""
+
+    cell: int
+    skipped: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class RestoreNote:
+    """(In a Result) What this rank loaded from its snapshot of ``cell``."""
+
+    cell: int
+    names: tuple[str, ...]
+    size: int

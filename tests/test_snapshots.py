@@ -1,0 +1,307 @@
+"""Session snapshots: a rank that dies costs the cell in flight, not the session.
+
+The ranks keep their names after each cell in shared memory (``_rank.snapshot``); the
+kernel keeps the folder and says what fresh ranks restore (``_run.session.snapshots``).
+The kernel tests kill ranks as the OOM killer would (SIGKILL), between cells and in
+one, and check that every rank comes back with its own values and that training goes on.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from nbddp._rank.relay_compact import compact
+from nbddp._rank.scope import Scope
+from nbddp._rank.snapshot import Snapshots
+from nbddp._run.session.snapshots import SessionSnapshots
+from nbddp._wire.messages import Result, Sequenced
+from nbddp._wire.relay_messages import RanksFinished
+from nbddp._wire.snapshot_orders import (
+    RestoreNote,
+    RestoreOrder,
+    SnapshotNote,
+    SnapshotOrder,
+    snapshot_files,
+)
+
+from .conftest import SHM, descendants, wait_until
+from .kernel_driver import Kernel
+from .test_kernel import _alive, _snapshot
+from .test_session import cell, session_pids
+
+# --- the rank's side and the kernel's, in this process ------------------------------------
+
+
+def _scope(**names) -> Scope:
+    scope = Scope()
+    scope.globals.update(names)
+    scope.assigned |= set(names)
+    return scope
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.mark.fast
+def test_a_rank_s_names_come_back_whole_shared_as_they_were_and_its_rng_too(tmp_path):
+    model, opt = _trained()
+    lock = threading.Lock()
+    held = Snapshots(rank=1)
+    note = held.take(_scope(model=model, opt=opt, shard=torch.arange(5), lock=lock),
+                     SnapshotOrder(str(tmp_path), cell=3), ran=True)
+    assert [name for name, _ in note.skipped] == ["lock"]
+    assert "cannot pickle" in note.skipped[0][1]
+    expected = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
+    held.write()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1-cell3.snapshot"]
+    torch.rand(10)  # (the RNG moves on; the snapshot's does not)
+
+    fresh = Scope()
+    restored = Snapshots(rank=1).restore(fresh, RestoreOrder(str(tmp_path), cell=3))
+    assert restored.names == ("model", "opt", "shard") and restored.size > 0
+    assert fresh.assigned == {"model", "opt", "shard"}
+    back, back_opt = fresh.globals["model"], fresh.globals["opt"]
+    assert back_opt.param_groups[0]["params"][0] is back.weight  # shared, as before
+    assert torch.equal(back.weight, model.weight)
+    assert torch.equal(back_opt.state[back.weight]["momentum_buffer"],
+                       opt.state[model.weight]["momentum_buffer"])
+    assert torch.equal(fresh.globals["shard"], torch.arange(5))
+    assert torch.equal(torch.rand(3), expected)
+
+
+@pytest.mark.fast
+def test_a_rank_keeps_its_newest_snapshot_and_the_cell_the_kernel_keeps(tmp_path):
+    """Cell 2 failed on another rank: the kernel keeps cell 1, so this rank does too; a
+    rank the cell did not run on links its last file under the new cell."""
+    held = Snapshots(rank=0)
+    for number, keep in ((1, 0), (2, 1), (3, 1)):
+        held.take(_scope(n=number), SnapshotOrder(str(tmp_path), number, keep), ran=True)
+        held.write()
+    assert sorted(snapshot_files(tmp_path)) == [1, 3]
+    held.take(_scope(n=99), SnapshotOrder(str(tmp_path), 4, 3), ran=False)
+    held.write()
+    files = snapshot_files(tmp_path)
+    assert sorted(files) == [3, 4] and os.path.samefile(files[3][0], files[4][0])
+
+
+def _kept(snapshots: SessionSnapshots, folder: Path, number: int, ranks, **names) -> None:
+    """Cell ``number`` as ``ranks`` keep it (their files written), then as the kernel
+    sees its end: on every rank of the session."""
+    notes = {}
+    for rank in ranks:
+        held = Snapshots(rank)
+        notes[rank] = held.take(_scope(**names), SnapshotOrder(str(folder), number,
+                                                                number - 1), ran=True)
+        held.write()
+    snapshots.ended(number, True, {rank: notes.get(rank, notes[ranks[0]]) for rank in (0, 1)},
+                    {}, frozenset(names))
+
+
+@pytest.mark.fast
+def test_fresh_ranks_restore_the_newest_cell_every_rank_has_and_the_notebook_is_told(
+        tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NBDDP_SHM_DIR", str(tmp_path))
+    snapshots = SessionSnapshots(nprocs=2)
+    snapshots.turn_on()
+    try:
+        folder = snapshots.folder
+        assert folder is not None and folder.parent == tmp_path
+        assert folder.stat().st_mode & 0o777 == 0o700
+        assert snapshots.order(1) == SnapshotOrder(str(folder), 1, 0)
+        _kept(snapshots, folder, 1, [0, 1], x=1, y=2)
+        _kept(snapshots, folder, 2, [0, 1], x=1, lock=threading.Lock())
+        assert "cannot keep lock (TypeError" in capsys.readouterr().err
+        _kept(snapshots, folder, 3, [0], x=3)  # (rank 1 died writing cell 3's)
+        said = snapshots.when_lost(cell_lost=True)
+        assert said is not None and said.startswith(
+            "the session restarted on new ranks, which restore 1 name from cell 2 ("), said
+        assert said.endswith("first; the cell that was running is lost; not restored: "
+                             "lock (TypeError: cannot pickle '_thread.lock' object)"), said
+        assert snapshots.restoring == RestoreOrder(str(folder), 2)
+        assert "snapshots on: cell 3, rank 0" in snapshots.status()
+    finally:
+        snapshots.turn_off()
+    assert not folder.exists() and snapshots.status() == "snapshots off"
+
+
+@pytest.mark.fast
+def test_what_a_rank_says_of_its_snapshot_crosses_a_relay_as_its_own():
+    """A node's relay says plain ends once for many ranks: an end that carries a
+    snapshot's note (or a restore's) is not plain."""
+    noted = Sequenced(4, Result(0, snapshot=SnapshotNote(4, (("lock", "TypeError"),))))
+    restored = Sequenced(4, Result(1, restored=RestoreNote(3, ("x",), 10)))
+    plain = [Sequenced(4, Result(rank)) for rank in (2, 3)]
+    said = compact([noted, restored, *plain, None])
+    assert noted in said and restored in said
+    assert [m.ranks for m in said if isinstance(m, RanksFinished)] == [(2, 3)]
+
+
+KEEPING_KERNEL = """
+import sys, time
+from nbddp._run.session.snapshots import SessionSnapshots
+snapshots = SessionSnapshots(2)
+snapshots.turn_on()
+print(snapshots.folder, snapshots._keeper.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.fast
+def test_a_kernel_killed_leaves_no_snapshot_behind(tmp_path):
+    """The kernel is killed (no clean-up of its own runs): its keeper removes the
+    snapshot folder and ends."""
+    env = {**os.environ, "NBDDP_SHM_DIR": str(tmp_path)}
+    kernel = subprocess.Popen([sys.executable, "-c", KEEPING_KERNEL], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert kernel.stdout is not None
+        folder, keeper = kernel.stdout.readline().split()
+        assert Path(folder).is_dir() and int(keeper) in descendants(kernel.pid)
+        keeping = _snapshot([int(keeper)])
+    finally:
+        kernel.kill()
+        kernel.wait()
+    wait_until(lambda: not Path(folder).exists(), timeout=10)
+    wait_until(lambda: not _alive(keeping), timeout=10)
+
+
+# --- a session through a real kernel -------------------------------------------------
+
+START = """
+%load_ext nbddp
+import os, nbddp
+%ddp_session start --nprocs 2 --snapshots
+"""
+
+BUILD = """
+import threading
+import torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+net = DDP(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+shard = torch.full((3,), float(dist.get_rank()))
+big = torch.zeros(64 * 2**20)  # 256 MiB
+big[dist.get_rank()] = 7.0
+lock = threading.Lock()
+"""
+
+STEP = """
+torch.manual_seed(10 + dist.get_rank() + int(shard.sum()))
+loss = net(torch.randn(8, 4)).sum()
+opt.zero_grad()
+loss.backward()
+opt.step()
+_next = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
+"""
+
+EVERY_RANK = """
+_every = [None] * dist.get_world_size()
+dist.all_gather_object(_every, _mine)
+_every
+"""
+
+STATE = """
+_momentum = opt.state[net.module.weight]["momentum_buffer"]
+_mine = (dist.get_rank(), net.module.weight.flatten().tolist(), _momentum.flatten().tolist(),
+         shard.tolist(), float(big.sum()), _next.tolist())
+""" + EVERY_RANK
+
+NEXT_DRAW = "_mine = torch.rand(3).tolist()" + EVERY_RANK
+"""Each rank's next draw from its RNG, before anything else draws."""
+
+
+def _state(kernel: Kernel) -> list:
+    """Each rank's: its rank, weights, momentum, shard, big tensor's sum, next draw."""
+    return ast.literal_eval(cell(kernel, STATE).assert_ok().result())
+
+
+@pytest.fixture
+def snapshotting(tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run(START, timeout=120).assert_ok()
+        built = cell(kernel, BUILD, timeout=120).assert_ok()
+        assert "cannot keep lock (TypeError: cannot pickle '_thread.lock' object)" in \
+            built.stream_text("stderr"), built.describe()
+        cell(kernel, STEP).assert_ok()
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+def _kill(kernel: Kernel, ranks) -> None:
+    pids = session_pids(kernel)
+    for rank in ranks:
+        os.kill(pids[rank], signal.SIGKILL)
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+@pytest.mark.parametrize("victims", [[1], [0, 1]])
+def test_ranks_killed_between_cells_come_back_with_their_own_state(snapshotting, victims):
+    kernel = snapshotting
+    before = _state(kernel)  # (a cell that binds nothing: the state is the step's)
+    _kill(kernel, victims)
+    run = cell(kernel, NEXT_DRAW).assert_ok()
+    said = run.stream_text()
+    assert "while idle; the session restarted on new ranks, which restore " in said, said
+    assert "not restored: lock (TypeError" in said, said
+    assert said.count("restarted on new ranks") == 1, said
+    draws = ast.literal_eval(run.result())
+    assert draws == [state[5] for state in before]  # each rank's RNG went on from its own
+    after = _state(kernel)
+    assert [s[:5] for s in after] == [s[:5] for s in before]
+    assert before[0][3] != before[1][3] and before[0][4] == before[1][4] == 7.0
+    cell(kernel, STEP).assert_ok()  # DDP trains on, on the new process group
+    stepped = _state(kernel)
+    assert stepped[0][1] == stepped[1][1] != before[0][1]
+    assert "lock" not in ast.literal_eval(cell(kernel, "sorted(dir())").assert_ok().result())
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_a_rank_killed_mid_cell_costs_that_cell_only(snapshotting):
+    kernel = snapshotting
+    before = _state(kernel)
+    pids = session_pids(kernel)
+    run = kernel.submit("%%ddp\nimport time\nlost = 1\nprint('working', flush=True)\n"
+                        "time.sleep(60)")
+    run.wait_for_output("working")
+    os.kill(pids[1], signal.SIGKILL)
+    run.finish(timeout=90)
+    text = run.error_text()
+    assert "the session restarted on new ranks, which restore " in text, run.describe()
+    assert "the cell that was running is lost; not restored: lock" in text, text
+    assert [s[:5] for s in _state(kernel)] == [s[:5] for s in before]
+    assert "lost" not in ast.literal_eval(cell(kernel, "sorted(dir())").assert_ok().result())
+    cell(kernel, STEP).assert_ok()
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_snapshots_turned_off_free_everything_and_a_loss_is_as_before(snapshotting):
+    kernel = snapshotting
+    assert list(Path(SHM).glob("nbddp-snapshots-*"))
+    status = kernel.run("%ddp_session snapshots off").assert_ok().result()
+    assert "snapshots off" in status, status
+    assert not list(Path(SHM).glob("nbddp-snapshots-*"))
+    _kill(kernel, [1])
+    run = cell(kernel, "'net' in dir()").assert_ok()
+    assert run.result() == "False"
+    assert "variables defined in earlier cells are gone" in run.stream_text(), run.describe()
