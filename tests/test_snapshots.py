@@ -68,7 +68,8 @@ def test_a_rank_s_names_come_back_whole_shared_as_they_were_and_its_rng_too(tmp_
     assert "cannot pickle" in note.skipped[0][1]
     expected = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
     held.write()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1-cell3.snapshot"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1-cell3.parts",
+                                                           "rank1-cell3.snapshot"]
     torch.rand(10)  # (the RNG moves on; the snapshot's does not)
 
     fresh = Scope()
@@ -97,6 +98,41 @@ def test_a_rank_keeps_its_newest_snapshot_and_the_cell_the_kernel_keeps(tmp_path
     held.write()
     files = snapshot_files(tmp_path)
     assert sorted(files) == [3, 4] and os.path.samefile(files[3][0], files[4][0])
+
+
+def _parts(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.glob("rank0-part*.bin"))
+
+
+@pytest.mark.fast
+def test_a_large_tensor_unchanged_is_not_written_again(tmp_path):
+    """Its part file is named by the next snapshot as it is; written in place, through
+    the tensor or behind its version counter (``.data``), it gets a new part. Parts no
+    kept snapshot names are removed."""
+    big = torch.zeros(2**21)  # 8 MiB: a part of its own
+    scope = _scope(big=big, small=torch.ones(3))
+    held = Snapshots(rank=0)
+
+    def snapshot(number: int) -> list[str]:
+        held.take(scope, SnapshotOrder(str(tmp_path), number, number - 1), ran=True)
+        held.write()
+        return _parts(tmp_path)
+
+    first = snapshot(1)
+    assert len(first) == 1
+    part = tmp_path / first[0]
+    written = part.stat().st_mtime_ns, part.stat().st_ino
+    assert snapshot(2) == first and (part.stat().st_mtime_ns, part.stat().st_ino) == written
+    big[0] = 1.0  # (through the tensor: its version counter moves)
+    changed = snapshot(3)
+    assert len(changed) == 2 and first[0] in changed  # (cell 2, kept, still names it)
+    assert snapshot(4) == [name for name in changed if name != first[0]]
+    big.data[1] = 2.0  # (behind the counter; one place: the samples may miss it)
+    big.data[:] = 5.0  # (behind the counter, all of it: the samples see it)
+    assert first[0] not in snapshot(5) and len(_parts(tmp_path)) == 2
+    fresh = Scope()
+    Snapshots(rank=0).restore(fresh, RestoreOrder(str(tmp_path), cell=5))
+    assert torch.equal(fresh.globals["big"], torch.full((2**21,), 5.0))
 
 
 def _kept(snapshots: SessionSnapshots, folder: Path, number: int, ranks, **names) -> None:

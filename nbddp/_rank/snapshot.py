@@ -4,8 +4,9 @@ With snapshots on (``_wire.snapshot_orders``), each cell's Start asks the rank t
 once the cell ended well here, the names its code has bound and its RNG states (torch's,
 CUDA's, numpy's, ``random``'s). They are pickled as one object, so that what they share
 stays shared when they come back (an optimizer's parameters are the model's), through
-the data plane: tensors' bytes out of band, never in the pickle; a CUDA tensor comes
-back on the rank's own GPU. A name that cannot be pickled is left out, and the
+the data plane: tensors' bytes out of band, never in the pickle; a large one in a part
+file of its own, which the next snapshot names again, copying nothing, while the tensor
+is unchanged (``_rank.snapshot_parts``); a CUDA tensor comes back on the rank's own GPU. A name that cannot be pickled is left out, and the
 ``SnapshotNote`` in the rank's ``Result`` names it with why.
 
 The pickle is made before the Result is sent (what it cannot keep is said with the
@@ -31,40 +32,70 @@ from .._wire.snapshot_orders import (
     RestoreOrder,
     SnapshotNote,
     SnapshotOrder,
+    listed_parts,
+    parts_file,
     snapshot_file,
     snapshot_files,
+    snapshot_size,
+    write_parts_list,
 )
 from .scope import Scope
+from .snapshot_parts import SnapshotParts, parts_loaded
 
 
 class Snapshots:
-    """(On a rank) Its snapshots: the one made for the last cell, until it is written."""
+    """(On a rank) Its snapshots: the one made for the last cell, until it is written,
+    and the part files its large tensors are in (``_rank.snapshot_parts``)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
-        self._pending: tuple[SnapshotOrder, dataplane.Packed | None] | None = None
+        self.parts = SnapshotParts(rank)
+        self._pending: tuple[SnapshotOrder, dataplane.Packed | None, set[str]] | None = None
         self._latest: Path | None = None
         """This rank's newest snapshot file."""
 
     def take(self, scope: Scope, order: SnapshotOrder, ran: bool) -> SnapshotNote:
         """Pickle what the rank holds, to be written at rest (``write``); ``ran``: the
         cell ran here (else the rank's last file stands for this cell too)."""
-        if not ran and self._latest is not None:
-            self._pending = (order, None)
+        if not ran and self._latest is not None and self._latest.exists():
+            self._pending = (order, None, listed_parts(self._latest)[0])
             return SnapshotNote(order.cell)
         names = {name: scope.globals[name] for name in sorted(scope.assigned)
                  if name in scope.globals}
-        packed, skipped = _packed(names)
-        self._pending = (order, packed)
+        self.parts.folder = Path(order.folder)
+        packed, skipped = self._packed(names)
+        self._pending = (order, packed, self.parts.named())
         return SnapshotNote(order.cell, skipped)
 
+    def _packed(self, names: dict[str, Any]) -> tuple[dataplane.Packed,
+                                                      tuple[tuple[str, str], ...]]:
+        """``names`` and the RNG states in one pickle, large storages as their parts; the
+        names left out, each with why (found one by one, each pickled on its own)."""
+        rng = _rng_states()
+        skipped: list[tuple[str, str]] = []
+        for attempt in range(2):
+            kept = {name: value for name, value in names.items()
+                    if name not in dict(skipped)}
+            try:
+                return dataplane.pack({"names": kept, "rng": rng}, kept=self.parts), \
+                    tuple(skipped)
+            except Exception as exc:  # noqa: BLE001 - each name said, with why
+                self.parts.drop_new()
+                if attempt:
+                    skipped = [(name, f"{type(exc).__name__}: {exc}") for name in names]
+                    break
+                skipped = _unpicklable(names)
+        return dataplane.pack({"names": {}, "rng": rng}), tuple(skipped)
+
     def write(self) -> None:
-        """(At rest) Write the pending snapshot, whole or not at all; then remove this
-        rank's older files, but for the cell the kernel said to keep. A failure (no room
-        left) is said on the rank's output: the kernel finds no file for that cell."""
+        """(At rest) Write the pending snapshot, whole or not at all: its new parts, their
+        list, then the snapshot itself, under a passing name, renamed; then remove this
+        rank's older snapshots, but for the cell the kernel said to keep, and the parts
+        no kept snapshot names. A failure (no room left) is said on the rank's output:
+        the kernel finds no snapshot of this rank for that cell."""
         if self._pending is None:
             return
-        order, packed = self._pending
+        order, packed, parts = self._pending
         self._pending = None
         folder = Path(order.folder)
         path = snapshot_file(folder, self.rank, order.cell)
@@ -74,10 +105,13 @@ class Snapshots:
                 assert self._latest is not None
                 os.link(self._latest, passing)
             else:
+                self.parts.write_new()
                 dataplane.write(passing, packed)
+            write_parts_list(path, parts)
             os.replace(passing, path)
         except OSError as exc:
             passing.unlink(missing_ok=True)
+            self.parts.drop_new()
             print(f"nbddp: rank {self.rank} could not keep its snapshot of cell "
                   f"{order.cell} ({exc})", file=sys.stderr, flush=True)
             return
@@ -85,46 +119,43 @@ class Snapshots:
         self._remove_older(folder, keep={order.cell, order.keep})
 
     def _remove_older(self, folder: Path, keep: set[int]) -> None:
+        named: set[str] = set()
         for cell, ranks in snapshot_files(folder).items():
-            if cell not in keep and self.rank in ranks:
+            if self.rank not in ranks:
+                continue
+            if cell in keep:
+                named |= listed_parts(ranks[self.rank])[0]
+            else:
                 ranks[self.rank].unlink(missing_ok=True)
+                parts_file(ranks[self.rank]).unlink(missing_ok=True)
+        self.parts.folder = folder
+        self.parts.remove_unnamed(named)
 
     def restore(self, scope: Scope, order: RestoreOrder) -> RestoreNote:
         """Load this rank's snapshot of ``order.cell`` into ``scope`` (the names count as
         the rank's own), and its RNG states."""
         path = snapshot_file(Path(order.folder), self.rank, order.cell)
         try:
-            state = dataplane.read(path).load()
+            with parts_loaded():
+                state = dataplane.read(path).load()
         except Exception as exc:
             raise RuntimeError(f"nbddp: rank {self.rank} could not load its snapshot of "
                                f"cell {order.cell}: {type(exc).__name__}: {exc}") from exc
         scope.restore(state["names"])
         _set_rng_states(state["rng"])
         self._latest = path
-        return RestoreNote(order.cell, tuple(sorted(state["names"])), path.stat().st_size)
+        return RestoreNote(order.cell, tuple(sorted(state["names"])), snapshot_size(path))
 
 
-def _packed(names: dict[str, Any]) -> tuple[dataplane.Packed, tuple[tuple[str, str], ...]]:
-    """``names`` and the RNG states in one pickle; the names left out, each with why."""
-    rng = _rng_states()
-    try:
-        return dataplane.pack({"names": names, "rng": rng}), ()
-    except Exception:  # noqa: BLE001 - found name by name below
-        pass
-    skipped: list[tuple[str, str]] = []
+def _unpicklable(names: dict[str, Any]) -> list[tuple[str, str]]:
+    """The names that cannot be pickled on their own, each with why."""
+    found = []
     for name, value in names.items():
         try:
             dataplane.pack(value)
         except Exception as exc:  # noqa: BLE001 - each said, with why
-            skipped.append((name, f"{type(exc).__name__}: {exc}"))
-    kept = {name: value for name, value in names.items()
-            if name not in dict(skipped)}
-    try:
-        return dataplane.pack({"names": kept, "rng": rng}), tuple(skipped)
-    except Exception as exc:  # noqa: BLE001 - (only together: nothing is kept)
-        why = f"{type(exc).__name__}: {exc}"
-        return dataplane.pack({"names": {}, "rng": rng}), tuple(
-            (name, why) for name in names)
+            found.append((name, f"{type(exc).__name__}: {exc}"))
+    return found
 
 
 def _rng_states() -> dict[str, Any]:

@@ -15,6 +15,8 @@ another rank may not replace it). The first Start to fresh ranks also carries a
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +43,41 @@ def snapshot_files(folder: Path) -> dict[int, dict[int, Path]]:
         if match:
             found.setdefault(int(match.group(2)), {})[int(match.group(1))] = path
     return found
+
+
+def parts_file(snapshot: Path) -> Path:
+    """Where the part files a snapshot names are listed (``_rank.snapshot_parts``)."""
+    return snapshot.with_suffix(".parts")
+
+
+def write_parts_list(snapshot: Path, names: set[str]) -> None:
+    """List ``names`` (with their bytes) beside ``snapshot``, private, in one step."""
+    folder = snapshot.parent
+    listed = json.dumps({"parts": sorted(names),
+                         "bytes": sum((folder / name).stat().st_size for name in names)})
+    passing = folder / f".{parts_file(snapshot).name}"
+    fd = os.open(passing, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(listed)
+    os.replace(passing, parts_file(snapshot))
+
+
+def listed_parts(snapshot: Path) -> tuple[set[str], int]:
+    """The part files listed beside ``snapshot``, and their bytes (none without a list)."""
+    try:
+        listed = json.loads(parts_file(snapshot).read_text())
+    except (OSError, ValueError):
+        return set(), 0
+    return set(listed["parts"]), int(listed["bytes"])
+
+
+def snapshot_size(snapshot: Path) -> int:
+    """A snapshot's bytes: its file's and its parts'."""
+    try:
+        own = snapshot.stat().st_size
+    except OSError:
+        return 0
+    return own + listed_parts(snapshot)[1]
 
 
 @dataclass(frozen=True)

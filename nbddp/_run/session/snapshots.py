@@ -30,6 +30,7 @@ from ..._wire.snapshot_orders import (
     SnapshotNote,
     SnapshotOrder,
     snapshot_files,
+    snapshot_size,
 )
 
 _KEEPER = ("import shutil, sys\n"
@@ -94,10 +95,9 @@ class SessionSnapshots:
         """Fresh ranks that restore nothing (a restart asked for): no cell is kept."""
         self._kept.clear()
         self.restoring, self._lost_note = None, None
-        if self.folder is not None:
-            for ranks in snapshot_files(self.folder).values():
-                for path in ranks.values():
-                    path.unlink(missing_ok=True)
+        if self.folder is not None:  # (snapshots, their parts and lists)
+            for path in self.folder.iterdir():
+                path.unlink(missing_ok=True)
 
     # --- each run -------------------------------------------------------------------
 
@@ -157,7 +157,7 @@ class SessionSnapshots:
         if not whole:
             return None
         cell = max(whole)
-        size = sum(path.stat().st_size for path in files[cell].values())
+        size = sum(snapshot_size(path) for path in files[cell].values())
         self.restoring = RestoreOrder(str(self.folder), cell)
         names, skipped = self._kept[cell]
         return (f"the session restarted on new ranks, which restore {len(names)} "
@@ -173,7 +173,7 @@ class SessionSnapshots:
         if not kept:
             return "snapshots on (none yet)"
         cell = max(kept)
-        sizes = {rank: path.stat().st_size for rank, path in files[cell].items()}
+        sizes = {rank: snapshot_size(path) for rank, path in files[cell].items()}
         per_rank = ", ".join(f"rank {rank} {_size(size)}" for rank, size in sorted(sizes.items()))
         return f"snapshots on: cell {cell}, {per_rank}"
 

@@ -1,0 +1,191 @@
+"""A rank's large tensors in its snapshots: each storage's bytes in a file of their own,
+kept from one snapshot to the next while the storage does not change.
+
+A snapshot after every cell would copy every tensor the rank holds, every cell: a model
+and its optimizer's state, gigabytes, for a cell that only printed. Instead a large CPU
+storage is written once into a part file of the snapshot folder, and each snapshot's
+pickle names the part (``_Part``: pickled as its path, mapped copy-on-write when it is
+loaded). The next snapshot names the same part, and copies nothing, while the storage is
+unchanged: the version counter of every tensor object it was pickled for is where it was
+(torch bumps it at each in-place write, through the tensor or its views), and a few
+random places of the storage still hold what the part holds (writes that bypass the
+counter, through ``.data`` or NumPy, are caught where they changed much of it).
+
+A part is written at rest with the snapshot that first names it (``write_new``), under
+a passing name, then renamed. Each snapshot's parts are listed beside it
+(``rankR-cellN.parts``: their names and bytes), so that the rank removes its parts no
+kept snapshot names, and the kernel can tell a snapshot's size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import itertools
+import mmap
+import os
+import random
+import secrets
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from .._wire.dataplane import write_at
+from .._wire.tensor_pickler import storage_from_buffer
+
+PART_MIN = 4 * 2**20
+"""Smaller storages stay in the snapshot's own file: a part of their own costs more."""
+SAMPLES = 64
+"""Random places of a storage compared with its part before the part is named again."""
+SAMPLE_BYTES = 64
+_SAMPLER = random.Random()  # (nbddp's own: the notebook's seed stays its own)
+
+
+class _Part:
+    """One storage's bytes in a part file: pickled as the file's path."""
+
+    def __init__(self, path: Path, tensor: Any, storage: Any) -> None:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        self.path = path
+        self.nbytes = storage.nbytes()
+        self.data_ptr = storage.data_ptr()
+        self.storage = StorageWeakRef(storage)
+        self.seen = [(weakref.ref(tensor), tensor._version)]
+        """Each tensor object it was pickled for, and its version counter then."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _mapped_part, (str(self.path), self.nbytes)
+
+    def also(self, tensor: Any) -> None:
+        if not any(ref() is tensor for ref, _ in self.seen):
+            self.seen.append((weakref.ref(tensor), tensor._version))
+
+    def holds(self, tensor: Any, storage: Any) -> bool:
+        """The part still holds ``tensor``'s storage as it is now."""
+        return (not self.storage.expired() and storage.data_ptr() == self.data_ptr
+                and storage.nbytes() == self.nbytes
+                and any(ref() is tensor for ref, _ in self.seen)
+                and not any(seen is not None and seen._version != version
+                            for seen, version in ((ref(), v) for ref, v in self.seen))
+                and self._same_sample(storage))
+
+    def _same_sample(self, storage: Any) -> bool:
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            address = storage.data_ptr()
+            for _ in range(SAMPLES):
+                offset = _SAMPLER.randrange(max(1, self.nbytes - SAMPLE_BYTES + 1))
+                length = min(SAMPLE_BYTES, self.nbytes - offset)
+                if os.pread(fd, length, offset) != ctypes.string_at(address + offset, length):
+                    return False
+            return True
+        finally:
+            os.close(fd)
+
+
+_LOADED: list[str] | None = None
+"""(While a snapshot is loaded) The parts it maps."""
+
+
+def _mapped_part(path: str, nbytes: int) -> Any:
+    """(Loading a snapshot) The part's storage, mapped copy-on-write."""
+    if _LOADED is not None:
+        _LOADED.append(Path(path).name)
+    with open(path, "rb") as part:
+        if os.fstat(part.fileno()).st_size != nbytes:
+            raise RuntimeError(f"nbddp: the snapshot's part {path} is not whole")
+        mapped = mmap.mmap(part.fileno(), nbytes, flags=mmap.MAP_PRIVATE,
+                           prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return storage_from_buffer(mapped)
+
+
+@contextlib.contextmanager
+def parts_loaded() -> Iterator[list[str]]:
+    """The names of the parts a snapshot loaded inside maps."""
+    global _LOADED
+    loaded: list[str] = []
+    _LOADED = loaded
+    try:
+        yield loaded
+    finally:
+        _LOADED = None
+
+
+class SnapshotParts:
+    """(On a rank) Its part files in ``folder``: ``copy_of`` names a storage's part (a new
+    one if it changed), as ``dataplane.pack``'s ``kept`` copies are named."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.folder: Path | None = None
+        self._parts: dict[int, _Part] = {}
+        self._numbers = itertools.count(1)
+        self._named: set[str] = set()  # the parts the snapshot being made names
+        self._new: list[tuple[_Part, Any]] = []  # ... and those to write, with storages
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        self._named = set()
+        yield
+
+    def copy_of(self, tensor: Any, storage: Any) -> _Part | None:
+        if (self.folder is None or storage.nbytes() < PART_MIN or tensor.is_inference()
+                or storage.device.type != "cpu"):
+            return None
+        key = storage._cdata
+        part = self._parts.get(key)
+        if part is None or not part.holds(tensor, storage):
+            name = f"rank{self.rank}-part{next(self._numbers)}-{secrets.token_hex(4)}.bin"
+            part = self._parts[key] = _Part(self.folder / name, tensor, storage)
+            self._new.append((part, storage))  # (kept alive until written)
+        self._named.add(part.path.name)
+        return part
+
+    def seen_with(self, copy: Any, tensor: Any) -> None:
+        if isinstance(copy, _Part) and any(part is copy for part, _ in self._new):
+            copy.also(tensor)
+
+    def named(self) -> set[str]:
+        """The parts the last snapshot made names."""
+        return set(self._named)
+
+    def write_new(self) -> int:
+        """Write the parts made for the last snapshot (OSError if there is no room); their
+        bytes."""
+        new, self._new = self._new, []
+        written = 0
+        for part, storage in new:
+            passing = part.path.with_name(f".{part.path.name}")
+            fd = os.open(passing, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(fd, part.nbytes)
+                raw = (ctypes.c_ubyte * part.nbytes).from_address(storage.data_ptr())
+                write_at(fd, memoryview(raw).cast("B"), 0)
+            except BaseException:
+                os.close(fd)
+                passing.unlink(missing_ok=True)
+                raise
+            os.close(fd)
+            os.replace(passing, part.path)
+            written += part.nbytes
+        return written
+
+    def drop_new(self) -> None:
+        """The last snapshot is not kept: the parts it made are not written."""
+        for part, _ in self._new:
+            self._parts = {k: p for k, p in self._parts.items() if p is not part}
+        self._new = []
+
+    def remove_unnamed(self, kept: set[str]) -> None:
+        """Remove this rank's part files that no kept snapshot names."""
+        assert self.folder is not None
+        prefix = f"rank{self.rank}-part"
+        for path in self.folder.glob(f"{prefix}*.bin"):
+            if path.name not in kept:
+                path.unlink(missing_ok=True)
+        self._parts = {k: p for k, p in self._parts.items() if p.path.name in kept}
