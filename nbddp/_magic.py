@@ -48,6 +48,7 @@ from ._run.devices import GpusNotVisible
 from ._run.flags import argparse_arguments, flag_values
 from ._run.session.rank_choice import parse_ranks
 from ._session import Session
+from ._session_switches import SWITCHES, switched
 
 _CPU_HINT = "to run on the CPU, use %%ddp --nprocs N (gloo ranks) instead of --gpus"
 F = TypeVar("F", bound=Callable[..., Any])
@@ -270,6 +271,9 @@ class DDPMagics(Magics):
     @argument("--snapshots", action="store_true",
               help="with start: keep the ranks' names after each cell that ends well, so "
                    "that fresh ranks replacing lost ones load them back")
+    @argument("--snapshot-max", metavar="SIZE",
+              help="with --snapshots or snapshots on: at most this much for all ranks' "
+                   "snapshots, e.g. 8GiB (default: a quarter of the memory free)")
     @_arguments(
         *_flags(RunOptions, session=True),
         *cluster_arguments(session=True),
@@ -294,15 +298,13 @@ class DDPMagics(Magics):
         if args.action != "start" and given:
             raise UsageError(f"{', '.join(given)}: a cluster's flags are for "
                              "%ddp_session start")
-        if args.action == "auto":
-            return self._auto(args.job)
-        if args.action == "autoreload":
-            return self._autoreload(args.job)
-        if args.action == "snapshots":
-            return self._snapshots(args.job)
-        if args.snapshots and args.action != "start":
+        if args.action in SWITCHES:
+            return switched(self._open_session, args.action, args.job, args.snapshot_max)
+        if (args.snapshots or args.snapshot_max) and args.action != "start":
             raise UsageError("--snapshots is for %ddp_session start (or: %ddp_session "
                              "snapshots on)")
+        if args.snapshot_max and not args.snapshots:
+            raise UsageError("--snapshot-max caps snapshots: with --snapshots")
         if args.job is not None and args.action != "attach":
             raise UsageError(f"%ddp_session {args.action} takes no job id (attach does)")
         open_session = self._open_session
@@ -327,46 +329,6 @@ class DDPMagics(Magics):
         elif args.action == "restart":
             open_session.restart()
         return open_session.status()
-
-    def _auto(self, value: str | None) -> None:
-        """``%ddp_session auto on|off``."""
-        if value not in ("on", "off"):
-            raise UsageError("%ddp_session auto takes on or off")
-        session = self._open_session
-        if value == "on" and session is None:
-            raise UsageError("auto mode runs every cell on a session's ranks: start one "
-                             "first (%ddp_session start --nprocs N)")
-        if session is not None:
-            session.auto = value == "on"
-        print("nbddp session: auto mode " + (
-            "on: every cell runs on the session's ranks (cells that begin with % or ! stay "
-            "here; %ddp_session auto off ends it)" if value == "on"
-            else "off: cells run in the notebook (%%ddp cells on the ranks)"))
-
-    def _autoreload(self, value: str | None) -> None:
-        """``%ddp_session autoreload [on|off]``."""
-        if value not in (None, "on", "off"):
-            raise UsageError("%ddp_session autoreload takes on or off")
-        session = self._open_session
-        if session is None:
-            raise UsageError("autoreload reloads a session's modules: start one first "
-                             "(%ddp_session start --nprocs N)")
-        session.autoreload = value != "off"
-        print("nbddp session: autoreload " + (
-            "on: before each cell, the ranks reload the modules you edited (as "
-            "%autoreload 2 does here)" if session.autoreload
-            else "off: the ranks keep the modules as they imported them"))
-
-    def _snapshots(self, value: str | None) -> Any:
-        """``%ddp_session snapshots on|off``."""
-        if value not in ("on", "off"):
-            raise UsageError("%ddp_session snapshots takes on or off")
-        session = self._open_session
-        if session is None:
-            raise UsageError("snapshots keep a session's names: start one first "
-                             "(%ddp_session start --nprocs N)")
-        session.snapshots = value == "on"
-        return session.status()
 
     @line_magic
     def ddp_debug(self, line: str) -> None:
@@ -411,11 +373,12 @@ def _start_session(args: Any) -> Session:
     check_cluster_flags(args, session=True)
     run = _values(RunOptions, args, session=True)
     try:
+        snapshots = (args.snapshot_max or True) if args.snapshots else False
         if chosen_kind(args) is None:
-            return Session(**run, snapshots=args.snapshots)
+            return Session(**run, snapshots=snapshots)
         run = {**run, "gpus": _per_node(run["gpus"])}
         cluster = cluster_from_flags(args, run["gpus"], session=True)
-        return Session(**run, cluster=cluster, grace=args.grace, snapshots=args.snapshots)
+        return Session(**run, cluster=cluster, grace=args.grace, snapshots=snapshots)
     except (ValueError, TypeError) as exc:
         if isinstance(exc, NbddpError):
             raise

@@ -73,22 +73,22 @@ class Session:
                  env: Mapping[str, str] | None = None,
                  output: Literal["rank0", "all", "none"] = "rank0",
                  cluster: ClusterOptions | None = None, grace: float | None = None,
-                 snapshots: bool = False, slurm: bool | Slurm = False,
+                 snapshots: bool | int | str = False, slurm: bool | Slurm = False,
                  ray: bool | Ray = False) -> None:
         options = RunOptions(nprocs=nprocs, gpus=gpus, backend=backend, init=init,
                              timeout=timeout, env=env, output=output)
         chosen = chosen_cluster(cluster, slurm, ray)
         where = session_backend(options, chosen, grace)
-        if snapshots:
-            check_snapshots(where)  # (before a job is submitted for nothing)
+        if snapshots is not False:
+            check_snapshots(where, snapshots)  # (before a job is submitted for nothing)
         # (a press: stops them once they exist)
         ranks, hold = held_while(functools.partial(SessionRanks.start_on, where))
         self._begin(ranks)
         self._wait_ready(hold)
         where.started(self._group)
-        if snapshots:
+        if snapshots is not False:
             try:
-                self.snapshots = True
+                self.snapshots = snapshots
             except BaseException:
                 self.close()
                 raise
@@ -125,12 +125,13 @@ class Session:
     def snapshots(self) -> bool:
         """Whether the ranks' names are kept after each cell that ends well on every rank,
         in this machine's shared memory, so that fresh ranks that replace lost ones (a rank
-        killed, a process group aborted) load them back before the next cell."""
+        killed, a process group aborted) load them back before the next cell. Set it to
+        True, False, or a cap (``"8GiB"``; default: a quarter of the memory free)."""
         return self._ranks.snapshots.on
 
     @snapshots.setter
-    def snapshots(self, on: bool) -> None:
-        self._ranks.keep_snapshots(on)
+    def snapshots(self, setting: bool | int | str) -> None:
+        self._ranks.keep_snapshots(setting)
 
     @property
     def runs(self) -> int:

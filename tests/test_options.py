@@ -122,7 +122,7 @@ def test_ddp_session_has_a_flag_for_every_option_a_session_starts_with():
     parser = DDPMagics.ddp_session.parser
     job = {field.name for options in (Slurm, Ray) for field, _ in flagged(options)}
     options = _dests(parser) - {"help", "action", "job", "slurm", "ray", "nodes", "grace",
-                                "snapshots"} - job
+                                "snapshots", "snapshot_max"} - job
     assert options == {field.name for field, _ in flagged(RunOptions, session=True)}
     assert options == {"gpus", "nprocs", "backend", "timeout", "init"}
     assert options <= set(_parameters(Session.__init__, {"self"}))

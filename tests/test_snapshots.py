@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import torch
 from nbddp._rank.relay_compact import compact
 from nbddp._rank.scope import Scope
 from nbddp._rank.snapshot import Snapshots
-from nbddp._run.session.snapshots import SessionSnapshots
+from nbddp._run.session.snapshots import SessionSnapshots, parse_size
 from nbddp._wire.messages import Result, Sequenced
 from nbddp._wire.relay_messages import RanksFinished
 from nbddp._wire.snapshot_orders import (
@@ -135,6 +136,30 @@ def test_a_large_tensor_unchanged_is_not_written_again(tmp_path):
     assert torch.equal(fresh.globals["big"], torch.full((2**21,), 5.0))
 
 
+@pytest.mark.fast
+def test_a_snapshot_over_the_rank_s_share_of_the_cap_is_not_kept(tmp_path):
+    held = Snapshots(rank=0)
+    note = held.take(_scope(big=torch.zeros(2**21)),
+                     SnapshotOrder(str(tmp_path), 1, 0, max_bytes=2**20), ran=True)
+    held.write()
+    assert note.too_large > 8 * 2**20 and not list(tmp_path.iterdir())
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize(("given", "nbytes"), [
+    (4096, 4096), ("512MiB", 512 * 2**20), ("8GiB", 8 * 2**30), ("8G", 8 * 2**30),
+    ("1.5 GB", 3 * 2**29), ("64k", 2**16)])
+def test_a_snapshot_cap_is_a_size(given, nbytes):
+    assert parse_size(given) == nbytes
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("given", ["lots", "0", -5, "8 parsecs", True])
+def test_a_snapshot_cap_that_is_no_size_is_refused(given):
+    with pytest.raises(ValueError, match="snapshot cap"):
+        parse_size(given)
+
+
 def _kept(snapshots: SessionSnapshots, folder: Path, number: int, ranks, **names) -> None:
     """Cell ``number`` as ``ranks`` keep it (their files written), then as the kernel
     sees its end: on every rank of the session."""
@@ -158,7 +183,9 @@ def test_fresh_ranks_restore_the_newest_cell_every_rank_has_and_the_notebook_is_
         folder = snapshots.folder
         assert folder is not None and folder.parent == tmp_path
         assert folder.stat().st_mode & 0o777 == 0o700
-        assert snapshots.order(1) == SnapshotOrder(str(folder), 1, 0)
+        assert 0 < snapshots.max_bytes < os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+            "SC_PHYS_PAGES")  # (a quarter of the memory free)
+        assert snapshots.order(1) == SnapshotOrder(str(folder), 1, 0, snapshots.max_bytes // 2)
         _kept(snapshots, folder, 1, [0, 1], x=1, y=2)
         _kept(snapshots, folder, 2, [0, 1], x=1, lock=threading.Lock())
         assert "cannot keep lock (TypeError" in capsys.readouterr().err
@@ -169,7 +196,7 @@ def test_fresh_ranks_restore_the_newest_cell_every_rank_has_and_the_notebook_is_
         assert said.endswith("first; the cell that was running is lost; not restored: "
                              "lock (TypeError: cannot pickle '_thread.lock' object)"), said
         assert snapshots.restoring == RestoreOrder(str(folder), 2)
-        assert "snapshots on: cell 3, rank 0" in snapshots.status()
+        assert re.search(r"snapshots on \(at most .+\): cell 3, rank 0", snapshots.status())
     finally:
         snapshots.turn_off()
     assert not folder.exists() and snapshots.status() == "snapshots off"
@@ -189,7 +216,7 @@ def test_what_a_rank_says_of_its_snapshot_crosses_a_relay_as_its_own():
 
 KEEPING_KERNEL = """
 import sys, time
-from nbddp._run.session.snapshots import SessionSnapshots
+from nbddp._run.session.snapshots import SessionSnapshots, parse_size
 snapshots = SessionSnapshots(2)
 snapshots.turn_on()
 print(snapshots.folder, snapshots._keeper.pid, flush=True)
@@ -341,3 +368,21 @@ def test_snapshots_turned_off_free_everything_and_a_loss_is_as_before(snapshotti
     run = cell(kernel, "'net' in dir()").assert_ok()
     assert run.result() == "False"
     assert "variables defined in earlier cells are gone" in run.stream_text(), run.describe()
+
+
+@pytest.mark.slow
+@pytest.mark.waits
+def test_a_cap_too_small_pauses_snapshots_once_and_the_last_kept_is_restored(snapshotting):
+    """The 256 MiB tensor does not fit a 64 MiB cap: the next cells take no snapshot,
+    said once; ranks lost then come back from the last cell kept (the step, cell 2)."""
+    kernel = snapshotting
+    status = kernel.run("%ddp_session snapshots on --snapshot-max 64MiB").assert_ok()
+    assert "snapshots on (at most 64 MiB): cell 2" in status.result(), status.describe()
+    first = cell(kernel, STEP).assert_ok().stream_text("stderr")
+    assert "nbddp: session snapshots paused: rank " in first, first
+    assert "paused" not in cell(kernel, STEP).assert_ok().stream_text("stderr")
+    _kill(kernel, [1])
+    said = cell(kernel, "1").assert_ok().stream_text()
+    assert re.search(r"which restore \d+ names from cell 2 \(", said), said
+    refused = kernel.run("%ddp_session snapshots on --snapshot-max lots").stream_text("stderr")
+    assert "UsageError" in refused and "512MiB" in refused, refused

@@ -6,8 +6,10 @@ CUDA's, numpy's, ``random``'s). They are pickled as one object, so that what the
 stays shared when they come back (an optimizer's parameters are the model's), through
 the data plane: tensors' bytes out of band, never in the pickle; a large one in a part
 file of its own, which the next snapshot names again, copying nothing, while the tensor
-is unchanged (``_rank.snapshot_parts``); a CUDA tensor comes back on the rank's own GPU. A name that cannot be pickled is left out, and the
-``SnapshotNote`` in the rank's ``Result`` names it with why.
+is unchanged (``_rank.snapshot_parts``); a CUDA tensor comes back on the rank's own
+GPU. A name that cannot be pickled is left out, and the ``SnapshotNote`` in the rank's
+``Result`` names it with why. A snapshot larger than the rank's share of the session's
+cap is not kept, and the note says how large it would have been.
 
 The pickle is made before the Result is sent (what it cannot keep is said with the
 cell), and written once it is sent, while the rank is at rest: into a file of the
@@ -64,7 +66,12 @@ class Snapshots:
                  if name in scope.globals}
         self.parts.folder = Path(order.folder)
         packed, skipped = self._packed(names)
-        self._pending = (order, packed, self.parts.named())
+        parts = self.parts.named()
+        size = dataplane.size_of(packed) + sum(parts.values())
+        if order.max_bytes and size > order.max_bytes:
+            self.parts.drop_new()
+            return SnapshotNote(order.cell, skipped, too_large=size)
+        self._pending = (order, packed, set(parts))
         return SnapshotNote(order.cell, skipped)
 
     def _packed(self, names: dict[str, Any]) -> tuple[dataplane.Packed,

@@ -125,12 +125,12 @@ class SnapshotParts:
         self.folder: Path | None = None
         self._parts: dict[int, _Part] = {}
         self._numbers = itertools.count(1)
-        self._named: set[str] = set()  # the parts the snapshot being made names
+        self._named: dict[str, int] = {}  # the parts the snapshot being made names: bytes
         self._new: list[tuple[_Part, Any]] = []  # ... and those to write, with storages
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
-        self._named = set()
+        self._named = {}
         yield
 
     def copy_of(self, tensor: Any, storage: Any) -> _Part | None:
@@ -143,16 +143,16 @@ class SnapshotParts:
             name = f"rank{self.rank}-part{next(self._numbers)}-{secrets.token_hex(4)}.bin"
             part = self._parts[key] = _Part(self.folder / name, tensor, storage)
             self._new.append((part, storage))  # (kept alive until written)
-        self._named.add(part.path.name)
+        self._named[part.path.name] = part.nbytes
         return part
 
     def seen_with(self, copy: Any, tensor: Any) -> None:
         if isinstance(copy, _Part) and any(part is copy for part, _ in self._new):
             copy.also(tensor)
 
-    def named(self) -> set[str]:
-        """The parts the last snapshot made names."""
-        return set(self._named)
+    def named(self) -> dict[str, int]:
+        """The parts the last snapshot made names, and their bytes."""
+        return dict(self._named)
 
     def write_new(self) -> int:
         """Write the parts made for the last snapshot (OSError if there is no room); their

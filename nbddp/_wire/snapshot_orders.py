@@ -83,11 +83,13 @@ def snapshot_size(snapshot: Path) -> int:
 @dataclass(frozen=True)
 class SnapshotOrder:
     """(In a Start) Once the run ends well here, keep this rank's names as ``cell`` in
-    ``folder``; of the older snapshots, keep only ``keep``'s."""
+    ``folder``; of the older snapshots, keep only ``keep``'s. A snapshot of more than
+    ``max_bytes`` (this rank's share of the cap; 0: none) is not kept."""
 
     folder: str
     cell: int
     keep: int = 0
+    max_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,9 @@ class SnapshotNote:
 
     cell: int
     skipped: tuple[tuple[str, str], ...] = ()
+    too_large: int = 0
+    """The bytes the snapshot would have taken, over this rank's share of the cap: it
+    was not kept (0: it fits)."""
 
 
 @dataclass(frozen=True)

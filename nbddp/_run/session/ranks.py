@@ -30,7 +30,7 @@ from ..job import Job
 from ..records import FolderPerCell, Records, SessionRecords
 from .names import SessionNames
 from .on_session import STATE_LOST, OnSession
-from .snapshots import SessionSnapshots
+from .snapshots import SessionSnapshots, parse_size
 from .status import SessionStatus, rss_mib
 
 G = TypeVar("G", bound=WaitingGroup)
@@ -90,13 +90,15 @@ class SessionRanks:
         self._start(standby)
         self.records.new_ranks()
 
-    def keep_snapshots(self, on: bool) -> None:
-        """Turn snapshots on (from the next cell) or off (every snapshot goes)."""
-        if not on:
+    def keep_snapshots(self, setting: bool | int | str) -> None:
+        """Turn snapshots on (from the next cell; a size: capped at it) or off (every
+        snapshot goes). ValueError for a size that is none."""
+        if setting is False:
             self.snapshots.turn_off()
             return
+        cap = None if setting is True else parse_size(setting)
         check_snapshots(self.where)
-        self.snapshots.turn_on()
+        self.snapshots.turn_on(cap)
 
     def stop(self) -> None:
         self.group.stop()
@@ -237,8 +239,11 @@ class SessionRanks:
                              self.snapshots.status())
 
 
-def check_snapshots(where: Backend) -> None:
-    """NbddpError if a session on ``where`` cannot keep snapshots."""
+def check_snapshots(where: Backend, setting: bool | int | str = True) -> None:
+    """NbddpError if a session on ``where`` cannot keep snapshots; ValueError if
+    ``setting`` is a size that is none."""
+    if setting is not True:
+        parse_size(setting)
     if not where.keeps_snapshots:
         raise NbddpError("session snapshots are kept for sessions on this machine only, "
                          "not yet on SLURM or Ray")

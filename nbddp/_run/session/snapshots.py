@@ -16,6 +16,8 @@ once, with the names that could not be kept.
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import subprocess
 import sys
@@ -51,6 +53,9 @@ class SessionSnapshots:
         """Each cell that ended well on every rank: the names its snapshot holds, and
         those it could not, with why."""
         self._said: set[str] = set()  # names said once as not kept
+        self.max_bytes = 0
+        """The cap on all ranks' snapshots together (each rank gets its share)."""
+        self._over_said = False  # (a snapshot over the cap: said once, until one fits)
         self.restoring: RestoreOrder | None = None
         """What the next run's fresh ranks load first (set once ranks were lost)."""
         self._lost_note: tuple[str, str] | None = None
@@ -59,9 +64,13 @@ class SessionSnapshots:
     def on(self) -> bool:
         return self.folder is not None
 
-    def turn_on(self) -> None:
+    def turn_on(self, max_bytes: int | None = None) -> None:
         """Make the folder, with its keeper (no snapshot yet: the next cell's is the
-        first). NbddpError if there is no shared memory to keep it in."""
+        first); ``max_bytes``: the cap (default: a quarter of the memory free now). On
+        already, only the cap changes. NbddpError if there is no shared memory to keep
+        them in."""
+        self.max_bytes = max_bytes or _free_memory() // 4
+        self._over_said = False
         if self.on:
             return
         root = shm_root()
@@ -105,7 +114,8 @@ class SessionSnapshots:
         """What a run's Start asks of the ranks: keep their names as ``cell``."""
         if self.folder is None:
             return None
-        return SnapshotOrder(str(self.folder), cell, max(self._kept, default=0))
+        return SnapshotOrder(str(self.folder), cell, max(self._kept, default=0),
+                             self.max_bytes // self.nprocs)
 
     def ended(self, cell: int, returned: bool, notes: dict[int, SnapshotNote],
               restored: dict[int, RestoreNote], names: frozenset[str]) -> None:
@@ -122,6 +132,11 @@ class SessionSnapshots:
             return
         skipped = {name: why for note in notes.values() for name, why in note.skipped}
         self._say_not_kept(skipped)
+        over = {rank: note.too_large for rank, note in notes.items() if note.too_large}
+        if over:
+            self._say_over(over)
+            return
+        self._over_said = False
         self._kept[cell] = (tuple(sorted(names - set(skipped))), skipped)
         for old in sorted(self._kept)[:-_CELLS_NOTED]:
             del self._kept[old]
@@ -133,6 +148,18 @@ class SessionSnapshots:
             print("nbddp: session snapshots cannot keep " + "; ".join(
                 f"{name} ({why})" for name, why in new.items()) + ": if the ranks are "
                 "lost, these are not restored", file=sys.stderr, flush=True)
+
+    def _say_over(self, over: dict[int, int]) -> None:
+        if self._over_said:
+            return
+        self._over_said = True
+        rank, size = max(over.items(), key=lambda item: item[1])
+        kept = f"cell {max(self._kept)}" if self._kept else "none"
+        print(f"nbddp: session snapshots paused: rank {rank}'s would take {_size(size)}, "
+              f"over its share ({_size(self.max_bytes // self.nprocs)}) of the "
+              f"{_size(self.max_bytes)} cap, so none is taken until they fit again; the "
+              f"newest kept: {kept} (a larger cap: %ddp_session snapshots on "
+              "--snapshot-max SIZE)", file=sys.stderr, flush=True)
 
     # --- ranks lost -----------------------------------------------------------------
 
@@ -168,14 +195,45 @@ class SessionSnapshots:
         """What ``%ddp_session`` says of them."""
         if self.folder is None:
             return "snapshots off"
+        on = f"snapshots on (at most {_size(self.max_bytes)})"
         files = snapshot_files(self.folder)
         kept = [cell for cell in self._kept if cell in files]
         if not kept:
-            return "snapshots on (none yet)"
+            return f"{on}, none yet"
         cell = max(kept)
         sizes = {rank: snapshot_size(path) for rank, path in files[cell].items()}
         per_rank = ", ".join(f"rank {rank} {_size(size)}" for rank, size in sorted(sizes.items()))
-        return f"snapshots on: cell {cell}, {per_rank}"
+        return f"{on}: cell {cell}, {per_rank}"
+
+
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """Bytes from ``value``: a number of bytes, or a size such as ``512MiB``, ``8GiB``
+    or ``8G`` (binary units). ValueError if it is none."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        number, unit = float(value), ""
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(?:i?B)?\s*", str(value))
+        if match is None:
+            raise ValueError(f"a snapshot cap is a size such as 512MiB or 8GiB, got {value!r}")
+        number, unit = float(match.group(1)), match.group(2).lower()
+    nbytes = int(number * _UNITS[unit])
+    if nbytes <= 0:
+        raise ValueError(f"a snapshot cap must be more than 0 bytes, got {value!r}")
+    return nbytes
+
+
+def _free_memory() -> int:
+    """The memory free on this machine now (``MemAvailable``)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def _size(nbytes: int) -> str:
