@@ -26,11 +26,19 @@ from typing import Any, Protocol, runtime_checkable
 
 from .._version import __version__
 from .._wire import dataplane
-from .._wire.messages import Assigned, Failure, RankOptions, Requeueing, Result, Start
+from .._wire.messages import (
+    Assigned,
+    Failure,
+    RankOptions,
+    Requeueing,
+    Result,
+    SnapshotTaken,
+    Start,
+)
 from .._wire.payload import Payload, dumps_value
 from .._wire.rank_stats import RankStats
 from .._wire.rundir import NODE_DISK_ENV, NODE_SHM_ENV
-from .._wire.snapshot_orders import RestoreNote
+from .._wire.snapshot_orders import RestoreNote, SnapshotOrder
 from . import debugger, setup_check
 from .autoreload import Reloader, forget_listings, ready_to_reload
 from .metrics import start_reporting, stop_reporting
@@ -134,6 +142,7 @@ class Rank:
         self._records: str | None = None  # the records folder the log was last moved to
         self.snapshots = Snapshots(rank)
         self._restored: RestoreNote | None = None  # this run's, from a snapshot
+        self._snapshot_due: tuple[SnapshotOrder, bool] | None = None  # (at rest)
 
     def run(self, start: Start, send: Callable[[Any], None]) -> Report:
         """Take up ``start``'s run, run it, and say how it went (never raises); the
@@ -151,8 +160,7 @@ class Rank:
             said["restored"] = self._restored
         order = start.options.snapshot
         if order is not None and isinstance(message, Result):
-            said["snapshot"] = self.snapshots.take(self.scope, order,
-                                                   ran=start.options.runs_on(self.rank))
+            self._snapshot_due = (order, start.options.runs_on(self.rank))
         if isinstance(message, (Result, Failure)):
             return Report(dataclasses.replace(message, **said), report.data) if said else report
         if "assigned" in said:  # (a SLURM job's rank asking to be requeued)
@@ -200,16 +208,31 @@ class Rank:
             if self.reloader is not None and start.options.autoreload:
                 self.reloader.note_new()  # what the cell imported, as it is now
 
-    def at_rest(self) -> None:
-        """The run is reported and the rank waits for the next: its snapshot is written
-        (``_rank.snapshot``); with autoreload on, get ready to reload (while the user
-        types, not in the cell after an edit; where that fails, the reload itself says
-        why)."""
-        self.snapshots.write()
+    def at_rest(self, send: Callable[[Any], None]) -> None:
+        """The run is reported and the rank waits for the next: its snapshot is taken and
+        written (``_rank.snapshot``), and the kernel told; with autoreload on, get ready
+        to reload (while the user types, not in the cell after an edit; where that
+        fails, the reload itself says why)."""
+        if self._snapshot_due is not None:
+            self._snapshot(send)
         if self.reloader is not None and not self._ready_to_reload:
             self._ready_to_reload = True
             with contextlib.suppress(Exception):
                 ready_to_reload()
+
+    def _snapshot(self, send: Callable[[Any], None]) -> None:
+        """Take and write the snapshot the last run asked for; tell the kernel. A failure
+        is said on the rank's output: the kernel finds no snapshot of that cell here."""
+        assert self._snapshot_due is not None
+        (order, ran), self._snapshot_due = self._snapshot_due, None
+        try:
+            note = self.snapshots.take(self.scope, order, ran)
+            self.snapshots.write()
+        except Exception as exc:  # noqa: BLE001 - the rank goes on without it
+            print(f"nbddp: rank {self.rank} could not take its snapshot of cell {order.cell}"
+                  f" ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+            return
+        send(SnapshotTaken(self.rank, note))
 
     def _debug(self, exc: BaseException, start: Start) -> None:
         """Post-mortem on the user's part of ``exc``'s traceback if the run asked for it,

@@ -59,7 +59,7 @@ def _group_of(message: Any) -> tuple | None:
         if isinstance(inner, Present):
             return ("present", inner.call)
         if isinstance(inner, Result) and inner.value is None and inner.file is None \
-                and inner.assigned is None and inner.snapshot is None \
+                and inner.assigned is None \
                 and inner.restored is None:  # (what a rank says of its own goes as its own)
             return ("finished", message.attempt, message.requeue)
         if isinstance(inner, Metrics):

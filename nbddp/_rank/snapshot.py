@@ -11,10 +11,12 @@ GPU. A name that cannot be pickled is left out, and the ``SnapshotNote`` in the 
 ``Result`` names it with why. A snapshot larger than the rank's share of the session's
 cap is not kept, and the note says how large it would have been.
 
-The pickle is made before the Result is sent (what it cannot keep is said with the
-cell), and written once it is sent, while the rank is at rest: into a file of the
-session's snapshot folder in shared memory, under a passing name, then renamed, so a
-rank killed while writing leaves the last whole one. A rank the cell did not run on
+The snapshot is made once the rank's Result is sent, while the rank is at rest (a cell
+pays nothing for it; the next waits for it only if it comes first): pickled, then
+written into a file of the session's snapshot folder in shared memory, under a passing
+name, then renamed, so a rank killed while writing leaves the last whole one. Beside it,
+its manifest lists its parts and the names it could not keep; the rank then tells the
+kernel the same (``SnapshotTaken``). A rank the cell did not run on
 (a cell on some ranks only) holds what it held: its last file is linked under the new
 cell. Fresh ranks that replace lost ones load their own file back before the next
 cell (``restore``), once the process group is up (a DDP model is rebuilt on it).
@@ -34,12 +36,12 @@ from .._wire.snapshot_orders import (
     RestoreOrder,
     SnapshotNote,
     SnapshotOrder,
-    listed_parts,
-    parts_file,
+    manifest_file,
+    read_manifest,
     snapshot_file,
     snapshot_files,
     snapshot_size,
-    write_parts_list,
+    write_manifest,
 )
 from .scope import Scope
 from .snapshot_parts import SnapshotParts, parts_loaded
@@ -52,16 +54,18 @@ class Snapshots:
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.parts = SnapshotParts(rank)
-        self._pending: tuple[SnapshotOrder, dataplane.Packed | None, set[str]] | None = None
+        self._pending: tuple[SnapshotOrder, dataplane.Packed | None, set[str],
+                             tuple[tuple[str, str], ...]] | None = None
         self._latest: Path | None = None
         """This rank's newest snapshot file."""
 
     def take(self, scope: Scope, order: SnapshotOrder, ran: bool) -> SnapshotNote:
-        """Pickle what the rank holds, to be written at rest (``write``); ``ran``: the
-        cell ran here (else the rank's last file stands for this cell too)."""
+        """(At rest) Pickle what the rank holds, to be written next (``write``); ``ran``:
+        the cell ran here (else the rank's last file stands for this cell too)."""
         if not ran and self._latest is not None and self._latest.exists():
-            self._pending = (order, None, listed_parts(self._latest)[0])
-            return SnapshotNote(order.cell)
+            last = read_manifest(self._latest)
+            self._pending = (order, None, set(last.parts), last.skipped)
+            return SnapshotNote(order.cell, last.skipped)
         names = {name: scope.globals[name] for name in sorted(scope.assigned)
                  if name in scope.globals}
         self.parts.folder = Path(order.folder)
@@ -71,7 +75,7 @@ class Snapshots:
         if order.max_bytes and size > order.max_bytes:
             self.parts.drop_new()
             return SnapshotNote(order.cell, skipped, too_large=size)
-        self._pending = (order, packed, set(parts))
+        self._pending = (order, packed, set(parts), skipped)
         return SnapshotNote(order.cell, skipped)
 
     def _packed(self, names: dict[str, Any]) -> tuple[dataplane.Packed,
@@ -95,14 +99,14 @@ class Snapshots:
         return dataplane.pack({"names": {}, "rng": rng}), tuple(skipped)
 
     def write(self) -> None:
-        """(At rest) Write the pending snapshot, whole or not at all: its new parts, their
-        list, then the snapshot itself, under a passing name, renamed; then remove this
+        """(At rest) Write the pending snapshot, whole or not at all: its new parts, its
+        manifest, then the snapshot itself, under a passing name, renamed; then remove this
         rank's older snapshots, but for the cell the kernel said to keep, and the parts
         no kept snapshot names. A failure (no room left) is said on the rank's output:
         the kernel finds no snapshot of this rank for that cell."""
         if self._pending is None:
             return
-        order, packed, parts = self._pending
+        order, packed, parts, skipped = self._pending
         self._pending = None
         folder = Path(order.folder)
         path = snapshot_file(folder, self.rank, order.cell)
@@ -114,7 +118,7 @@ class Snapshots:
             else:
                 self.parts.write_new()
                 dataplane.write(passing, packed)
-            write_parts_list(path, parts)
+            write_manifest(path, parts, skipped)
             os.replace(passing, path)
         except OSError as exc:
             passing.unlink(missing_ok=True)
@@ -131,10 +135,10 @@ class Snapshots:
             if self.rank not in ranks:
                 continue
             if cell in keep:
-                named |= listed_parts(ranks[self.rank])[0]
+                named |= read_manifest(ranks[self.rank]).parts
             else:
                 ranks[self.rank].unlink(missing_ok=True)
-                parts_file(ranks[self.rank]).unlink(missing_ok=True)
+                manifest_file(ranks[self.rank]).unlink(missing_ok=True)
         self.parts.folder = folder
         self.parts.remove_unnamed(named)
 

@@ -137,10 +137,17 @@ class Result:
     stats: RankStats | None = None
     assigned: tuple[str, ...] | None = None
     """A session's answering rank: the names its code has bound (as ``Assigned``)."""
-    snapshot: SnapshotNote | None = None
-    """The rank's snapshot of the cell: what it could not keep (``_rank.snapshot``)."""
     restored: RestoreNote | None = None
-    """What the rank loaded from its snapshot before the run."""
+    """What the rank loaded from its snapshot before the run (``_rank.snapshot``)."""
+
+
+@dataclass(frozen=True)
+class SnapshotTaken:
+    """(At rest, after a session's cell) The rank's snapshot of the cell is written, or
+    could not be: what it could not keep (``_rank.snapshot``)."""
+
+    rank: int
+    note: SnapshotNote
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ that every rank has a file of, before the next cell runs (``_run.session.snapsho
 The Start of a cell carries a ``SnapshotOrder``: where, under which cell number, and
 which older cell to keep (the newest the kernel counted as kept: a cell that failed on
 another rank may not replace it). The first Start to fresh ranks also carries a
-``RestoreOrder``. Ranks answer with a ``SnapshotNote`` (and a ``RestoreNote``) in their
-``Result``.
+``RestoreOrder``. Ranks say what they restored in their ``Result`` (a ``RestoreNote``),
+and what their snapshot could not keep once it is written (``SnapshotTaken``).
 """
 
 from __future__ import annotations
@@ -45,30 +45,42 @@ def snapshot_files(folder: Path) -> dict[int, dict[int, Path]]:
     return found
 
 
-def parts_file(snapshot: Path) -> Path:
-    """Where the part files a snapshot names are listed (``_rank.snapshot_parts``)."""
-    return snapshot.with_suffix(".parts")
+def manifest_file(snapshot: Path) -> Path:
+    """Where a snapshot's manifest is: the part files it names (``_rank.snapshot_parts``),
+    their bytes, and the names it could not keep."""
+    return snapshot.with_suffix(".manifest")
 
 
-def write_parts_list(snapshot: Path, names: set[str]) -> None:
-    """List ``names`` (with their bytes) beside ``snapshot``, private, in one step."""
+@dataclass(frozen=True)
+class Manifest:
+    """What a snapshot's manifest says."""
+
+    parts: frozenset[str] = frozenset()
+    parts_bytes: int = 0
+    skipped: tuple[tuple[str, str], ...] = ()
+
+
+def write_manifest(snapshot: Path, parts: set[str],
+                   skipped: tuple[tuple[str, str], ...]) -> None:
+    """Write ``snapshot``'s manifest, private, in one step."""
     folder = snapshot.parent
-    listed = json.dumps({"parts": sorted(names),
-                         "bytes": sum((folder / name).stat().st_size for name in names)})
-    passing = folder / f".{parts_file(snapshot).name}"
+    text = json.dumps({"parts": sorted(parts), "skipped": [list(pair) for pair in skipped],
+                       "bytes": sum((folder / name).stat().st_size for name in parts)})
+    passing = folder / f".{manifest_file(snapshot).name}"
     fd = os.open(passing, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        f.write(listed)
-    os.replace(passing, parts_file(snapshot))
+        f.write(text)
+    os.replace(passing, manifest_file(snapshot))
 
 
-def listed_parts(snapshot: Path) -> tuple[set[str], int]:
-    """The part files listed beside ``snapshot``, and their bytes (none without a list)."""
+def read_manifest(snapshot: Path) -> Manifest:
+    """``snapshot``'s manifest (an empty one where there is none)."""
     try:
-        listed = json.loads(parts_file(snapshot).read_text())
-    except (OSError, ValueError):
-        return set(), 0
-    return set(listed["parts"]), int(listed["bytes"])
+        said = json.loads(manifest_file(snapshot).read_text())
+        return Manifest(frozenset(said["parts"]), int(said["bytes"]),
+                        tuple((name, why) for name, why in said["skipped"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return Manifest()
 
 
 def snapshot_size(snapshot: Path) -> int:
@@ -77,7 +89,7 @@ def snapshot_size(snapshot: Path) -> int:
         own = snapshot.stat().st_size
     except OSError:
         return 0
-    return own + listed_parts(snapshot)[1]
+    return own + read_manifest(snapshot).parts_bytes
 
 
 @dataclass(frozen=True)
@@ -103,8 +115,8 @@ class RestoreOrder:
 
 @dataclass(frozen=True)
 class SnapshotNote:
-    """(In a Result) The names this rank could not keep, each with why (those it could
-    are in the snapshot, written once the Result is sent)."""
+    """(In ``SnapshotTaken``) The names this rank could not keep in its snapshot of
+    ``cell``, each with why."""
 
     cell: int
     skipped: tuple[tuple[str, str], ...] = ()

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from ..._errors import WorkerError
-from ..._wire.messages import Assigned, Failure, Result
+from ..._wire.messages import Assigned, Failure, Result, SnapshotTaken
 from ..._wire.snapshot_orders import RestoreNote, SnapshotNote
 from ..groups.waiting import WaitingGroup
 from ..supervisor import Ending, Supervisor
@@ -60,21 +60,21 @@ class OnSession:
         self.returned = False
         """Every rank returned (so each took the run's payload whole)."""
         self.names: tuple[str, ...] | None = None
-        self.snapshots: dict[int, SnapshotNote] = {}
-        """Each rank's snapshot of this run's cell (``_rank.snapshot``)."""
+        self.snapshot_notes: list[SnapshotNote] = []
+        """What the ranks said of their snapshots as the run went (of the cell before,
+        taken at rest, or of this one: ``_rank.snapshot``)."""
         self.restored: dict[int, RestoreNote] = {}
         """What each rank loaded from a snapshot before the run."""
 
     def watch(self, supervisor: Supervisor) -> None:
         for kind in (Assigned, Result, Failure):
             supervisor.pump.on(kind, self._assigned)
+        supervisor.pump.on(SnapshotTaken, lambda taken: self.snapshot_notes.append(taken.note))
 
     def _assigned(self, message: Assigned | Result | Failure) -> None:
         names = message.names if isinstance(message, Assigned) else message.assigned
         if names is not None:
             self.names = names
-        if isinstance(message, Result) and message.snapshot is not None:
-            self.snapshots[message.rank] = message.snapshot
         if not isinstance(message, Assigned) and message.restored is not None:
             self.restored[message.rank] = message.restored
 

@@ -200,13 +200,13 @@ class SessionRanks:
         closed now (the kernel left the job for another: nothing to restart)."""
         self.runs += 1
         closed = closed or self.where.left(self.group)
+        self.snapshots.noted(run.snapshot_notes)
         if run.kept:
             self.group.payload_taken()
             if run.returned and code is not None:
                 code.confirm()
             self.held.kept(run, some_ranks=job.config.ranks is not None)
-            self.snapshots.ended(self.runs, run.returned, run.snapshots, run.restored,
-                                 self.held.bound)
+            self.snapshots.ended(self.runs, run.returned, run.restored, self.held.bound)
         else:
             self.held.lost()
             if not closed:

@@ -31,6 +31,7 @@ from ..._wire.snapshot_orders import (
     RestoreOrder,
     SnapshotNote,
     SnapshotOrder,
+    read_manifest,
     snapshot_files,
     snapshot_size,
 )
@@ -49,13 +50,14 @@ class SessionSnapshots:
         self.nprocs = nprocs
         self.folder: Path | None = None
         self._keeper: subprocess.Popen[bytes] | None = None
-        self._kept: dict[int, tuple[tuple[str, ...], dict[str, str]]] = {}
-        """Each cell that ended well on every rank: the names its snapshot holds, and
-        those it could not, with why."""
+        self._kept: dict[int, tuple[str, ...]] = {}
+        """Each cell that ended well on every rank: the names the ranks held then (less
+        those their snapshots could not keep: their manifests say)."""
         self._said: set[str] = set()  # names said once as not kept
         self.max_bytes = 0
         """The cap on all ranks' snapshots together (each rank gets its share)."""
         self._over_said = False  # (a snapshot over the cap: said once, until one fits)
+        self._over_cell = 0  # (the last cell whose snapshot was over the cap)
         self.restoring: RestoreOrder | None = None
         """What the next run's fresh ranks load first (set once ranks were lost)."""
         self._lost_note: tuple[str, str] | None = None
@@ -117,29 +119,30 @@ class SessionSnapshots:
         return SnapshotOrder(str(self.folder), cell, max(self._kept, default=0),
                              self.max_bytes // self.nprocs)
 
-    def ended(self, cell: int, returned: bool, notes: dict[int, SnapshotNote],
-              restored: dict[int, RestoreNote], names: frozenset[str]) -> None:
-        """A run ended with the ranks kept (``returned``: on every rank, each with its
-        ``notes``; ``names``: those the ranks hold now): the cell is kept. What could not
-        be kept is said once per name."""
+    def ended(self, cell: int, returned: bool, restored: dict[int, RestoreNote],
+              names: frozenset[str]) -> None:
+        """A run ended with the ranks kept (``returned``: on every rank; ``names``: those
+        the ranks hold now): the cell is kept, if every rank writes its snapshot."""
         asked, self.restoring, self._lost_note = self.restoring, None, None
         if self.folder is None:
             return
         if asked is not None and set(restored) != set(range(self.nprocs)):
             self.forget()  # (not restored on every rank: the ranks hold what they hold)
             return
-        if not returned or set(notes) != set(range(self.nprocs)):
-            return
-        skipped = {name: why for note in notes.values() for name, why in note.skipped}
-        self._say_not_kept(skipped)
-        over = {rank: note.too_large for rank, note in notes.items() if note.too_large}
-        if over:
-            self._say_over(over)
-            return
-        self._over_said = False
-        self._kept[cell] = (tuple(sorted(names - set(skipped))), skipped)
-        for old in sorted(self._kept)[:-_CELLS_NOTED]:
-            del self._kept[old]
+        if returned:
+            self._kept[cell] = tuple(sorted(names))
+            for old in sorted(self._kept)[:-_CELLS_NOTED]:
+                del self._kept[old]
+
+    def noted(self, notes: list[SnapshotNote]) -> None:
+        """What the ranks said of their snapshots: names not kept are said once each; a
+        snapshot over the cap, once, until one fits again."""
+        self._say_not_kept({name: why for note in notes for name, why in note.skipped})
+        for note in sorted(notes, key=lambda note: note.cell):
+            if note.too_large:
+                self._say_over(note)
+            elif note.cell > self._over_cell:
+                self._over_said = False
 
     def _say_not_kept(self, skipped: dict[str, str]) -> None:
         new = {name: why for name, why in skipped.items() if name not in self._said}
@@ -149,16 +152,18 @@ class SessionSnapshots:
                 f"{name} ({why})" for name, why in new.items()) + ": if the ranks are "
                 "lost, these are not restored", file=sys.stderr, flush=True)
 
-    def _say_over(self, over: dict[int, int]) -> None:
+    def _say_over(self, note: SnapshotNote) -> None:
+        self._over_cell = max(self._over_cell, note.cell)
         if self._over_said:
             return
         self._over_said = True
-        rank, size = max(over.items(), key=lambda item: item[1])
-        kept = f"cell {max(self._kept)}" if self._kept else "none"
-        print(f"nbddp: session snapshots paused: rank {rank}'s would take {_size(size)}, "
+        kept = [cell for cell in self._kept if cell < note.cell]
+        print(f"nbddp: session snapshots paused: one of cell {note.cell} would take "
+              f"{_size(note.too_large)}, "
               f"over its share ({_size(self.max_bytes // self.nprocs)}) of the "
               f"{_size(self.max_bytes)} cap, so none is taken until they fit again; the "
-              f"newest kept: {kept} (a larger cap: %ddp_session snapshots on "
+              f"newest kept: {f'cell {max(kept)}' if kept else 'none'} (a larger cap: "
+              "%ddp_session snapshots on "
               "--snapshot-max SIZE)", file=sys.stderr, flush=True)
 
     # --- ranks lost -----------------------------------------------------------------
@@ -186,7 +191,9 @@ class SessionSnapshots:
         cell = max(whole)
         size = sum(snapshot_size(path) for path in files[cell].values())
         self.restoring = RestoreOrder(str(self.folder), cell)
-        names, skipped = self._kept[cell]
+        skipped = {name: why for path in files[cell].values()
+                   for name, why in read_manifest(path).skipped}
+        names = set(self._kept[cell]) - set(skipped)
         return (f"the session restarted on new ranks, which restore {len(names)} "
                 f"name{'s' * (len(names) != 1)} from cell {cell} ({_size(size)}) first",
                 "; ".join(f"{name} ({why})" for name, why in skipped.items()))
