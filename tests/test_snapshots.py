@@ -243,6 +243,28 @@ def test_a_kernel_killed_leaves_no_snapshot_behind(tmp_path):
     wait_until(lambda: not _alive(keeping), timeout=10)
 
 
+@pytest.mark.fast
+def test_a_child_forked_from_the_kernel_does_not_hold_the_snapshots_open(tmp_path,
+                                                                         monkeypatch):
+    """A notebook's forked worker that outlived a killed kernel would keep the keeper's
+    pipe open, and the snapshots in memory: the child closes its copy."""
+    monkeypatch.setenv("NBDDP_SHM_DIR", str(tmp_path))
+    snapshots = SessionSnapshots(nprocs=2)
+    snapshots.turn_on()
+    try:
+        read, write = os.pipe()
+        child = os.fork()
+        if child == 0:  # (the child: says whether its copy of the pipe is closed)
+            os.write(write, b"closed" if snapshots._keeper.stdin.closed else b"open")
+            os._exit(0)
+        os.close(write)
+        os.waitpid(child, 0)
+        assert os.read(read, 16) == b"closed" and not snapshots._keeper.stdin.closed
+        os.close(read)
+    finally:
+        snapshots.turn_off()
+
+
 # --- a session through a real kernel -------------------------------------------------
 
 START = """

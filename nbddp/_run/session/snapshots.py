@@ -16,11 +16,13 @@ once, with the names that could not be kept.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 from ..._errors import NbddpError
@@ -89,6 +91,7 @@ class SessionSnapshots:
             shutil.rmtree(folder, ignore_errors=True)
             raise
         self.folder = folder
+        _KEEPERS.add(self._keeper)
 
     def turn_off(self) -> None:
         """Remove every snapshot and the folder; the keeper ends."""
@@ -140,6 +143,7 @@ class SessionSnapshots:
         self._say_not_kept({name: why for note in notes for name, why in note.skipped})
         for note in sorted(notes, key=lambda note: note.cell):
             if note.too_large:
+                self._kept.pop(note.cell, None)  # (no rank keeps an older one for it)
                 self._say_over(note)
             elif note.cell > self._over_cell:
                 self._over_said = False
@@ -241,6 +245,23 @@ def _free_memory() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+_KEEPERS: weakref.WeakSet[subprocess.Popen[bytes]] = weakref.WeakSet()
+"""The keepers of this process's sessions."""
+
+
+def _forget_keepers_after_fork() -> None:
+    """A child forked from the kernel (a notebook's worker processes) closes its copies
+    of the keepers' pipes: a child that outlived a killed kernel would keep its
+    snapshots in memory."""
+    for keeper in list(_KEEPERS):
+        if keeper.stdin is not None:
+            with contextlib.suppress(OSError, ValueError):
+                keeper.stdin.close()
+
+
+os.register_at_fork(after_in_child=_forget_keepers_after_fork)
 
 
 def _size(nbytes: int) -> str:
