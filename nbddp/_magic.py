@@ -298,9 +298,12 @@ class DDPMagics(Magics):
         if args.action != "start" and given:
             raise UsageError(f"{', '.join(given)}: a cluster's flags are for "
                              "%ddp_session start")
+        if args.snapshot_max and args.action not in ("start", "snapshots"):
+            raise UsageError("--snapshot-max caps snapshots: with start --snapshots, or "
+                             "snapshots on")
         if args.action in SWITCHES:
             return switched(self._open_session, args.action, args.job, args.snapshot_max)
-        if (args.snapshots or args.snapshot_max) and args.action != "start":
+        if args.snapshots and args.action != "start":
             raise UsageError("--snapshots is for %ddp_session start (or: %ddp_session "
                              "snapshots on)")
         if args.snapshot_max and not args.snapshots:

@@ -63,12 +63,11 @@ def test_a_rank_s_names_come_back_whole_shared_as_they_were_and_its_rng_too(tmp_
     model, opt = _trained()
     lock = threading.Lock()
     held = Snapshots(rank=1)
-    note = held.take(_scope(model=model, opt=opt, shard=torch.arange(5), lock=lock),
+    note = held.keep(_scope(model=model, opt=opt, shard=torch.arange(5), lock=lock),
                      SnapshotOrder(str(tmp_path), cell=3), ran=True)
     assert [name for name, _ in note.skipped] == ["lock"]
     assert "cannot pickle" in note.skipped[0][1]
     expected = torch.rand(3, generator=torch.Generator().set_state(torch.get_rng_state()))
-    held.write()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["rank1-cell3.manifest",
                                                            "rank1-cell3.snapshot"]
     torch.rand(10)  # (the RNG moves on; the snapshot's does not)
@@ -92,13 +91,29 @@ def test_a_rank_keeps_its_newest_snapshot_and_the_cell_the_kernel_keeps(tmp_path
     rank the cell did not run on links its last file under the new cell."""
     held = Snapshots(rank=0)
     for number, keep in ((1, 0), (2, 1), (3, 1)):
-        held.take(_scope(n=number), SnapshotOrder(str(tmp_path), number, keep), ran=True)
-        held.write()
+        assert held.keep(_scope(n=number), SnapshotOrder(str(tmp_path), number, keep),
+                         ran=True).written
     assert sorted(snapshot_files(tmp_path)) == [1, 3]
-    held.take(_scope(n=99), SnapshotOrder(str(tmp_path), 4, 3), ran=False)
-    held.write()
+    held.keep(_scope(n=99), SnapshotOrder(str(tmp_path), 4, 3), ran=False)
     files = snapshot_files(tmp_path)
     assert sorted(files) == [3, 4] and os.path.samefile(files[3][0], files[4][0])
+
+
+@pytest.mark.fast
+def test_a_rank_whose_last_cell_kept_no_snapshot_does_not_stand_on_an_older_one(tmp_path):
+    """Cell 2 ran here and its snapshot was over the cap: for cell 3, run on other ranks
+    only, this rank's state is pickled afresh, not its cell-1 file linked."""
+    held, scope = Snapshots(rank=0), _scope(n=1)
+    assert held.keep(scope, SnapshotOrder(str(tmp_path), 1, 0), ran=True).written
+    scope.globals["n"] = 2
+    assert held.keep(scope, SnapshotOrder(str(tmp_path), 2, 1, max_bytes=10), ran=True
+                     ).too_large
+    assert held.keep(scope, SnapshotOrder(str(tmp_path), 3, 1), ran=False).written
+    files = snapshot_files(tmp_path)
+    assert not os.path.samefile(files[1][0], files[3][0])
+    fresh = Scope()
+    Snapshots(rank=0).restore(fresh, RestoreOrder(str(tmp_path), cell=3))
+    assert fresh.globals["n"] == 2
 
 
 def _parts(folder: Path) -> list[str]:
@@ -115,8 +130,7 @@ def test_a_large_tensor_unchanged_is_not_written_again(tmp_path):
     held = Snapshots(rank=0)
 
     def snapshot(number: int) -> list[str]:
-        held.take(scope, SnapshotOrder(str(tmp_path), number, number - 1), ran=True)
-        held.write()
+        held.keep(scope, SnapshotOrder(str(tmp_path), number, number - 1), ran=True)
         return _parts(tmp_path)
 
     first = snapshot(1)
@@ -139,10 +153,9 @@ def test_a_large_tensor_unchanged_is_not_written_again(tmp_path):
 @pytest.mark.fast
 def test_a_snapshot_over_the_rank_s_share_of_the_cap_is_not_kept(tmp_path):
     held = Snapshots(rank=0)
-    note = held.take(_scope(big=torch.zeros(2**21)),
+    note = held.keep(_scope(big=torch.zeros(2**21)),
                      SnapshotOrder(str(tmp_path), 1, 0, max_bytes=2**20), ran=True)
-    held.write()
-    assert note.too_large > 8 * 2**20 and not list(tmp_path.iterdir())
+    assert note.too_large > 8 * 2**20 and not note.written and not list(tmp_path.iterdir())
 
 
 @pytest.mark.fast
@@ -166,11 +179,10 @@ def _kept(snapshots: SessionSnapshots, folder: Path, number: int, ranks, **names
     notes = {}
     for rank in ranks:
         held = Snapshots(rank)
-        notes[rank] = held.take(_scope(**names), SnapshotOrder(str(folder), number,
+        notes[rank] = held.keep(_scope(**names), SnapshotOrder(str(folder), number,
                                                                 number - 1), ran=True)
-        held.write()
-    snapshots.ended(number, True, {}, frozenset(names))
-    snapshots.noted(list(notes.values()))
+    snapshots.ended(number, True, frozenset(names))
+    snapshots.noted([SnapshotTaken(rank, note) for rank, note in notes.items()])
 
 
 @pytest.mark.fast
@@ -190,13 +202,15 @@ def test_fresh_ranks_restore_the_newest_cell_every_rank_has_and_the_notebook_is_
         _kept(snapshots, folder, 2, [0, 1], x=1, lock=threading.Lock())
         assert "cannot keep lock (TypeError" in capsys.readouterr().err
         _kept(snapshots, folder, 3, [0], x=3)  # (rank 1 died writing cell 3's)
+        assert snapshots.order(4).keep == 2  # (the newest every rank said it wrote)
         said = snapshots.when_lost(cell_lost=True)
         assert said is not None and said.startswith(
             "the session restarted on new ranks, which restore 1 name from cell 2 ("), said
         assert said.endswith("first; the cell that was running is lost; not restored: "
                              "lock (TypeError: cannot pickle '_thread.lock' object)"), said
         assert snapshots.restoring == RestoreOrder(str(folder), 2)
-        assert re.search(r"snapshots on \(at most .+\): cell 3, rank 0", snapshots.status())
+        assert re.search(r"snapshots on \(at most .+\): cell 2, rank 0 .*, rank 1 ",
+                         snapshots.status())  # (cell 3: none of the fresh ranks has it)
     finally:
         snapshots.turn_off()
     assert not folder.exists() and snapshots.status() == "snapshots off"

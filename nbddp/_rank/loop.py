@@ -161,6 +161,8 @@ class Rank:
         order = start.options.snapshot
         if order is not None and isinstance(message, Result):
             self._snapshot_due = (order, start.options.runs_on(self.rank))
+        elif start.session and start.options.runs_on(self.rank):
+            self.snapshots.ran_without()  # (its last snapshot no longer holds its state)
         if isinstance(message, (Result, Failure)):
             return Report(dataclasses.replace(message, **said), report.data) if said else report
         if "assigned" in said:  # (a SLURM job's rank asking to be requeued)
@@ -226,9 +228,9 @@ class Rank:
         assert self._snapshot_due is not None
         (order, ran), self._snapshot_due = self._snapshot_due, None
         try:
-            note = self.snapshots.take(self.scope, order, ran)
-            self.snapshots.write()
+            note = self.snapshots.keep(self.scope, order, ran)
         except Exception as exc:  # noqa: BLE001 - the rank goes on without it
+            self.snapshots.ran_without()
             print(f"nbddp: rank {self.rank} could not take its snapshot of cell {order.cell}"
                   f" ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
             return

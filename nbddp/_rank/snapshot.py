@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import random
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,67 +49,75 @@ from .snapshot_parts import SnapshotParts, parts_loaded
 
 
 class Snapshots:
-    """(On a rank) Its snapshots: the one made for the last cell, until it is written,
-    and the part files its large tensors are in (``_rank.snapshot_parts``)."""
+    """(On a rank) Its snapshots, and the part files its large tensors are in
+    (``_rank.snapshot_parts``)."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.parts = SnapshotParts(rank)
-        self._pending: tuple[SnapshotOrder, dataplane.Packed | None, set[str],
-                             tuple[tuple[str, str], ...]] | None = None
         self._latest: Path | None = None
-        """This rank's newest snapshot file."""
+        """This rank's newest snapshot, if it holds the rank's state still (a run since
+        that kept no snapshot, or failed, leaves none)."""
+        self._unpicklable: dict[str, tuple[int, str]] = {}
+        """Names found not to pickle: the object's id then, and why (not tried again)."""
 
-    def take(self, scope: Scope, order: SnapshotOrder, ran: bool) -> SnapshotNote:
-        """(At rest) Pickle what the rank holds, to be written next (``write``); ``ran``:
-        the cell ran here (else the rank's last file stands for this cell too)."""
+    def ran_without(self) -> None:
+        """A run changed what the rank holds and no snapshot of it was written."""
+        self._latest = None
+
+    def keep(self, scope: Scope, order: SnapshotOrder, ran: bool) -> SnapshotNote:
+        """(At rest) Take and write the snapshot ``order`` asks for (``ran``: the cell ran
+        here; else the rank's last snapshot, if it still holds its state, stands for this
+        cell too): what the kernel is told of it."""
+        folder = Path(order.folder)
         if not ran and self._latest is not None and self._latest.exists():
             last = read_manifest(self._latest)
-            self._pending = (order, None, set(last.parts), last.skipped)
-            return SnapshotNote(order.cell, last.skipped)
+            written = self._write(folder, order, None, set(last.parts), last.skipped)
+            return SnapshotNote(order.cell, last.skipped, written=written)
+        self._latest = None
         names = {name: scope.globals[name] for name in sorted(scope.assigned)
                  if name in scope.globals}
-        self.parts.folder = Path(order.folder)
+        self.parts.folder = folder
         packed, skipped = self._packed(names)
         parts = self.parts.named()
         size = dataplane.size_of(packed) + sum(parts.values())
         if order.max_bytes and size > order.max_bytes:
             self.parts.drop_new()
             return SnapshotNote(order.cell, skipped, too_large=size)
-        self._pending = (order, packed, set(parts), skipped)
-        return SnapshotNote(order.cell, skipped)
+        written = self._write(folder, order, packed, set(parts), skipped)
+        return SnapshotNote(order.cell, skipped, written=written)
 
     def _packed(self, names: dict[str, Any]) -> tuple[dataplane.Packed,
                                                       tuple[tuple[str, str], ...]]:
         """``names`` and the RNG states in one pickle, large storages as their parts; the
-        names left out, each with why (found one by one, each pickled on its own)."""
+        names left out, each with why (found one by one, each pickled on its own, and
+        remembered while they hold the same object)."""
         rng = _rng_states()
-        skipped: list[tuple[str, str]] = []
+        known = {name: why for name, (ident, why) in self._unpicklable.items()
+                 if name in names and id(names[name]) == ident}
         for attempt in range(2):
-            kept = {name: value for name, value in names.items()
-                    if name not in dict(skipped)}
+            kept = {name: value for name, value in names.items() if name not in known}
             try:
-                return dataplane.pack({"names": kept, "rng": rng}, kept=self.parts), \
-                    tuple(skipped)
+                packed = dataplane.pack({"names": kept, "rng": rng}, kept=self.parts)
+                self._unpicklable = {name: (id(names[name]), why)
+                                     for name, why in known.items()}
+                return packed, tuple(known.items())
             except Exception as exc:  # noqa: BLE001 - each name said, with why
                 self.parts.drop_new()
                 if attempt:
-                    skipped = [(name, f"{type(exc).__name__}: {exc}") for name in names]
+                    known = {name: f"{type(exc).__name__}: {exc}" for name in names}
                     break
-                skipped = _unpicklable(names)
-        return dataplane.pack({"names": {}, "rng": rng}), tuple(skipped)
+                known.update(_unpicklable(kept))
+        return dataplane.pack({"names": {}, "rng": rng}), tuple(known.items())
 
-    def write(self) -> None:
-        """(At rest) Write the pending snapshot, whole or not at all: its new parts, its
-        manifest, then the snapshot itself, under a passing name, renamed; then remove this
-        rank's older snapshots, but for the cell the kernel said to keep, and the parts
-        no kept snapshot names. A failure (no room left) is said on the rank's output:
-        the kernel finds no snapshot of this rank for that cell."""
-        if self._pending is None:
-            return
-        order, packed, parts, skipped = self._pending
-        self._pending = None
-        folder = Path(order.folder)
+    def _write(self, folder: Path, order: SnapshotOrder, packed: dataplane.Packed | None,
+               parts: set[str], skipped: tuple[tuple[str, str], ...]) -> bool:
+        """Write the snapshot, whole or not at all: its new parts, its manifest, then the
+        snapshot itself (``packed``, or a link to the last one), under a passing name,
+        renamed; then remove this rank's older snapshots, but for the cell the kernel
+        said to keep, and the parts no kept snapshot names. Whether it was written (a
+        failure, no room left, is said on the rank's output; nothing, where snapshots were
+        turned off meanwhile and the folder is gone)."""
         path = snapshot_file(folder, self.rank, order.cell)
         passing = folder / f".{path.name}.{os.getpid()}"
         try:
@@ -123,13 +132,18 @@ class Snapshots:
         except OSError as exc:
             passing.unlink(missing_ok=True)
             self.parts.drop_new()
-            print(f"nbddp: rank {self.rank} could not keep its snapshot of cell "
-                  f"{order.cell} ({exc})", file=sys.stderr, flush=True)
-            return
+            self._latest = None
+            if folder.is_dir():
+                print(f"nbddp: rank {self.rank} could not keep its snapshot of cell "
+                      f"{order.cell} ({exc})", file=sys.stderr, flush=True)
+            return False
         self._latest = path
         self._remove_older(folder, keep={order.cell, order.keep})
+        return True
 
     def _remove_older(self, folder: Path, keep: set[int]) -> None:
+        """Remove this rank's snapshots but ``keep``'s, the parts none of those name, and
+        what a writer of this rank left half done (one killed while writing)."""
         named: set[str] = set()
         for cell, ranks in snapshot_files(folder).items():
             if self.rank not in ranks:
@@ -139,14 +153,19 @@ class Snapshots:
             else:
                 ranks[self.rank].unlink(missing_ok=True)
                 manifest_file(ranks[self.rank]).unlink(missing_ok=True)
+        for passing in folder.glob(f".rank{self.rank}-*"):
+            passing.unlink(missing_ok=True)
         self.parts.folder = folder
         self.parts.remove_unnamed(named)
 
     def restore(self, scope: Scope, order: RestoreOrder) -> RestoreNote:
         """Load this rank's snapshot of ``order.cell`` into ``scope`` (the names count as
-        the rank's own), and its RNG states."""
-        path = snapshot_file(Path(order.folder), self.rank, order.cell)
+        the rank's own), and its RNG states, from the session's folder (only if it is
+        this user's own, and nobody else's)."""
+        folder = Path(order.folder)
+        path = snapshot_file(folder, self.rank, order.cell)
         try:
+            _check_private(folder)
             with parts_loaded():
                 state = dataplane.read(path).load()
         except Exception as exc:
@@ -158,14 +177,23 @@ class Snapshots:
         return RestoreNote(order.cell, tuple(sorted(state["names"])), snapshot_size(path))
 
 
-def _unpicklable(names: dict[str, Any]) -> list[tuple[str, str]]:
+def _check_private(folder: Path) -> None:
+    """PermissionError unless ``folder`` is a directory of this user's that nobody else
+    may write to or read (what is in it is unpickled)."""
+    status = os.lstat(folder)
+    if (not stat.S_ISDIR(status.st_mode) or status.st_uid != os.geteuid()
+            or status.st_mode & 0o077):
+        raise PermissionError(f"{folder} is not a private folder of this user's")
+
+
+def _unpicklable(names: dict[str, Any]) -> dict[str, str]:
     """The names that cannot be pickled on their own, each with why."""
-    found = []
+    found = {}
     for name, value in names.items():
         try:
             dataplane.pack(value)
         except Exception as exc:  # noqa: BLE001 - each said, with why
-            found.append((name, f"{type(exc).__name__}: {exc}"))
+            found[name] = f"{type(exc).__name__}: {exc}"
     return found
 
 

@@ -147,7 +147,9 @@ class SnapshotParts:
         return part
 
     def seen_with(self, copy: Any, tensor: Any) -> None:
-        if isinstance(copy, _Part) and any(part is copy for part, _ in self._new):
+        """``tensor`` is another on a storage this snapshot names as ``copy``: its
+        writes, too, tell that the storage changed."""
+        if isinstance(copy, _Part):
             copy.also(tensor)
 
     def named(self) -> dict[str, int]:
@@ -176,10 +178,11 @@ class SnapshotParts:
         return written
 
     def drop_new(self) -> None:
-        """The last snapshot is not kept: the parts it made are not written."""
+        """The last snapshot is not kept: the parts it made are not written, and it names
+        none."""
         for part, _ in self._new:
             self._parts = {k: p for k, p in self._parts.items() if p is not part}
-        self._new = []
+        self._new, self._named = [], {}
 
     def remove_unnamed(self, kept: set[str]) -> None:
         """Remove this rank's part files that no kept snapshot names."""

@@ -123,6 +123,8 @@ class SnapshotNote:
     too_large: int = 0
     """The bytes the snapshot would have taken, over this rank's share of the cap: it
     was not kept (0: it fits)."""
+    written: bool = False
+    """The snapshot is whole in the folder."""
 
 
 @dataclass(frozen=True)

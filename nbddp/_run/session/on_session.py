@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from ..._errors import WorkerError
 from ..._wire.messages import Assigned, Failure, Result, SnapshotTaken
-from ..._wire.snapshot_orders import RestoreNote, SnapshotNote
+from ..._wire.snapshot_orders import RestoreNote
 from ..groups.waiting import WaitingGroup
 from ..supervisor import Ending, Supervisor
 
@@ -51,16 +51,21 @@ class OnSession:
     ranks stay for the next run, with their state."""
 
     def __init__(self, group: WaitingGroup,
-                 when_lost: Callable[[], str | None] = lambda: None) -> None:
-        """``when_lost``: what fresh ranks will restore, if the ranks are lost."""
+                 when_lost: Callable[[], str | None] = lambda: None,
+                 restoring: bool = False) -> None:
+        """``when_lost``: what fresh ranks will restore, if the ranks are lost;
+        ``restoring``: the ranks restore a snapshot first (unless each one does, they do
+        not hold the session's state: they are replaced)."""
         self._group = group
         self._when_lost = when_lost
+        self._restoring = restoring
+        self.restore_failed = False
         self.kept: bool | None = None
         """Whether the ranks kept their state: None until the run's end decided it."""
         self.returned = False
         """Every rank returned (so each took the run's payload whole)."""
         self.names: tuple[str, ...] | None = None
-        self.snapshot_notes: list[SnapshotNote] = []
+        self.snapshots_taken: list[SnapshotTaken] = []
         """What the ranks said of their snapshots as the run went (of the cell before,
         taken at rest, or of this one: ``_rank.snapshot``)."""
         self.restored: dict[int, RestoreNote] = {}
@@ -69,7 +74,7 @@ class OnSession:
     def watch(self, supervisor: Supervisor) -> None:
         for kind in (Assigned, Result, Failure):
             supervisor.pump.on(kind, self._assigned)
-        supervisor.pump.on(SnapshotTaken, lambda taken: self.snapshot_notes.append(taken.note))
+        supervisor.pump.on(SnapshotTaken, self.snapshots_taken.append)
 
     def _assigned(self, message: Assigned | Result | Failure) -> None:
         names = message.names if isinstance(message, Assigned) else message.assigned
@@ -81,11 +86,13 @@ class OnSession:
     def settle(self, supervisor: Supervisor, ending: Ending) -> bool:
         self.returned = ending.kind == "returned"
         self.kept = self.returned or self._bring_back(supervisor)
+        if self._restoring and len(self.restored) < supervisor.config.nprocs:
+            self.restore_failed, self.kept = True, False
         return self.kept
 
     def told(self, error: BaseException) -> BaseException:
-        return with_session_note(error, bool(self.kept),
-                                 None if self.kept else self._when_lost())
+        lost = None if self.kept or self.restore_failed else self._when_lost()
+        return with_session_note(error, bool(self.kept), lost)
 
     def abandoned(self) -> bool:
         if self.kept is not None:

@@ -96,6 +96,8 @@ class SessionRanks:
         if setting is False:
             self.snapshots.turn_off()
             return
+        if self.closed:
+            raise NbddpError("this session is closed; start another one")
         cap = None if setting is True else parse_size(setting)
         check_snapshots(self.where)
         self.snapshots.turn_on(cap)
@@ -154,7 +156,8 @@ class SessionRanks:
         self.busy = True
         try:
             records, warm, packed = self.hand_over(config, payload, packed)
-            run = OnSession(self.group, lambda: self.snapshots.when_lost(cell_lost=True))
+            run = OnSession(self.group, lambda: self.snapshots.when_lost(cell_lost=True),
+                            restoring=self.snapshots.restoring is not None)
             code = packed.code if config.ranks is None else None  # (taught to every rank)
             job: Job = Job(self.group, config, records, stdout=stdout, warm=warm,
                            sent=packed.buffer_bytes, staying=run,
@@ -200,15 +203,17 @@ class SessionRanks:
         closed now (the kernel left the job for another: nothing to restart)."""
         self.runs += 1
         closed = closed or self.where.left(self.group)
-        self.snapshots.noted(run.snapshot_notes)
+        self.snapshots.noted(run.snapshots_taken)
         if run.kept:
             self.group.payload_taken()
             if run.returned and code is not None:
                 code.confirm()
             self.held.kept(run, some_ranks=job.config.ranks is not None)
-            self.snapshots.ended(self.runs, run.returned, run.restored, self.held.bound)
+            self.snapshots.ended(self.runs, run.returned, self.held.bound)
         else:
             self.held.lost()
+            if run.restore_failed:
+                self.snapshots.forget()  # (what could not be restored, is not again)
             if not closed:
                 self.restarts += 1
                 self.records.new_ranks()

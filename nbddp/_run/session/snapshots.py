@@ -27,9 +27,9 @@ from pathlib import Path
 
 from ..._errors import NbddpError
 from ..._wire.dataplane import shm_root
+from ..._wire.messages import SnapshotTaken
 from ..._wire.rundir import reserved_name
 from ..._wire.snapshot_orders import (
-    RestoreNote,
     RestoreOrder,
     SnapshotNote,
     SnapshotOrder,
@@ -38,10 +38,14 @@ from ..._wire.snapshot_orders import (
     snapshot_size,
 )
 
-_KEEPER = ("import shutil, sys\n"
+_KEEPER = ("import os, shutil, sys, time\n"
            "while sys.stdin.buffer.read(4096): pass\n"
-           "shutil.rmtree(sys.argv[1], ignore_errors=True)\n")
-"""The keeper: waits for the kernel's end of the pipe to close, then removes the folder."""
+           "for _ in range(120):\n"
+           "    shutil.rmtree(sys.argv[1], ignore_errors=True)\n"
+           "    if not os.path.exists(sys.argv[1]): break\n"
+           "    time.sleep(0.5)\n")
+"""The keeper: waits for the kernel's end of the pipe to close, then removes the folder
+(again, for a minute at most, while a rank still writing puts files back)."""
 _CELLS_NOTED = 4  # kept cells whose names the kernel remembers (the ranks keep two)
 
 
@@ -55,6 +59,9 @@ class SessionSnapshots:
         self._kept: dict[int, tuple[str, ...]] = {}
         """Each cell that ended well on every rank: the names the ranks held then (less
         those their snapshots could not keep: their manifests say)."""
+        self._written: dict[int, set[int]] = {}
+        """Of those, the ranks that said their snapshot is written: a cell every rank
+        wrote is the one the ranks keep while they write the next ones."""
         self._said: set[str] = set()  # names said once as not kept
         self.max_bytes = 0
         """The cap on all ranks' snapshots together (each rank gets its share)."""
@@ -108,6 +115,7 @@ class SessionSnapshots:
     def forget(self) -> None:
         """Fresh ranks that restore nothing (a restart asked for): no cell is kept."""
         self._kept.clear()
+        self._written.clear()
         self.restoring, self._lost_note = None, None
         if self.folder is not None:  # (snapshots, their parts and lists)
             for path in self.folder.iterdir():
@@ -119,29 +127,29 @@ class SessionSnapshots:
         """What a run's Start asks of the ranks: keep their names as ``cell``."""
         if self.folder is None:
             return None
-        return SnapshotOrder(str(self.folder), cell, max(self._kept, default=0),
+        every = set(range(self.nprocs))
+        whole = [kept for kept in self._kept if self._written.get(kept) == every]
+        return SnapshotOrder(str(self.folder), cell, max(whole, default=0),
                              self.max_bytes // self.nprocs)
 
-    def ended(self, cell: int, returned: bool, restored: dict[int, RestoreNote],
-              names: frozenset[str]) -> None:
+    def ended(self, cell: int, returned: bool, names: frozenset[str]) -> None:
         """A run ended with the ranks kept (``returned``: on every rank; ``names``: those
         the ranks hold now): the cell is kept, if every rank writes its snapshot."""
-        asked, self.restoring, self._lost_note = self.restoring, None, None
-        if self.folder is None:
-            return
-        if asked is not None and set(restored) != set(range(self.nprocs)):
-            self.forget()  # (not restored on every rank: the ranks hold what they hold)
-            return
-        if returned:
+        self.restoring, self._lost_note = None, None
+        if self.folder is not None and returned:
             self._kept[cell] = tuple(sorted(names))
             for old in sorted(self._kept)[:-_CELLS_NOTED]:
                 del self._kept[old]
+                self._written.pop(old, None)
 
-    def noted(self, notes: list[SnapshotNote]) -> None:
-        """What the ranks said of their snapshots: names not kept are said once each; a
-        snapshot over the cap, once, until one fits again."""
-        self._say_not_kept({name: why for note in notes for name, why in note.skipped})
-        for note in sorted(notes, key=lambda note: note.cell):
+    def noted(self, taken: list[SnapshotTaken]) -> None:
+        """What the ranks said of their snapshots: which are written; names not kept are
+        said once each; a snapshot over the cap, once, until one fits again."""
+        self._say_not_kept({name: why for each in taken for name, why in each.note.skipped})
+        for rank, note in sorted(((each.rank, each.note) for each in taken),
+                                 key=lambda said: said[1].cell):
+            if note.written and note.cell in self._kept:
+                self._written.setdefault(note.cell, set()).add(rank)
             if note.too_large:
                 self._kept.pop(note.cell, None)  # (no rank keeps an older one for it)
                 self._say_over(note)
@@ -188,6 +196,8 @@ class SessionSnapshots:
         """The restore order for the newest kept cell every rank has a file of, and what
         to say of it: what it restores, what it cannot."""
         assert self.folder is not None
+        for passing in self.folder.glob(".*"):  # (what ranks killed while writing left)
+            passing.unlink(missing_ok=True)
         whole = [cell for cell in self._kept
                  if set(files.get(cell, {})) >= set(range(self.nprocs))]
         if not whole:
@@ -195,6 +205,10 @@ class SessionSnapshots:
         cell = max(whole)
         size = sum(snapshot_size(path) for path in files[cell].values())
         self.restoring = RestoreOrder(str(self.folder), cell)
+        for newer in [kept for kept in self._kept if kept > cell]:  # (no fresh rank has it)
+            del self._kept[newer]
+            self._written.pop(newer, None)
+        self._written[cell] = set(range(self.nprocs))
         skipped = {name: why for path in files[cell].values()
                    for name, why in read_manifest(path).skipped}
         names = set(self._kept[cell]) - set(skipped)
