@@ -18,8 +18,8 @@ pytestmark = pytest.mark.fast  # the fast lane: bash scripts/test.sh --fast
 PACKAGE = Path(__file__).resolve().parents[1] / "nbddp"
 FLOOR = {"_errors", "_version"}
 """Leaf modules every package may use: the exceptions a user catches, and the version."""
-FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_cluster_flags", "_backends", "_worker",
-              "_torchrun"}
+FRONT_DOOR = {"__init__", "_launch", "_session", "_magic", "_session_switches", "_cluster_flags",
+              "_backends", "_worker", "_torchrun"}
 BACKENDS = {"_local", "_slurm", "_ray"}
 """The backends: packages that place and start rank groups (see ``_run.backend``)."""
 CHOOSER = "_backends"
