@@ -146,7 +146,7 @@ class Kernel:
                  env: dict[str, str] | None = None) -> None:
         """Start it in ``cwd``, with ``arguments`` for ipykernel's command line and
         ``env`` for its environment (default: this process's)."""
-        options = dict(kernel_name="python3", startup_timeout=60, cwd=str(cwd),
+        options = dict(kernel_name="python3", startup_timeout=180, cwd=str(cwd),
                        extra_arguments=arguments or [],
                        env=env if env is not None else dict(os.environ))
         try:
