@@ -12,7 +12,7 @@ from typing import Any, Literal, TypeVar, overload
 
 from ._backends import Ray, Slurm, attach_run, chosen_cluster, run_backend
 from ._run.config import DEFAULT_STALL_AFTER, ClusterOptions, RunOptions
-from ._run.job import Job
+from ._run.job import Job, handed_back
 from ._wire.payload import Payload
 from ._wire.shipped_code import RanksCode
 from ._wire.shipped_code import wanted as code_wanted
@@ -155,7 +155,7 @@ def launch(
 
 def _follow(job: Job, wait: bool) -> Any:
     __tracebackhide__ = True
-    return job.result() if wait else job._handed_back()
+    return job.result() if wait else handed_back(job)
 
 
 def attach(job_id: str | int, run_dir: str | os.PathLike | None = None) -> Job:

@@ -34,7 +34,7 @@ from ._run.config import (
 )
 from ._run.groups.waiting import WaitingGroup
 from ._run.interrupt_hold import InterruptHold, held_while, interrupt_after
-from ._run.job import Job
+from ._run.job import Job, followed_after_all, handed_back
 from ._run.session.rank_choice import chosen_ranks
 from ._run.session.ranks import SessionRanks, check_snapshots
 from ._run.session.status import SessionStatus
@@ -195,7 +195,7 @@ class Session:
         ``ranks``: the ranks that run it (as ``run``'s)."""
         __tracebackhide__ = True
         config = self._config_for(all_ranks, timeout, output, stall_after, pdb, ranks)
-        return self._submitted(fn, args, kwargs, config, stdout)._handed_back()
+        return handed_back(self._submitted(fn, args, kwargs, config, stdout))
 
     def _config_for(self, all_ranks: bool = False, timeout: float | None = None,
                     output: Literal["rank0", "all", "none"] | None = None,
@@ -231,7 +231,7 @@ class Session:
         try:
             self._ranks.records.prepare()
         except BaseException:
-            job._followed_after_all()  # (nobody will wait for the run: it still ends)
+            followed_after_all(job)  # (nobody will wait for the run: it still ends)
             raise
         return job
 

@@ -8,6 +8,7 @@ are taken from standby too, or started now.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from .._run.backend import Backend, follow
@@ -15,7 +16,7 @@ from .._run.config import RunConfig, RunOptions
 from .._run.groups.group import RanksGone
 from .._run.groups.shape import GroupShape
 from .._run.groups.waiting import WaitingGroup
-from .._run.job import Job
+from .._run.job import Job, data_bytes, note_under
 from .._run.records import Records, SessionRecords
 from .._wire.dataplane import Packed
 from .._wire.kept_storages import KeptStorages, kernels_copies
@@ -41,7 +42,7 @@ class LocalBackend(Backend):
         shape, config = self.shape, self.config
 
         def after(job: Job) -> None:  # the next launch likely sends and gets as much again
-            STANDBY.refill(shape, job._note, *job._data_bytes)
+            STANDBY.refill(shape, functools.partial(note_under, job), *data_bytes(job))
 
         taken = STANDBY.take(shape)
         records, notice = None, taken.missed

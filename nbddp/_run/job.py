@@ -142,21 +142,11 @@ class Job(RunReadings, Generic[R]):
     @staticmethod
     def started_held(start: Callable[[], Job[R]]) -> Job[R]:
         """``start()``'s Job, with Ctrl-C held back while the run starts (see
-        ``InterruptHold``): ``result()``, or ``_handed_back()`` for a caller that does
+        ``InterruptHold``): ``result()``, or ``handed_back`` for a caller that does
         not wait, acts on a press. (Inside another hold, this one holds nothing.)"""
         job, hold = held_while(start)
         job._hold = hold
         return job
-
-    def _handed_back(self) -> Job[R]:
-        """The caller takes the Job without waiting for it: Ctrl-C raises again, and a
-        press while the run started stops it now (and raises)."""
-        __tracebackhide__ = True
-        try:
-            self._let_go()
-        except KeyboardInterrupt as interrupt:
-            self._stop_interrupted(interrupt)
-        return self
 
     def _follow_first(self) -> None:
         """(The caller, still holding Ctrl-C back, if it was made to follow the run's
@@ -179,13 +169,6 @@ class Job(RunReadings, Generic[R]):
                 self._end_broken(exc)
             finally:
                 self._finish()
-
-    def _followed_after_all(self) -> None:
-        """The caller that was to follow the run's start raised before it waited: a
-        follower thread follows the run instead (which ends it, and frees its ranks)."""
-        if self._caller_follows:
-            self._caller_follows = False
-            self._follow()
 
     def _let_go(self) -> None:
         """Ctrl-C raises again; ``KeyboardInterrupt`` if it was pressed while held. (Only
@@ -215,12 +198,6 @@ class Job(RunReadings, Generic[R]):
         warnings.warn("Job.slurm_job_id is now Job.cluster_job_id (slurm_job_id will go in "
                       "a later release)", DeprecationWarning, stacklevel=2)
         return self.cluster_job_id
-
-    @property
-    def _data_bytes(self) -> tuple[int, int]:
-        """The bytes of tensor and array data the run sent (its payload) and got back
-        (rank 0's result; 0 until read): the next run's rooms are made that large."""
-        return self._sent, self._ending.received
 
     # --- ending ---------------------------------------------------------------------
 
@@ -273,7 +250,36 @@ class Job(RunReadings, Generic[R]):
             self._outcome = outcome
             self._ended.set()
 
-    def _note(self, line: str) -> None:
-        """Show ``line`` as the panel's last line (standby ranks' state), even after the
-        run: it goes under the cell that launched the run."""
-        self._context.copy().run(self._supervisor.note, line)
+
+# --- nbddp's own calls on a Job (the front door's and the backends'), not a user's -----
+
+
+def handed_back(job: Job[R]) -> Job[R]:
+    """The caller takes ``job`` without waiting for it (``launch(wait=False)``): Ctrl-C
+    raises again, and a press while the run started stops it now (and raises)."""
+    __tracebackhide__ = True
+    try:
+        job._let_go()
+    except KeyboardInterrupt as interrupt:
+        job._stop_interrupted(interrupt)
+    return job
+
+
+def followed_after_all(job: Job) -> None:
+    """The caller that was to follow ``job``'s start raised before it waited: a follower
+    thread follows the run instead (which ends it, and frees its ranks)."""
+    if job._caller_follows:
+        job._caller_follows = False
+        job._follow()
+
+
+def note_under(job: Job, line: str) -> None:
+    """Show ``line`` as the panel's last line (standby ranks' state, a session's fresh
+    ranks), even after the run: it goes under the cell that launched ``job``."""
+    job._context.copy().run(job._supervisor.note, line)
+
+
+def data_bytes(job: Job) -> tuple[int, int]:
+    """The bytes of tensor and array data ``job``'s run sent (its payload) and got back
+    (rank 0's result; 0 until read): the next run's rooms are made that large."""
+    return job._sent, job._ending.received

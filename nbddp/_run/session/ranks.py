@@ -26,7 +26,7 @@ from ..groups.group import RanksGone
 from ..groups.shape import GroupShape
 from ..groups.waiting import WaitingGroup
 from ..interrupt_hold import InterruptHold
-from ..job import Job
+from ..job import Job, data_bytes, note_under
 from ..records import FolderPerCell, Records, SessionRecords
 from .names import SessionNames
 from .on_session import STATE_LOST, OnSession
@@ -219,11 +219,11 @@ class SessionRanks:
                 self.records.new_ranks()
                 self._start()
                 restores = self.snapshots.when_lost(cell_lost=True) is not None
-                job._note("session: restarted with fresh ranks; " + (
+                note_under(job, "session: restarted with fresh ranks; " + (
                     "they restore the last snapshot first" if restores
                     else "what earlier runs defined is gone"))
         if not closed:
-            self.group.make_room(*job._data_bytes)
+            self.group.make_room(*data_bytes(job))
         return closed
 
 
