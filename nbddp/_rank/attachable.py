@@ -77,6 +77,7 @@ class AttachableLink(KernelLink):
                       file=sys.stderr)
                 self._run_dir.remove()  # the key and the address: nobody may attach now
                 self._starts.put(None)
+                self._start_came.set()
                 return
             with self._lock:
                 gone, self._channel = self._channel, channel

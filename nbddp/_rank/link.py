@@ -21,6 +21,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class KernelLink:
         self._seq = 0
         self._lock = threading.Lock()
         self._starts: queue.SimpleQueue[tuple[int, int, Start] | None] = queue.SimpleQueue()
+        self._start_came = threading.Event()  # (set as each is queued: see rests_for)
         self._received = 0  # Starts that came over the channel; each run's number
         self._running = -1  # the number of the run taken last (-1: none, or from a file)
         self._finished = -1  # ... and of the last run over
@@ -139,6 +141,15 @@ class KernelLink:
                     return start
         return None
 
+    def rests_for(self, seconds: float) -> None:
+        """Wait up to ``seconds`` unless a Start (or the link's end) comes first: the rank's
+        work at rest waits while the kernel ends the run it just reported."""
+        deadline = time.monotonic() + seconds
+        self._start_came.clear()
+        while self._starts.empty() and (left := deadline - time.monotonic()) > 0:
+            self._start_came.wait(left)
+            self._start_came.clear()
+
     def run_over(self) -> None:
         """The run taken last is over (its report sent): the rank is at rest, and an
         interrupt the kernel sent for that run, still on its way, is for no run now."""
@@ -184,6 +195,7 @@ class KernelLink:
                     self._drop_kept_unless(message.payload)
                     self._received += 1
                     self._starts.put((self._generation, self._received, message))
+                    self._start_came.set()
                 elif isinstance(message, KeepPayload):
                     self._keep(message)
                 elif isinstance(message, DebugInput):
@@ -235,6 +247,7 @@ class KernelLink:
             print("nbddp: the notebook kernel went away; stopping this rank", file=sys.stderr)
             os._exit(1)
         self._starts.put(None)
+        self._start_came.set()
 
     def _send_stacks(self, call: int) -> None:
         """Dump every thread's stack from this thread (faulthandler, while the main

@@ -49,6 +49,11 @@ from .stats import use_device
 from .whole import make_whole
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+LET_THE_KERNEL_END = 0.05
+"""Seconds a rank's work at rest (a snapshot, autoreload's look at the modules) waits
+after its report, while the kernel ends the run: where the ranks fill the machine's
+cores, that work at once slows the end of every cell (``bench_snapshots.py`` measures
+it)."""
 
 
 @dataclass(frozen=True)
@@ -210,11 +215,15 @@ class Rank:
             if self.reloader is not None and start.options.autoreload:
                 self.reloader.note_new()  # what the cell imported, as it is now
 
-    def at_rest(self, send: Callable[[Any], None]) -> None:
+    def at_rest(self, send: Callable[[Any], None], rests_for: Callable[[float], None]) -> None:
         """The run is reported and the rank waits for the next: its snapshot is taken and
         written (``_rank.snapshot``), and the kernel told; with autoreload on, get ready
         to reload (while the user types, not in the cell after an edit; where that
-        fails, the reload itself says why)."""
+        fails, the reload itself says why). That work waits ``LET_THE_KERNEL_END`` first
+        (``rests_for``, cut short by the next Start, which it comes before)."""
+        if self._snapshot_due is None and (self.reloader is None or self._ready_to_reload):
+            return
+        rests_for(LET_THE_KERNEL_END)
         if self._snapshot_due is not None:
             self._snapshot(send)
         if self.reloader is not None and not self._ready_to_reload:

@@ -130,7 +130,7 @@ def _serve(link: KernelLink, run_dir: RunDir, rank: int, backend: str | None,
         link.send(report.message, report.data)
         link.run_over()
         me.interrupts.forget()  # (after that: a later SIGINT finds the rank at rest)
-        me.at_rest(link.send)
+        me.at_rest(link.send, link.rests_for)
         ended_well = isinstance(report.message, (Result, Requeueing))
         del report  # (its data, a CPU copy of the result's tensors, goes now)
         if not start.session:

@@ -223,12 +223,14 @@ class SessionSnapshots:
         on = f"snapshots on (at most {_size(self.max_bytes)})"
         files = snapshot_files(self.folder)
         kept = [cell for cell in self._kept if cell in files]
+        newest = max(self._kept, default=0)
+        coming = f"cell {newest}'s being written" if newest not in kept else ""
         if not kept:
-            return f"{on}, none yet"
+            return f"{on}, none yet" + f" ({coming})" * bool(coming)
         cell = max(kept)
         sizes = {rank: snapshot_size(path) for rank, path in files[cell].items()}
         per_rank = ", ".join(f"rank {rank} {_size(size)}" for rank, size in sorted(sizes.items()))
-        return f"{on}: cell {cell}, {per_rank}"
+        return f"{on}: cell {cell}, {per_rank}" + f"; {coming}" * bool(coming)
 
 
 _UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
