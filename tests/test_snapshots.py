@@ -151,6 +151,35 @@ def test_a_large_tensor_unchanged_is_not_written_again(tmp_path):
 
 
 @pytest.mark.fast
+def test_a_changed_tensor_is_written_over_a_part_no_snapshot_keeps_but_not_a_mapped_one(
+        tmp_path):
+    """Cells 1 to 3 change an 8 MiB tensor: cell 3's part is cell 1's file written over
+    (cell 2 is kept). Fresh ranks restore cell 3 and map its part: once no snapshot keeps
+    it, the next new part goes into a new file, and the restored tensor keeps its values."""
+    a = torch.zeros(2**21)  # 8 MiB: a part of its own
+    held = Snapshots(rank=0)
+    files = {}
+    for number in (1, 2, 3):
+        a.fill_(number)
+        held.keep(_scope(a=a), SnapshotOrder(str(tmp_path), number, number - 1), ran=True)
+        files[number] = {p.stat().st_ino for p in tmp_path.glob("rank0-part*.bin")}
+    assert len(files[2]) == 2 and files[3] == files[2]  # (cell 1's file holds cell 3's)
+
+    fresh, again = Scope(), Snapshots(rank=0)
+    again.restore(fresh, RestoreOrder(str(tmp_path), cell=3))
+    restored, c = fresh.globals["a"], torch.full((2**21,), 9.0)
+    fresh.globals["c"] = c
+    fresh.assigned.add("c")
+    again.keep(fresh, SnapshotOrder(str(tmp_path), 4, 3), ran=True)
+    c.fill_(10.0)  # (a new part for c; cell 3's, mapped by a, is free to go)
+    again.keep(fresh, SnapshotOrder(str(tmp_path), 5, 4), ran=True)
+    assert torch.equal(restored, torch.full((2**21,), 3.0))
+    back = Scope()
+    Snapshots(rank=0).restore(back, RestoreOrder(str(tmp_path), cell=5))
+    assert torch.equal(back.globals["a"], restored) and torch.equal(back.globals["c"], c)
+
+
+@pytest.mark.fast
 def test_a_snapshot_over_the_rank_s_share_of_the_cap_is_not_kept(tmp_path):
     held = Snapshots(rank=0)
     note = held.keep(_scope(big=torch.zeros(2**21)),

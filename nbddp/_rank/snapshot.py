@@ -115,7 +115,9 @@ class Snapshots:
         """Write the snapshot, whole or not at all: its new parts, its manifest, then the
         snapshot itself (``packed``, or a link to the last one), under a passing name,
         renamed; then remove this rank's older snapshots, but for the cell the kernel
-        said to keep, and the parts no kept snapshot names. Whether it was written (a
+        said to keep, and the parts no kept snapshot names (those that only snapshots
+        older than the kept cell and this rank's newest named go first: new parts are
+        written over them). Whether it was written (a
         failure, no room left, is said on the rank's output; nothing, where snapshots were
         turned off meanwhile and the folder is gone)."""
         path = snapshot_file(folder, self.rank, order.cell)
@@ -125,6 +127,7 @@ class Snapshots:
                 assert self._latest is not None
                 os.link(self._latest, passing)
             else:
+                self._remove_older(folder, keep={order.keep}, newest=True, also=parts)
                 self.parts.write_new()
                 dataplane.write(passing, packed)
             write_manifest(path, parts, skipped)
@@ -141,22 +144,27 @@ class Snapshots:
         self._remove_older(folder, keep={order.cell, order.keep})
         return True
 
-    def _remove_older(self, folder: Path, keep: set[int]) -> None:
-        """Remove this rank's snapshots but ``keep``'s, the parts none of those name, and
-        what a writer of this rank left half done (one killed while writing)."""
-        named: set[str] = set()
-        for cell, ranks in snapshot_files(folder).items():
-            if self.rank not in ranks:
-                continue
+    def _remove_older(self, folder: Path, keep: set[int], newest: bool = False,
+                      also: set[str] | frozenset[str] = frozenset()) -> None:
+        """Remove this rank's snapshots but ``keep``'s (and its ``newest``), the parts
+        none of those name (nor ``also``, a snapshot's being written: its unwritten
+        parts are spares to write them over), and what a writer of this rank left half
+        done (one killed while writing)."""
+        named: set[str] = set(also)
+        files = {cell: ranks[self.rank] for cell, ranks in snapshot_files(folder).items()
+                 if self.rank in ranks}
+        if newest and files:
+            keep = keep | {max(files)}
+        for cell, file in files.items():
             if cell in keep:
-                named |= read_manifest(ranks[self.rank]).parts
+                named |= read_manifest(file).parts
             else:
-                ranks[self.rank].unlink(missing_ok=True)
-                manifest_file(ranks[self.rank]).unlink(missing_ok=True)
+                file.unlink(missing_ok=True)
+                manifest_file(file).unlink(missing_ok=True)
         for passing in folder.glob(f".rank{self.rank}-*"):
             passing.unlink(missing_ok=True)
         self.parts.folder = folder
-        self.parts.remove_unnamed(named)
+        self.parts.remove_unnamed(named, recycle=bool(also))
 
     def restore(self, scope: Scope, order: RestoreOrder) -> RestoreNote:
         """Load this rank's snapshot of ``order.cell`` into ``scope`` (the names count as
@@ -166,8 +174,9 @@ class Snapshots:
         path = snapshot_file(folder, self.rank, order.cell)
         try:
             _check_private(folder)
-            with parts_loaded():
+            with parts_loaded() as loaded:
                 state = dataplane.read(path).load()
+            self.parts.mapped.update(loaded)
         except Exception as exc:
             raise RuntimeError(f"nbddp: rank {self.rank} could not load its snapshot of "
                                f"cell {order.cell}: {type(exc).__name__}: {exc}") from exc

@@ -12,7 +12,12 @@ random places of the storage still hold what the part holds (writes that bypass 
 counter, through ``.data`` or NumPy, are caught where they changed much of it).
 
 A part is written at rest with the snapshot that first names it (``write_new``), under
-a passing name, then renamed. Each snapshot's parts are listed beside it
+a passing name, then renamed. It is written over a part file no kept snapshot names any
+more, of the same size, where there is one (``recycle``): a storage that changes each
+cell (a model's weights in training) costs a copy into memory already allocated, not
+fresh pages of shared memory to allocate and zero, and old ones to free. A part this
+rank loaded (a restore maps it copy-on-write, and would see what is written over it) is
+never written over. Each snapshot's parts are listed beside it
 (``rankR-cellN.parts``: their names and bytes), so that the rank removes its parts no
 kept snapshot names, and the kernel can tell a snapshot's size.
 """
@@ -127,6 +132,9 @@ class SnapshotParts:
         self._numbers = itertools.count(1)
         self._named: dict[str, int] = {}  # the parts the snapshot being made names: bytes
         self._new: list[tuple[_Part, Any]] = []  # ... and those to write, with storages
+        self._spares: dict[int, list[Path]] = {}  # part files to write over, by bytes
+        self.mapped: set[str] = set()
+        """The parts this rank loaded (a restore): never written over."""
 
     @contextlib.contextmanager
     def sending(self) -> Iterator[None]:
@@ -163,7 +171,7 @@ class SnapshotParts:
         written = 0
         for part, storage in new:
             passing = part.path.with_name(f".{part.path.name}")
-            fd = os.open(passing, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = self._open_for(part, passing)
             try:
                 os.ftruncate(fd, part.nbytes)
                 raw = (ctypes.c_ubyte * part.nbytes).from_address(storage.data_ptr())
@@ -175,7 +183,27 @@ class SnapshotParts:
             os.close(fd)
             os.replace(passing, part.path)
             written += part.nbytes
+        self.drop_spares()
         return written
+
+    def _open_for(self, part: _Part, passing: Path) -> int:
+        """``passing``, open to write ``part`` into: a spare of its size renamed, if there
+        is one, else a new file."""
+        spares = self._spares.get(part.nbytes, [])
+        while spares:
+            spare = spares.pop()
+            try:
+                os.rename(spare, passing)
+                return os.open(passing, os.O_WRONLY)
+            except OSError:
+                passing.unlink(missing_ok=True)
+        return os.open(passing, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+
+    def drop_spares(self) -> None:
+        """Remove the spare part files no new part was written over."""
+        spares, self._spares = self._spares, {}
+        for path in itertools.chain.from_iterable(spares.values()):
+            path.unlink(missing_ok=True)
 
     def drop_new(self) -> None:
         """The last snapshot is not kept: the parts it made are not written, and it names
@@ -183,12 +211,23 @@ class SnapshotParts:
         for part, _ in self._new:
             self._parts = {k: p for k, p in self._parts.items() if p is not part}
         self._new, self._named = [], {}
+        self.drop_spares()
 
-    def remove_unnamed(self, kept: set[str]) -> None:
-        """Remove this rank's part files that no kept snapshot names."""
+    def remove_unnamed(self, kept: set[str], recycle: bool = False) -> None:
+        """Remove this rank's part files that no kept snapshot names; with ``recycle``,
+        keep them as spares for the parts written next (``write_new``), but those this
+        rank loaded."""
         assert self.folder is not None
         prefix = f"rank{self.rank}-part"
         for path in self.folder.glob(f"{prefix}*.bin"):
-            if path.name not in kept:
+            if path.name in kept:
+                continue
+            try:
+                nbytes = path.stat().st_size
+            except OSError:
+                continue
+            if recycle and path.name not in self.mapped and nbytes >= PART_MIN:
+                self._spares.setdefault(nbytes, []).append(path)
+            else:
                 path.unlink(missing_ok=True)
         self._parts = {k: p for k, p in self._parts.items() if p.path.name in kept}
