@@ -9,9 +9,9 @@ alternated (each other round the other first):
 - **a cell that changes nothing** (``session.run(noop)``): ON against OFF. Target: at
   most 0.5 ms more.
 - **a training step** that changes all of it (a backward and an optimizer step: the
-  weights and the momentum, ``--gib`` GiB): the cell ON against OFF (the pickle is made
-  before the cell ends), and the time from the cell's end until every rank's snapshot
-  file is there (written while the next cell is typed). Target: the two together at
+  weights and the momentum, ``--gib`` GiB): the cell ON against OFF (what the snapshot
+  taken at rest costs the cell, if anything), and the time from the cell's end until
+  every rank's snapshot file is there (written while the next cell is typed). Target: the two together at
   most 0.5 s per GiB changed.
 - **a rank killed** (SIGKILL, between cells) and the next cell: ON the fresh ranks load
   the snapshot, OFF they start empty. Target: ON at most OFF (a cold start) + 1 s + the
