@@ -24,6 +24,7 @@ payload goes (``_run.groups.payload_place``).
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +32,16 @@ from typing import Any
 
 from ..._wire import dataplane
 from ..._wire.dataplane import Packed
-from ..._wire.messages import Disconnected, Failure, Hello, RankOptions, Ready, Sequenced, Start
+from ..._wire.messages import (
+    Disconnected,
+    Failure,
+    Hello,
+    RankOptions,
+    Ready,
+    Sequenced,
+    SnapshotTaken,
+    Start,
+)
 from ..._wire.rundir import RunDir
 from ..._wire.shipped_code import RanksCode
 from ..._wire.versions import skew
@@ -77,6 +87,8 @@ class WaitingGroup(RankGroup):
         self._stopped = False
         self._held = HeldResults(self.events)
         """A run's Results, held back until the other ranks report (``held_results``)."""
+        self.snapshots_taken: queue.SimpleQueue[SnapshotTaken] = queue.SimpleQueue()
+        """What the ranks said of their snapshots, at rest: read before the next run."""
 
     @property
     def is_ready(self) -> bool:
@@ -114,6 +126,9 @@ class WaitingGroup(RankGroup):
         with self._lock:
             if RollCalls.is_answer(inner):  # the hand-over's business
                 self._roll.heard(inner)
+                return
+            if isinstance(inner, SnapshotTaken):
+                self.snapshots_taken.put(inner)
                 return
             if self._took(inner) or self._held.holds(message, inner):
                 return
@@ -254,11 +269,9 @@ class WaitingGroup(RankGroup):
         return self.run_dir.payload
 
     def _roll_call(self) -> set[int]:
-        """Ask the ranks that wait for their Start to answer (at once, from the rank's
-        listening thread); those ranks. A rank still starting is not asked: like a cold
-        launch's ranks, it gets its Start when it is up. Raises ``RanksGone`` if a
-        process of a group already up has stopped (a cold group's early end is the
-        run's to tell, with the launcher's output)."""
+        """Ask the ranks that wait for their Start to answer; those ranks (one still
+        starting gets its Start when it is up). ``RanksGone`` if a process of a group
+        already up has stopped (a cold group's early end is the run's to tell)."""
         with self._lock:
             called = {rank for rank in self.ready if rank in self._hellos}
             assert self._server is not None

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from ..._errors import WorkerError
-from ..._wire.messages import Assigned, Failure, Result, SnapshotTaken
+from ..._wire.messages import Assigned, Failure, Result
 from ..._wire.snapshot_orders import RestoreNote
 from ..groups.waiting import WaitingGroup
 from ..supervisor import Ending, Supervisor
@@ -65,16 +65,12 @@ class OnSession:
         self.returned = False
         """Every rank returned (so each took the run's payload whole)."""
         self.names: tuple[str, ...] | None = None
-        self.snapshots_taken: list[SnapshotTaken] = []
-        """What the ranks said of their snapshots as the run went (of the cell before,
-        taken at rest, or of this one: ``_rank.snapshot``)."""
         self.restored: dict[int, RestoreNote] = {}
         """What each rank loaded from a snapshot before the run."""
 
     def watch(self, supervisor: Supervisor) -> None:
         for kind in (Assigned, Result, Failure):
             supervisor.pump.on(kind, self._assigned)
-        supervisor.pump.on(SnapshotTaken, self.snapshots_taken.append)
 
     def _assigned(self, message: Assigned | Result | Failure) -> None:
         names = message.names if isinstance(message, Assigned) else message.assigned

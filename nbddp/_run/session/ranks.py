@@ -11,7 +11,9 @@ the ranks, their records, and the names held on them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import queue
 import time
 from typing import TextIO, TypeVar
 
@@ -34,6 +36,7 @@ from .snapshots import SessionSnapshots, parse_size
 from .status import SessionStatus, rss_mib
 
 G = TypeVar("G", bound=WaitingGroup)
+T = TypeVar("T")
 
 
 class SessionRanks:
@@ -190,6 +193,7 @@ class SessionRanks:
         self.held.warn_left_out(left_out)
         options = config.rank_options
         if self.snapshots.on:
+            self.snapshots.noted(_drained(group.snapshots_taken))  # (the last cell's, too)
             options = dataclasses.replace(options, snapshot=self.snapshots.order(self.runs + 1),
                                           restore=self.snapshots.restoring)
         group.hand_over(packed, records, options, handover)
@@ -203,7 +207,7 @@ class SessionRanks:
         closed now (the kernel left the job for another: nothing to restart)."""
         self.runs += 1
         closed = closed or self.where.left(self.group)
-        self.snapshots.noted(run.snapshots_taken)
+        self.snapshots.noted(_drained(self.group.snapshots_taken))
         if run.kept:
             self.group.payload_taken()
             if run.returned and code is not None:
@@ -242,6 +246,15 @@ class SessionRanks:
                                     if not place and (rss := rss_mib(pid)) is not None},
                              place, self.where.hosts(group, running), auto, reloads,
                              self.snapshots.status())
+
+
+def _drained(said: queue.SimpleQueue[T]) -> list[T]:
+    """What ``said`` holds now, taken off it."""
+    taken = []
+    with contextlib.suppress(queue.Empty):
+        while True:
+            taken.append(said.get_nowait())
+    return taken
 
 
 def check_snapshots(where: Backend, setting: bool | int | str = True) -> None:
