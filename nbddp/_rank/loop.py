@@ -49,7 +49,7 @@ from .stats import use_device
 from .whole import make_whole
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
-LET_THE_KERNEL_END = 0.05
+LET_THE_KERNEL_END = 0.02
 """Seconds a rank's work at rest (a snapshot, autoreload's look at the modules) waits
 after its report, while the kernel ends the run: where the ranks fill the machine's
 cores, that work at once slows the end of every cell (``bench_snapshots.py`` measures
