@@ -11,8 +11,8 @@ alternated (each other round the other first):
 - **a training step** that changes all of it (a backward and an optimizer step: the
   weights and the momentum, ``--gib`` GiB): the cell ON against OFF (what the snapshot
   taken at rest costs the cell, if anything), and the time from the cell's end until
-  every rank's snapshot file is there (written while the next cell is typed). Target: the two together at
-  most 0.5 s per GiB changed.
+  every rank's snapshot file is there (written while the next cell is typed). Target:
+  the two together at most 0.5 s per GiB changed.
 - **a rank killed** (SIGKILL, between cells) and the next cell: ON the fresh ranks load
   the snapshot, OFF they start empty. Target: ON at most OFF (a cold start) + 1 s + the
   state at 1 GB/s (a rank's: the ranks load theirs at once).
