@@ -37,6 +37,9 @@ from .status import SessionStatus, rss_mib
 
 G = TypeVar("G", bound=WaitingGroup)
 T = TypeVar("T")
+SNAPSHOT_WAIT = 2.0
+"""Seconds ``%ddp_session`` waits for the last cell's snapshot, if it is being written
+(then it names that cell, the one a rank lost now would restore)."""
 
 
 class SessionRanks:
@@ -193,7 +196,7 @@ class SessionRanks:
         self.held.warn_left_out(left_out)
         options = config.rank_options
         if self.snapshots.on:
-            self.snapshots.noted(_drained(group.snapshots_taken))  # (the last cell's, too)
+            self._take_snapshot_notes()  # (the last cell's, too)
             options = dataclasses.replace(options, snapshot=self.snapshots.order(self.runs + 1),
                                           restore=self.snapshots.restoring)
         group.hand_over(packed, records, options, handover)
@@ -207,7 +210,7 @@ class SessionRanks:
         closed now (the kernel left the job for another: nothing to restart)."""
         self.runs += 1
         closed = closed or self.where.left(self.group)
-        self.snapshots.noted(_drained(self.group.snapshots_taken))
+        self._take_snapshot_notes()
         if run.kept:
             self.group.payload_taken()
             if run.returned and code is not None:
@@ -239,6 +242,7 @@ class SessionRanks:
         pids = group.rank_pids() if is_open else {}
         backend = config.backend or ("gloo" if group.shape.prepare else "nccl")
         place = self.where.place(group)
+        self._take_snapshot_notes(0 if self.busy else SNAPSHOT_WAIT)
         return SessionStatus(is_open, config.nprocs,
                              backend if config.init else "no process group",
                              time.monotonic() - self.started, self.runs, self.restarts,
@@ -246,6 +250,15 @@ class SessionRanks:
                                     if not place and (rss := rss_mib(pid)) is not None},
                              place, self.where.hosts(group, running), auto, reloads,
                              self.snapshots.status())
+
+    def _take_snapshot_notes(self, wait: float = 0.0) -> None:
+        """Take in what the ranks said of their snapshots (with ``wait``: up to that long
+        until the last kept cell's is written on every rank)."""
+        said, deadline = self.group.snapshots_taken, time.monotonic() + wait
+        self.snapshots.noted(_drained(said))
+        while self.snapshots.writing and (left := deadline - time.monotonic()) > 0:
+            with contextlib.suppress(queue.Empty):
+                self.snapshots.noted([said.get(timeout=left), *_drained(said)])
 
 
 def _drained(said: queue.SimpleQueue[T]) -> list[T]:

@@ -75,6 +75,13 @@ class SessionSnapshots:
     def on(self) -> bool:
         return self.folder is not None
 
+    @property
+    def writing(self) -> bool:
+        """The newest kept cell's snapshot is not yet written on every rank, as far as the
+        ranks said."""
+        newest = max(self._kept, default=0)
+        return self.on and newest > 0 and self._written.get(newest) != set(range(self.nprocs))
+
     def turn_on(self, max_bytes: int | None = None) -> None:
         """Make the folder, with its keeper (no snapshot yet: the next cell's is the
         first); ``max_bytes``: the cap (default: a quarter of the memory free now). On
