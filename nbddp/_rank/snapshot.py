@@ -127,7 +127,7 @@ class Snapshots:
                 assert self._latest is not None
                 os.link(self._latest, passing)
             else:
-                self._remove_older(folder, keep={order.keep}, newest=True, also=parts)
+                self._remove_older(folder, keep={order.keep}, newest=True, also=parts, recycle=True)
                 self.parts.write_new()
                 dataplane.write(passing, packed)
             write_manifest(path, parts, skipped)
@@ -145,11 +145,12 @@ class Snapshots:
         return True
 
     def _remove_older(self, folder: Path, keep: set[int], newest: bool = False,
-                      also: set[str] | frozenset[str] = frozenset()) -> None:
+                      also: set[str] | frozenset[str] = frozenset(),
+                      recycle: bool = False) -> None:
         """Remove this rank's snapshots but ``keep``'s (and its ``newest``), the parts
-        none of those name (nor ``also``, a snapshot's being written: its unwritten
-        parts are spares to write them over), and what a writer of this rank left half
-        done (one killed while writing)."""
+        none of those name (nor ``also``, a snapshot's being written), and what a writer
+        of this rank left half done (one killed while writing); with ``recycle``, the
+        parts go to the spares its new parts are written over."""
         named: set[str] = set(also)
         files = {cell: ranks[self.rank] for cell, ranks in snapshot_files(folder).items()
                  if self.rank in ranks}
@@ -164,7 +165,7 @@ class Snapshots:
         for passing in folder.glob(f".rank{self.rank}-*"):
             passing.unlink(missing_ok=True)
         self.parts.folder = folder
-        self.parts.remove_unnamed(named, recycle=bool(also))
+        self.parts.remove_unnamed(named, recycle)
 
     def restore(self, scope: Scope, order: RestoreOrder) -> RestoreNote:
         """Load this rank's snapshot of ``order.cell`` into ``scope`` (the names count as
