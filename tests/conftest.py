@@ -23,11 +23,14 @@ from typing import NoReturn
 
 import pytest
 
+from .suite_time import SuiteTime
+
 _PR_SET_CHILD_SUBREAPER = 36
 
 
 def pytest_configure(config):
     ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    config.pluginmanager.register(SuiteTime(), "nbddp-suite-time")
     # The tests that press Ctrl-C need Python's SIGINT handler, as a kernel has it; a
     # suite started in the background by a shell without job control inherits SIGINT
     # ignored, and Python then leaves it ignored.
