@@ -68,7 +68,8 @@ class SuiteTime:
             return
         wall = time.monotonic() - self.started
         cpu = _cpu_seconds() - self.cpu_at_start
-        busy, total = (now - then for now, then in zip(_machine_ticks(), self.ticks_at_start))
+        (busy_now, total_now), (busy_then, total_then) = _machine_ticks(), self.ticks_at_start
+        busy, total = busy_now - busy_then, total_now - total_then
         write = terminalreporter.write_line
         terminalreporter.section("where the time went (tests/suite_time.py)")
         write(f"{len(self.tests)} tests in {wall:.0f} s; their processes used {cpu:.0f} s "
