@@ -31,6 +31,8 @@ import pytest
 from .conftest import missing, wait_until
 from .kernel_driver import Kernel
 
+pytestmark = pytest.mark.waits  # the waiting lane (tests/conftest.py)
+
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 LANGUAGES = {"python", "text", "bash", "console", "toml", "yaml"}
 BLOCK_TIMEOUT = 60.0
@@ -81,18 +83,11 @@ def _runnable_pages() -> list[Path]:
 
 def _page_params() -> list:
     """Each runnable page; one that submits to SLURM carries the ``slurm`` mark, one that
-    runs on Ray the ``ray`` mark, and either the ``waits`` mark: it waits on a scheduler
-    or its cluster's start, so it runs in the waiting lane (tests/conftest.py); the other
-    pages launch on this machine's cores, and run in the busy lane."""
-    return [pytest.param(page, id=page.stem, marks=_page_marks(page))
+    runs on Ray the ``ray`` mark."""
+    return [pytest.param(page, id=page.stem, marks=[
+                *([pytest.mark.slurm] if any(b.needs_slurm for b in blocks(page)) else []),
+                *([pytest.mark.ray] if any(b.needs_ray for b in blocks(page)) else [])])
             for page in _runnable_pages()]
-
-
-def _page_marks(page: Path) -> list:
-    slurm = any(block.needs_slurm for block in blocks(page))
-    ray = any(block.needs_ray for block in blocks(page))
-    return [*([pytest.mark.slurm] if slurm else []), *([pytest.mark.ray] if ray else []),
-            *([pytest.mark.waits] if slurm or ray else [])]
 
 
 def _squeeze(text: str) -> str:
