@@ -42,7 +42,7 @@ def _machine_ticks() -> tuple[int, int]:
             fields = [int(value) for value in stat.readline().split()[1:]]
     except OSError:
         return 0, 0
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    idle = fields[3] + fields[4]  # idle and iowait
     total = sum(fields[:8])  # (guest time is counted in user already)
     return total - idle, total
 

@@ -22,10 +22,12 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 README = BENCHMARKS / "README.md"
 MOST_LINES = 300
 """The README is a reference, not a diary (#66)."""
+RECORD_LINK = re.compile(r"\]\((results/[^)\s]+\.json)\)")
+"""A markdown link to a results file, relative to benchmarks/."""
 
 
 def _linked_records() -> list[str]:
-    return re.findall(r"\]\((results/[^)\s]+\.json)\)", README.read_text())
+    return RECORD_LINK.findall(README.read_text())
 
 
 def test_the_readme_stays_a_reference():
@@ -61,5 +63,5 @@ def test_every_section_with_figures_names_its_record():
     for section in re.split(r"^## ", README.read_text(), flags=re.M)[1:]:
         title = section.splitlines()[0]
         for paragraph in re.findall(r"^Latest\b.*?(?:\n\n|\Z)", section, re.M | re.S):
-            assert re.search(r"\(results/[^)]+\.json\)", paragraph), \
+            assert RECORD_LINK.search(paragraph), \
                 f"section {title!r}: figures without the record they came from"
