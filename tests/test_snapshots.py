@@ -180,6 +180,42 @@ def test_a_changed_tensor_is_written_over_a_part_no_snapshot_keeps_but_not_a_map
 
 
 @pytest.mark.fast
+def test_a_snapshot_copied_to_another_folder_loads_whole_from_there(tmp_path):
+    """As a node's copy of another node's snapshot: its parts are found beside it, and
+    the folder it was written in may be gone."""
+    import shutil
+
+    written, copied = tmp_path / "node1", tmp_path / "node2"
+    written.mkdir(mode=0o700)
+    big, small = torch.arange(2**21, dtype=torch.float32), torch.ones(3)  # (8 MiB: a part)
+    Snapshots(rank=0).keep(_scope(big=big, small=small), SnapshotOrder(str(written), 1),
+                           ran=True)
+    assert _parts(written)
+    shutil.copytree(written, copied)
+    shutil.rmtree(written)
+    fresh = Scope()
+    Snapshots(rank=0).restore(fresh, RestoreOrder(str(copied), cell=1))
+    assert torch.equal(fresh.globals["big"], big)
+    assert torch.equal(fresh.globals["small"], small)
+
+
+@pytest.mark.fast
+def test_a_snapshot_naming_a_part_outside_its_folder_is_not_loaded(tmp_path):
+    """A part is named by its file's name: a path out of the folder is refused."""
+    from nbddp._rank.snapshot_parts import _mapped_part, parts_loaded
+
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(bytes(16))
+    (tmp_path / "folder").mkdir()
+    with parts_loaded(tmp_path / "folder"):
+        for name in (str(outside), "../outside.bin", ".hidden", ""):
+            with pytest.raises(RuntimeError, match="is not the name of a snapshot's part"):
+                _mapped_part(name, 16)
+    with pytest.raises(RuntimeError, match="loaded only with its snapshot"):
+        _mapped_part("outside.bin", 16)
+
+
+@pytest.mark.fast
 def test_a_snapshot_over_the_rank_s_share_of_the_cap_is_not_kept(tmp_path):
     held = Snapshots(rank=0)
     note = held.keep(_scope(big=torch.zeros(2**21)),

@@ -175,7 +175,7 @@ class Snapshots:
         path = snapshot_file(folder, self.rank, order.cell)
         try:
             _check_private(folder)
-            with parts_loaded() as loaded:
+            with parts_loaded(folder) as loaded:
                 state = dataplane.read(path).load()
             self.parts.mapped.update(loaded)
         except Exception as exc:

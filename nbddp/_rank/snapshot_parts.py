@@ -4,12 +4,14 @@ kept from one snapshot to the next while the storage does not change.
 A snapshot after every cell would copy every tensor the rank holds, every cell: a model
 and its optimizer's state, gigabytes, for a cell that only printed. Instead a large CPU
 storage is written once into a part file of the snapshot folder, and each snapshot's
-pickle names the part (``_Part``: pickled as its path, mapped copy-on-write when it is
-loaded). The next snapshot names the same part, and copies nothing, while the storage is
-unchanged: the version counter of every tensor object it was pickled for is where it was
-(torch bumps it at each in-place write, through the tensor or its views), and a few
-random places of the storage still hold what the part holds (writes that bypass the
-counter, through ``.data`` or NumPy, are caught where they changed much of it).
+pickle names the part (``_Part``: pickled as its file's name, found in the folder the
+snapshot is loaded from and mapped copy-on-write), so that a snapshot copied whole to
+another folder (another node's) loads from there. The next snapshot names the same part,
+and copies nothing, while the storage is unchanged: the version counter of every tensor
+object it was pickled for is where it was (torch bumps it at each in-place write, through
+the tensor or its views), and a few random places of the storage still hold what the part
+holds (writes that bypass the counter, through ``.data`` or NumPy, are caught where they
+changed much of it).
 
 A part is written at rest with the snapshot that first names it (``write_new``), under
 a passing name, then renamed. It is written over a part file no kept snapshot names any
@@ -48,7 +50,8 @@ _SAMPLER = random.Random()  # (nbddp's own: the notebook's seed stays its own)
 
 
 class _Part:
-    """One storage's bytes in a part file: pickled as the file's path."""
+    """One storage's bytes in a part file: pickled as the file's name (not its path: a
+    snapshot copied to another folder names its parts there)."""
 
     def __init__(self, path: Path, tensor: Any, storage: Any) -> None:
         from torch.multiprocessing.reductions import StorageWeakRef
@@ -61,7 +64,7 @@ class _Part:
         """Each tensor object it was pickled for, and its version counter then."""
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return _mapped_part, (str(self.path), self.nbytes)
+        return _mapped_part, (self.path.name, self.nbytes)
 
     def also(self, tensor: Any) -> None:
         if not any(ref() is tensor for ref, _ in self.seen):
@@ -93,14 +96,20 @@ class _Part:
             os.close(fd)
 
 
-_LOADED: list[str] | None = None
-"""(While a snapshot is loaded) The parts it maps."""
+_LOADING: tuple[Path, list[str]] | None = None
+"""(While a snapshot is loaded) The folder it is loaded from, and the parts it maps."""
 
 
-def _mapped_part(path: str, nbytes: int) -> Any:
-    """(Loading a snapshot) The part's storage, mapped copy-on-write."""
-    if _LOADED is not None:
-        _LOADED.append(Path(path).name)
+def _mapped_part(name: str, nbytes: int) -> Any:
+    """(Loading a snapshot) The storage in part file ``name`` of the snapshot's folder,
+    mapped copy-on-write."""
+    if _LOADING is None:
+        raise RuntimeError("nbddp: a snapshot's part is loaded only with its snapshot")
+    folder, loaded = _LOADING
+    if not name or Path(name).name != name or name.startswith("."):
+        raise RuntimeError(f"nbddp: {name!r} is not the name of a snapshot's part")
+    path = folder / name
+    loaded.append(name)
     with open(path, "rb") as part:
         if os.fstat(part.fileno()).st_size != nbytes:
             raise RuntimeError(f"nbddp: the snapshot's part {path} is not whole")
@@ -110,15 +119,15 @@ def _mapped_part(path: str, nbytes: int) -> Any:
 
 
 @contextlib.contextmanager
-def parts_loaded() -> Iterator[list[str]]:
-    """The names of the parts a snapshot loaded inside maps."""
-    global _LOADED
+def parts_loaded(folder: Path) -> Iterator[list[str]]:
+    """Inside, a snapshot loaded finds its parts in ``folder``; the names of those it maps."""
+    global _LOADING
     loaded: list[str] = []
-    _LOADED = loaded
+    _LOADING = (folder, loaded)
     try:
         yield loaded
     finally:
-        _LOADED = None
+        _LOADING = None
 
 
 class SnapshotParts:
