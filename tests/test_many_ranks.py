@@ -114,11 +114,14 @@ def fail_on(rank: int) -> None:
         raise ValueError(f"bad batch on rank {rank}")
 
 
-def test_a_failing_rank_is_named_with_its_traceback(own_session):
+def test_a_failing_rank_is_named_with_its_traceback(session):
+    """(The module's session: a cell that fails keeps the ranks and their state.)"""
+    pids = session.run_all(os.getpid)
     with pytest.raises(nbddp.WorkerError) as caught:
-        own_session.run(fail_on, 11)
+        session.run(fail_on, 11)
     assert caught.value.rank == 11
     assert "ValueError: bad batch on rank 11" in caught.value.traceback
+    assert session.run_all(os.getpid) == pids
 
 
 def test_a_killed_rank_is_named_and_the_session_says_its_state_is_gone(own_session):
@@ -160,10 +163,12 @@ def test_an_interrupt_stops_every_rank_and_the_next_cell_works(session):
     assert session.run(lambda: 7) == 7
 
 
-def test_a_timeout_stops_every_rank(own_session):
-    job = own_session.submit(wait_a_while, timeout=3)
-    with pytest.raises(TimeoutError):
+def test_a_timeout_stops_every_rank_s_cell_and_the_ranks_keep_their_state(session):
+    pids = session.run_all(os.getpid)
+    job = session.submit(wait_a_while, timeout=3)
+    with pytest.raises(TimeoutError, match="back at rest, with their state"):
         job.result(timeout=60)
+    assert session.run_all(os.getpid) == pids
 
 
 def world_sum() -> tuple[int, float]:
