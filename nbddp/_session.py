@@ -280,8 +280,7 @@ class Session:
 
     def status(self) -> SessionStatus:
         """The ranks, their PIDs and memory, and the session's age."""
-        return self._ranks.status(not self._ranks.closed, self._ranks.running, self.auto,
-                                  self.reloads)
+        return self._ranks.status(not self._ranks.closed, self.auto, self.reloads)
 
     def __repr__(self) -> str:
         return str(self.status())

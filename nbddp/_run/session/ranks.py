@@ -62,7 +62,10 @@ class SessionRanks:
         self.busy = False
         """A run goes on (set before its Job exists, cleared at its end)."""
         self.running: Job | None = None
-        """The last run handed over."""
+        """The run going on (forgotten at its end: the session holds no run's result,
+        which may be gigabytes the notebook has let go of)."""
+        self._hosts: dict[int, str] = {}
+        """Each rank's machine, as the last run said (what status shows)."""
 
     @classmethod
     def start_on(cls, where: Backend) -> SessionRanks:
@@ -183,6 +186,8 @@ class SessionRanks:
         try:
             self.closed = self.ended(job, run, code, self.closed)
         finally:
+            self._hosts = self.where.hosts(self.group, job)
+            self.running = None
             self.busy = False
 
     def _hand_to(self, config: RunConfig, payload: Payload, packed: Packed,
@@ -234,10 +239,9 @@ class SessionRanks:
         return closed
 
 
-    def status(self, is_open: bool, running: Job | None, auto: bool,
-               reloads: bool) -> SessionStatus:
-        """The ranks, their PIDs and memory, and the session's age (``is_open``: not closed;
-        ``running``: its last run, for where a cluster placed it)."""
+    def status(self, is_open: bool, auto: bool, reloads: bool) -> SessionStatus:
+        """The ranks, their PIDs and memory, and the session's age (``is_open``: not
+        closed)."""
         group, config = self.group, self.where.config
         pids = group.rank_pids() if is_open else {}
         backend = config.backend or ("gloo" if group.shape.prepare else "nccl")
@@ -248,8 +252,13 @@ class SessionRanks:
                              time.monotonic() - self.started, self.runs, self.restarts,
                              pids, {rank: rss for rank, pid in pids.items()
                                     if not place and (rss := rss_mib(pid)) is not None},
-                             place, self.where.hosts(group, running), auto, reloads,
+                             place, self._where_ranks_run(), auto, reloads,
                              self.snapshots.status())
+
+    def _where_ranks_run(self) -> dict[int, str]:
+        """Each rank's machine, as the ranks' group or the run going on says, else as the
+        last run said."""
+        return {**self._hosts, **self.where.hosts(self.group, self.running)}
 
     def _take_snapshot_notes(self, wait: float = 0.0) -> None:
         """Take in what the ranks said of their snapshots (with ``wait``: up to that long
