@@ -78,6 +78,7 @@ class LocalGroup(WaitingGroup):
             _LOCAL_GROUPS.add(self)
         self._rooms: dict[str, Room] = {}
         self._rooms_closed = False
+        self._freeing: list[threading.Thread] = []  # rooms discarded, being freed
         self._watch = ProcessWatch()  # (under the lock: used by hand-overs, closed with us)
         try:
             self._watch.follow(TORCHRUN, self._torchrun.process.pid)
@@ -131,11 +132,24 @@ class LocalGroup(WaitingGroup):
                                ((PAYLOAD_ROOM, payload), (RESULT_ROOM, result))
                                if nbytes >= Room.MIN}
 
-    def _discard_rooms(self) -> None:
+    def _discard_rooms(self, wait: bool = False) -> None:
+        """Free the rooms made for the next run: in the background as a run ends (freeing
+        a GiB of shared memory takes a fifth of a second, not the cell's to wait for);
+        ``wait``: here, and those being freed too (the group stops)."""
         with self._lock:
             rooms, self._rooms = self._rooms, {}
-        for room in rooms.values():
-            room.discard()
+            freeing = self._freeing = [thread for thread in self._freeing if thread.is_alive()]
+        if wait:
+            for room in rooms.values():
+                room.discard()
+            for thread in freeing:
+                thread.join()
+        elif rooms:
+            thread = threading.Thread(target=_discard, args=(list(rooms.values()),),
+                                      daemon=True, name="nbddp-room-free")
+            with self._lock:
+                self._freeing.append(thread)
+            thread.start()
 
     def _take_room(self, size: int) -> Path | None:
         """The payload's room allocated ahead, if the payload (``size`` bytes) can go
@@ -211,8 +225,13 @@ class LocalGroup(WaitingGroup):
     def _close_rooms(self) -> None:
         with self._lock:
             self._rooms_closed = True
-        self._discard_rooms()
+        self._discard_rooms(wait=True)
 
     def _forget(self) -> None:
         with _LOCAL_GROUPS_LOCK:
             _LOCAL_GROUPS.discard(self)
+
+
+def _discard(rooms: list[Room]) -> None:
+    for room in rooms:
+        room.discard()

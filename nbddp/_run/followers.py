@@ -11,6 +11,7 @@ waits; at most ``KEEP_WAITING`` stay once their runs have ended. They are daemon
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -33,6 +34,17 @@ def follow(task: Callable[[], None]) -> None:
         inbox = queue.SimpleQueue()
         threading.Thread(target=_serve, args=(inbox,), daemon=True, name=NAME).start()
     inbox.put(task)
+
+
+def let_go(held: object) -> None:
+    """Drop ``held`` (the caller keeps no reference of its own) in a follower thread:
+    freeing what it holds (a run's result, a GiB of shared memory mapped, a fifth of a
+    second to unmap) is not the caller's to wait for."""
+    follow(functools.partial(_nothing, held))
+
+
+def _nothing(held: object) -> None:
+    """(The task that holds what ``let_go`` drops, until its thread deletes it.)"""
 
 
 def _serve(inbox: queue.SimpleQueue[Callable[[], None]]) -> None:

@@ -27,7 +27,7 @@ from typing import Generic, NoReturn, TextIO, TypeVar
 from .._errors import NbddpError
 from .config import RunConfig
 from .diagnosis.debugger import INTERRUPTED
-from .followers import follow
+from .followers import follow, let_go
 from .groups.group import RankGroup
 from .interrupt_hold import InterruptHold, held_while
 from .records import Records
@@ -86,6 +86,7 @@ class Job(RunReadings, Generic[R]):
         if staying is not None:
             staying.watch(self._supervisor)
         self._ending = RunEnd(group, config, records, self._supervisor, staying)
+        let_go(Job._latest)  # (the run before: its result is freed off this path)
         Job._latest = self
         self._caller_follows = caller_waits
         if not caller_waits:
