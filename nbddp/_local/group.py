@@ -140,8 +140,7 @@ class LocalGroup(WaitingGroup):
             rooms, self._rooms = self._rooms, {}
             freeing = self._freeing = [thread for thread in self._freeing if thread.is_alive()]
         if wait:
-            for room in rooms.values():
-                room.discard()
+            _discard(list(rooms.values()))
             for thread in freeing:
                 thread.join()
         elif rooms:
@@ -233,5 +232,6 @@ class LocalGroup(WaitingGroup):
 
 
 def _discard(rooms: list[Room]) -> None:
+    """Free ``rooms`` (each once its allocation has finished)."""
     for room in rooms:
         room.discard()

@@ -195,8 +195,8 @@ class KernelLink:
                     self._received += 1
                     self._starts.put((self._generation, self._received, message))
                     self._start_came.set()
-                    self._drop_kept_unless(message.payload)  # (freeing a GiB takes a
-                    # fifth of a second: the run does not wait for it)
+                    # (after: freeing a GiB takes a fifth of a second, not the run's)
+                    self._drop_kept_unless(message.payload)
                 elif isinstance(message, KeepPayload):
                     self._keep(message)
                 elif isinstance(message, DebugInput):
